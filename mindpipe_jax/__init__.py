@@ -1,0 +1,24 @@
+"""mindpipe_jax: train Flax NNX models across data, fsdp, tensor, pipe, subnet and expert axes.
+
+The curated public API::
+
+    import mindpipe_jax as mp
+    cfg = mp.load_config("examples/configs/default.toml", ["train.steps=100"])
+    result = mp.train(config=cfg)
+"""
+
+from mindpipe_jax.config import (Config, DataConfig, DistributedConfig, ModelConfig, OptimConfig,
+                                 ParallelConfig, TrainConfig, load_config)
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.gpt import GPT, flops_per_token
+from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for
+from mindpipe_jax.train.checkpoint import Checkpointer
+from mindpipe_jax.train.loop import TrainResult, train
+
+__all__ = [
+    "Config", "DataConfig", "DistributedConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "TrainConfig", "load_config", "ConfigError", "GPT", "flops_per_token", "make_mesh",
+    "setup_runtime", "RULES", "check_sharded_as_rules", "constrain", "spec_for", "Checkpointer",
+    "TrainResult", "train",
+]

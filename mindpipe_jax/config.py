@@ -1,0 +1,325 @@
+"""Typed, frozen configuration: TOML files plus ``key=value`` overrides.
+
+A run is described by one ``Config`` made of sections (``model``, ``data``,
+``parallel``, ``optim``, ``train``, ``distributed``). Files are TOML with the same
+section names; command-line overrides use dotted keys (``parallel.tensor=2``) and
+TOML literals for values. ``dacite`` (strict mode) turns the merged dictionary into
+the dataclasses, so unknown keys and wrong types are refused in one place; each
+section's ``__post_init__`` checks ranges. Every refusal is a one-line
+``ConfigError`` naming the key, the value and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import dacite
+
+from mindpipe_jax.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor", "pipe", "subnet", "expert")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _positive(section: str, **values: int | float) -> None:
+    for key, value in values.items():
+        _check(value > 0, f"{section}.{key}={value!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The reference GPT. ``d_ff`` defaults to 4 × ``d_model`` when 0."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 0
+    dropout: float = 0.0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        _positive("model", vocab_size=self.vocab_size, seq_len=self.seq_len,
+                  d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads)
+        _check(self.d_ff >= 0, f"model.d_ff={self.d_ff} must be >= 0 (0 means 4*d_model)")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
+        _check(self.d_model % self.n_heads == 0,
+               f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from.
+
+    ``source``: ``stdlib`` (the Python standard library's own sources, byte-level,
+    present on every machine), ``text`` (a file or directory, byte-level),
+    ``tokens`` (``.npy`` or raw ``.bin`` token ids, needs ``vocab_size``), or
+    ``synthetic`` (random tokens, for benchmarks).
+    """
+
+    source: Literal["stdlib", "text", "tokens", "synthetic"] = "stdlib"
+    path: str = ""
+    vocab_size: int = 0  # for source="tokens"; 0 = take it from the model
+    token_dtype: Literal["uint16", "uint32", "int32"] = "uint16"  # raw .bin files
+    val_fraction: float = 0.05
+    seed: int = 0
+    synthetic_tokens: int = 1 << 20
+
+    def __post_init__(self):
+        _check(0.0 < self.val_fraction < 1.0,
+               f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        _check(self.vocab_size >= 0, f"data.vocab_size={self.vocab_size} must be >= 0")
+        _check(self.source not in ("text", "tokens") or bool(self.path),
+               f"data.path is required for data.source={self.source!r}")
+        _positive("data", synthetic_tokens=self.synthetic_tokens)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh axis sizes; one of them may be -1 to take the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+    subnet: int = 1
+    expert: int = 1
+    microbatches: int = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab"] = "1f1b"
+    virtual_stages: int = 1
+    simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
+
+    def __post_init__(self):
+        sizes = self.axis_sizes()
+        fills = [a for a, n in sizes.items() if n == -1]
+        _check(len(fills) <= 1, f"parallel: only one axis may be -1, got {', '.join(fills)}")
+        for axis, n in sizes.items():
+            _check(n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)")
+        _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        _check(self.simulate_cpu_devices >= 0,
+               f"parallel.simulate_cpu_devices={self.simulate_cpu_devices} must be >= 0")
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay to ``lr * min_lr_ratio``, clipping."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self):
+        _positive("optim", lr=self.lr)
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _check(0.0 <= self.min_lr_ratio <= 1.0,
+               f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+               f"optim.b1={self.b1}, optim.b2={self.b2} must be in [0, 1)")
+        _check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: steps, batch, evaluation, logging and checkpoints."""
+
+    steps: int = 300
+    global_batch: int = 32
+    grad_accum: int = 1  # microbatches accumulated per step (not pipeline microbatches)
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    out_dir: str = "runs/default"
+    resume: bool = False
+    deterministic: bool = False
+    virtual_shards: int = 8  # deterministic mode: fixed number of gradient shards
+    peak_tflops: float = 0.0  # per device; 0 = look up the device kind
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        _positive("train", steps=self.steps, global_batch=self.global_batch,
+                  grad_accum=self.grad_accum, eval_batches=self.eval_batches,
+                  log_every=self.log_every, keep_checkpoints=self.keep_checkpoints,
+                  virtual_shards=self.virtual_shards)
+        _check(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0 (0 = never)")
+        _check(self.checkpoint_every >= 0,
+               f"train.checkpoint_every={self.checkpoint_every} must be >= 0 (0 = only at the end)")
+        _check(self.peak_tflops >= 0, f"train.peak_tflops={self.peak_tflops} must be >= 0")
+        _check(self.virtual_shards & (self.virtual_shards - 1) == 0,
+               f"train.virtual_shards={self.virtual_shards} must be a power of two")
+        _check(bool(self.out_dir), "train.out_dir must not be empty")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start-up. Empty fields are read from the environment
+    (``MINDPIPE_COORDINATOR``/``MINDPIPE_NUM_PROCESSES``/``MINDPIPE_PROCESS_ID``,
+    then SLURM's variables)."""
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    timeout_s: int = 300
+
+    def __post_init__(self):
+        _check(self.num_processes >= 0, f"distributed.num_processes={self.num_processes} must be >= 0")
+        _positive("distributed", timeout_s=self.timeout_s)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, *overrides: str, **sections: Any) -> Config:
+        """A copy with ``key=value`` overrides and/or whole sections replaced."""
+        merged = self.to_dict()
+        for name, section in sections.items():
+            merged[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+        return from_dict(_apply_overrides(merged, overrides))
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML literal (``2``, ``true``, ``"x"``, ``[1, 2]``), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        parts = key.split(".")
+        node = tree
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"unknown config section {where!r}; valid: {', '.join(sorted(node))}")
+            node = child
+        if parts[-1] not in node and len(parts) > 1:
+            raise ConfigError(f"unknown config key {key!r}; valid keys in {'.'.join(parts[:-1])!r}: "
+                              f"{', '.join(sorted(node))}")
+        node[parts[-1]] = _parse_value(raw.strip())
+    return tree
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_DACITE = dacite.Config(strict=True, cast=[tuple])
+
+
+def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
+    if isinstance(err, dacite.UnexpectedDataError):
+        keys = ", ".join(sorted(err.keys))
+        section = _find_section_with(data, err.keys)
+        where = f"{section}." if section else ""
+        valid = _valid_keys(section)
+        return f"unknown config key {where}{keys}; valid keys{(' in ' + section) if section else ''}: {valid}"
+    if isinstance(err, dacite.WrongTypeError):
+        if typing.get_origin(err.field_type) is Literal:
+            valid = ", ".join(repr(v) for v in typing.get_args(err.field_type))
+            return f"config key {err.field_path}={err.value!r} is not valid; valid: {valid}"
+        expected = getattr(err.field_type, "__name__", None) or str(err.field_type).replace("typing.", "")
+        return f"config key {err.field_path}={err.value!r} has the wrong type; expected {expected}"
+    if isinstance(err, dacite.MissingValueError):
+        return f"config key {err.field_path} is missing"
+    return str(err)
+
+
+def _find_section_with(data: dict[str, Any], keys) -> str:
+    for name, cls in _SECTIONS.items():
+        section = data.get(name)
+        if isinstance(section, dict) and set(keys) <= set(section) and not set(keys) <= _field_names(cls):
+            return name
+    return ""
+
+
+def _valid_keys(section: str) -> str:
+    cls = _SECTIONS.get(section, Config)
+    return ", ".join(sorted(_field_names(cls)))
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a validated ``Config`` from a nested dictionary (strict: no unknown keys)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
+    try:
+        return dacite.from_dict(Config, data, config=_DACITE)
+    except dacite.DaciteError as err:
+        raise ConfigError(_explain_dacite(err, data)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``key=value`` overrides, validate."""
+    tree: dict[str, Any] = Config().to_dict()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            tree = _deep_merge(tree, tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
+    return from_dict(_apply_overrides(tree, overrides))

@@ -1,0 +1,208 @@
+"""The reference decoder-only transformer (GPT-2 shape, pre-norm) in Flax NNX.
+
+It follows the pipeline model contract: ``embed`` (tokens → hidden), ``blocks``
+(N identical blocks created stacked with a leading ``layers`` axis, so they scan
+and split into pipeline stages) and ``head`` (hidden → logits / loss). Weights
+carry logical axis names only; ``parallel/rules.py`` decides how they shard, so
+tensor parallelism needs no model code.
+
+Dropout draws from an explicit key passed to the call (``dropout_key``) rather
+than from stateful ``Rngs``: the train step stays a pure function of
+(state, batch, step) and a resumed run draws the same masks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mindpipe_jax.config import ModelConfig
+from mindpipe_jax.parallel.rules import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
+    init = nnx.initializers.normal(std) if std > 0 else nnx.initializers.zeros_init()
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+def _ones(shape, names, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=names)
+
+
+def _zeros(shape, names, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names)
+
+
+def _dropout(x, rate: float, key):
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, param_dtype):
+        self.scale = _ones((dim,), ("norm",), param_dtype)
+        self.bias = _zeros((dim,), ("norm",), param_dtype)
+
+    def __call__(self, x):
+        # Statistics in fp32 whatever the compute dtype: bf16 variance underflows.
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        d, n, h = cfg.d_model, cfg.n_heads, cfg.head_dim
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.qkv = _param(rngs, (d, 3, n, h), ("embed", None, "heads", "kv"), 0.02, pd)
+        self.qkv_bias = _zeros((3, n, h), (None, "heads", "kv"), pd)
+        self.out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), out_std, pd)
+        self.out_bias = _zeros((d,), ("embed",), pd)
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, x):
+        dt = self.dtype
+        qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.qkv[...].astype(dt))
+        qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
+        q, k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in qkv)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = constrain(y, ("batch", "length", "heads", "kv"))
+        return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(dt)) + self.out_bias[...].astype(dt)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        d, f = cfg.d_model, cfg.ff_dim
+        self.w_in = _param(rngs, (d, f), ("embed", "mlp"), 0.02, pd)
+        self.b_in = _zeros((f,), ("mlp",), pd)
+        self.w_out = _param(rngs, (f, d), ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layers), pd)
+        self.b_out = _zeros((d,), ("embed",), pd)
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, x):
+        dt = self.dtype
+        h = jax.nn.gelu(x @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt))
+        h = constrain(h, ("batch", "length", "mlp"))
+        return h @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.ln1 = LayerNorm(cfg.d_model, pd)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = LayerNorm(cfg.d_model, pd)
+        self.mlp = MLP(cfg, rngs)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x, key=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        x = x + _dropout(self.attn(self.ln1(x)), self.dropout, k1)
+        x = constrain(x, ("batch", "length", "embed"))
+        x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
+        return constrain(x, ("batch", "length", "embed"))
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.tokens = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02, pd)
+        self.positions = _param(rngs, (cfg.seq_len, cfg.d_model), (None, "embed"), 0.01, pd)
+        self.dtype = DTYPES[cfg.dtype]
+        self.dropout = cfg.dropout
+
+    def __call__(self, tokens, key=None):
+        h = jnp.take(self.tokens[...], tokens, axis=0) + self.positions[: tokens.shape[1]]
+        h = _dropout(h.astype(self.dtype), self.dropout, key)
+        return constrain(h, ("batch", "length", "embed"))
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.ln_f = LayerNorm(cfg.d_model, pd)
+        self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02, pd)
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, h):
+        logits = self.ln_f(h) @ self.lm_head[...].astype(self.dtype)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def loss(self, h, targets):
+        """Mean next-token cross-entropy in fp32 (nats per token)."""
+        logits = self(h).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class GPT(nnx.Module):
+    """embed → scan over stacked blocks → head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = Embed(cfg, rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.head = Head(cfg, rngs)
+
+    def run_blocks(self, h, key=None):
+        """Apply the stacked blocks in order with ``lax.scan`` (one compiled block)."""
+        graphdef, layers = nnx.split(self.blocks)
+        n_layers = self.config.n_layers
+        keys = jax.random.split(key, n_layers) if key is not None else None
+
+        def body(x, xs):
+            layer_state, layer_key = xs
+            return nnx.merge(graphdef, layer_state)(x, layer_key), None
+
+        if self.config.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
+        h, _ = jax.lax.scan(body, h, (layers, keys))
+        return h
+
+    def __call__(self, tokens, dropout_key=None):
+        k_embed, k_blocks = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        return self.head(self.run_blocks(self.embed(tokens, k_embed), k_blocks))
+
+    def loss(self, inputs, targets, dropout_key=None):
+        k_embed, k_blocks = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        h = self.run_blocks(self.embed(inputs, k_embed), k_blocks)
+        return self.head.loss(h, targets)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (no embedding lookups, norms, biases)."""
+    d, f, layers = cfg.d_model, cfg.ff_dim, cfg.n_layers
+    per_block = 3 * d * d + d * d + 2 * d * f
+    return layers * per_block + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6·N (forward + backward matmuls) + 12·L·T·d for
+    attention scores and values (PaLM's convention, counted without the causal
+    half-saving so MFU is comparable with published figures)."""
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.seq_len * cfg.d_model

@@ -1,0 +1,77 @@
+"""Where metrics go: a JSONL file, TensorBoard event files, and the terminal.
+
+Only process 0 writes. Values arrive already on the host (the loop fetches them
+once per logging interval, never per step, so logging adds no device syncs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+
+# Dense peak FLOP/s per device by device kind (bf16 for accelerators). The CPU
+# has no meaningful published peak; set train.peak_tflops to get an MFU there.
+PEAK_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0,
+}
+
+
+def peak_flops_per_device(configured_tflops: float) -> float | None:
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    kind = jax.devices()[0].device_kind
+    for name, tflops in PEAK_TFLOPS.items():
+        if name.lower() in kind.lower():
+            return tflops * 1e12
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float | None) -> float | None:
+    if peak is None or not tokens_per_s:
+        return None
+    return tokens_per_s * flops_per_token / (n_devices * peak)
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: Path, *, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def write(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in values.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_line(step: int, values: dict) -> str:
+    parts = [f"step {step}"]
+    for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"),
+                     ("tokens_per_s", ",.0f"), ("step_time_s", ".3f"), ("mfu", ".1%")):
+        value = values.get(key)
+        if value is not None:
+            parts.append(f"{key} {value:{fmt}}")
+    return " | ".join(parts)

@@ -1,0 +1,171 @@
+"""The train state: what it holds, its shardings, and how it is created.
+
+The state is a plain pytree ``{"step", "params", "opt", "rng"}`` whose params are
+a pure nested dict (no Flax metadata), so checkpoints stay readable by any tool
+and restore onto any mesh. The model's structure (``graphdef``) and the
+non-trainable variables are static and live in ``ModelSpec``.
+
+Creation follows the abstract-first path: ``nnx.eval_shape`` gives shapes and
+logical names without allocating, the rules table turns them into shardings, and
+one jitted init writes every parameter directly into its shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mindpipe_jax.config import Config, OptimConfig
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.rules import state_shardings
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Static facts about a model: structure, abstract params and their shardings."""
+
+    graphdef: Any
+    rest: Any  # non-trainable variables (static here; kept as an nnx State)
+    abstract_params: Any  # pure dict of ShapeDtypeStruct with storage shardings
+    storage: Any  # pure dict of NamedSharding (between steps)
+    compute: Any  # pure dict of NamedSharding (inside the step)
+    decay_mask: Any  # pure dict of bool: which params get weight decay
+    loss_takes_key: bool
+    has_loss: bool
+
+    def merge(self, params):
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def fingerprint(self) -> dict[str, list[int]]:
+        """Parameter paths and shapes: how a checkpoint recognises its model."""
+        flat = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
+        return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
+
+
+def _pure(tree):
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+def _decays(variable) -> bool:
+    """Weight decay for matrices only: norms, biases and scalars are left alone.
+
+    Decided from logical names when present so a stacked bias (layers, embed) is
+    still a bias; otherwise from the array rank.
+    """
+    names = (variable.get_metadata() or {}).get("out_sharding")
+    shape = variable.get_value().shape
+    if names is not None:
+        return sum(1 for n in names if n not in ("layers", "stages")) >= 2
+    return len(shape) >= 2
+
+
+def model_spec(model_or_factory, mesh, seed: int) -> tuple[ModelSpec, Callable[[], Any] | None]:
+    """Abstract model → ModelSpec, plus a zero-argument function that creates params.
+
+    ``model_or_factory`` is an ``nnx.Module`` (its current values are used) or a
+    callable ``rngs -> nnx.Module`` (created sharded, never whole on one device).
+    """
+    if isinstance(model_or_factory, nnx.Module):
+        graphdef, params, rest = nnx.split(model_or_factory, nnx.Param, ...)
+        abstract_state = nnx.eval_shape(lambda: params)
+        concrete = _pure(params)
+        create = lambda: concrete  # noqa: E731
+        probe = model_or_factory
+    elif callable(model_or_factory):
+        def build():
+            with nnx.use_eager_sharding(False):
+                return model_or_factory(nnx.Rngs(seed))
+
+        abstract_model = nnx.eval_shape(build)
+        graphdef, abstract_state, rest = nnx.split(abstract_model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ConfigError("the model has non-trainable variables (e.g. batch statistics); "
+                              "mindpipe_jax trains models whose state is nnx.Param only")
+
+        def create():
+            return _pure(nnx.split(build(), nnx.Param, ...)[1])
+        probe = abstract_model
+    else:
+        raise ConfigError(f"model must be an nnx.Module or a callable rngs -> nnx.Module, "
+                          f"got {type(model_or_factory).__name__}")
+    if not jax.tree.leaves(abstract_state):
+        raise ConfigError("the model has no nnx.Param to train")
+    storage = _pure(state_shardings(abstract_state, mesh, "storage"))
+    compute = _pure(state_shardings(abstract_state, mesh, "compute"))
+    mask = _pure(nnx.map_state(lambda _, v: v.replace(_decays(v)), abstract_state))
+    shapes = _pure(abstract_state)
+    abstract_params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, storage)
+    loss = getattr(probe, "loss", None)
+    takes_key = loss is not None and "dropout_key" in inspect.signature(loss).parameters
+    spec = ModelSpec(graphdef, rest, abstract_params, storage, compute, mask, takes_key, loss is not None)
+    return spec, create
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask) -> optax.GradientTransformation:
+    parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    parts.append(optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+def state_shardings_for(spec: ModelSpec, tx, mesh):
+    """Shardings of the whole train state.
+
+    The optimizer's are read off the compiled ``tx.init``: sharding propagation
+    gives each moment its parameter's sharding and replicates the counters, for
+    any optax chain, without hand-written tree matching.
+    """
+    rep = NamedSharding(mesh, P())
+    opt = jax.jit(tx.init).lower(spec.abstract_params).compile().output_shardings
+    # Scalars (step counts) come back as single-device shardings: replicate them.
+    opt = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else rep, opt)
+    return {"step": rep, "params": spec.storage, "opt": opt, "rng": rep}
+
+
+def abstract_train_state(spec: ModelSpec, tx, mesh):
+    shardings = state_shardings_for(spec, tx, mesh)
+    shapes = {
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "params": spec.abstract_params,
+        "opt": jax.eval_shape(tx.init, spec.abstract_params),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+    }
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def init_train_state(spec: ModelSpec, create, tx, mesh, seed: int):
+    """Create params and optimizer state directly in their shards (one jitted call)."""
+    shardings = state_shardings_for(spec, tx, mesh)
+
+    def init():
+        params = create()
+        params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, spec.abstract_params)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": tx.init(params),
+                "rng": jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)}
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def check_compatible(cfg: Config) -> None:
+    """Divisibility checks that need no devices."""
+    tr = cfg.train
+    if tr.global_batch % tr.grad_accum:
+        raise ConfigError(f"train.global_batch={tr.global_batch} is not divisible by "
+                          f"train.grad_accum={tr.grad_accum}")
