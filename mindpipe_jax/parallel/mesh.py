@@ -44,7 +44,7 @@ def resolve_axis_sizes(cfg: ParallelConfig, num_devices: int) -> dict[str, int]:
     elif fixed != num_devices:
         raise ConfigError(
             f"parallel axes {described or 'all 1'} multiply to {fixed} devices, but there are "
-            f"{num_devices}; make the product {num_devices} or set one axis to -1")
+            f"{num_devices} devices; make the product {num_devices} or set one axis to -1")
     return sizes
 
 

@@ -1,0 +1,244 @@
+"""``mindpipe``: the command line. Thin on purpose: parse, call the library, print.
+
+Subcommands:
+
+* ``mindpipe train [--config FILE] [section.key=value ...]`` — run ``mindpipe_jax.train``.
+* ``mindpipe config [--config FILE] [section.key=value ...]`` — print the resolved config as TOML.
+
+A user mistake (``ConfigError``) becomes one line on stderr and exit status 2;
+Ctrl-C exits 130; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from mindpipe_jax.config import Config, load_config
+from mindpipe_jax.errors import ConfigError
+
+PROG = "mindpipe"
+
+_OVERRIDES_HELP = """\
+overrides:
+  Any config key can be set on the command line as section.key=value, after the
+  subcommand. The value is a TOML literal: 2, 0.5, 3e-4, true, "text", [1, 2].
+  A bare word that is not a TOML literal is taken as a string (data.source=text).
+  Precedence, lowest first:
+    1. the defaults (the dataclasses in mindpipe_jax/config.py, written out with
+       comments in examples/configs/default.toml),
+    2. the TOML file given with --config (same section names, any subset of keys),
+    3. the overrides, left to right (a later one wins).
+  Run `mindpipe config [same arguments]` to print every resolved key and value.
+"""
+
+_EXAMPLES = """\
+examples:
+  mindpipe train                                     # the default run (see README)
+  mindpipe train parallel.tensor=2 train.steps=50    # tensor parallel, 50 steps
+  mindpipe train --config examples/configs/tiny.toml # a small run in seconds
+  mindpipe train --config examples/configs/tiny.toml train.resume=true
+  mindpipe config parallel.fsdp=4 > my.toml          # write a full config to edit
+"""
+
+_ERRORS = """\
+exit status:
+  0 success; 2 a bad argument or config value (one line on stderr, nothing
+  written); 130 interrupted. Any other failure prints a traceback: a bug.
+"""
+
+
+def _first_line(cls) -> str:
+    """The first paragraph of a config section's docstring, as plain one-line text."""
+    doc = (cls.__doc__ or "").strip()
+    text = " ".join(doc.split("\n\n")[0].split())
+    return text.replace("``", "").replace("\u00d7", "x")
+
+
+def _sections_help(width: int = 78) -> str:
+    """Each config section, what it is for, and its keys (generated from config.py)."""
+    lines = ["config sections (keys; `mindpipe config` shows values and defaults):"]
+    for f in dataclasses.fields(Config):
+        cls = f.default_factory  # type: ignore[misc]
+        lines.extend(textwrap.wrap(f"{f.name}: {_first_line(cls)}", width,
+                                   initial_indent="  ", subsequent_indent=" " * (len(f.name) + 4),
+                                   break_long_words=False))
+        keys = "keys: " + ", ".join(g.name for g in dataclasses.fields(cls))
+        lines.extend(textwrap.wrap(keys, width, initial_indent="    ", subsequent_indent="          "))
+    return "\n".join(lines) + "\n"
+
+
+# --- a tiny TOML writer for the two-level config table -----------------------------------------
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)  # always has '.', 'e' (valid TOML) — e.g. 0.003, 1e-08
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} value {value!r} as TOML")
+
+
+def to_toml(cfg: Config, *, comments: bool = True) -> str:
+    """The config as TOML that ``load_config`` reads back to an equal ``Config``.
+
+    With ``comments``, each section starts with its description and a key whose
+    value differs from the default says so (``steps = 7  # default: 300``).
+    """
+    defaults = Config().to_dict()
+    blocks = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        lines = []
+        if comments and _first_line(type(section)):
+            lines.extend("# " + line for line in textwrap.wrap(_first_line(type(section)), 76))
+        lines.append(f"[{f.name}]")
+        for key, value in dataclasses.asdict(section).items():
+            line = f"{key} = {_toml_value(value)}"
+            default = defaults[f.name][key]
+            if comments and value != default:
+                line += f"  # default: {_toml_value(default)}"
+            lines.append(line)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", default=None,
+                   help="TOML file with any subset of the config sections (default: none, "
+                        "i.e. the built-in defaults)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides; the value is a TOML literal (see below)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=fmt,
+        description=textwrap.dedent("""\
+            Train Flax NNX models across data, fsdp and tensor parallelism in JAX.
+
+            With no config file and no overrides, `mindpipe train` trains a small
+            byte-level GPT on the Python standard library's own sources, on every
+            device it finds (8 simulated devices on a CPU-only machine)."""),
+        epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES, _ERRORS]))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p_train = sub.add_parser(
+        "train", formatter_class=fmt, help="train a model (the reference GPT) from a config",
+        description=textwrap.dedent("""\
+            Train the reference GPT described by the config: build the device mesh,
+            load the data, train for train.steps steps, evaluate every
+            train.eval_every steps and checkpoint into train.out_dir. Every check
+            (keys, types, mesh against the devices, batch divisibility, data path,
+            an existing run in train.out_dir) happens before any file is written.
+            Continue a run with train.resume=true."""),
+        epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES, _ERRORS]))
+    _add_config_args(p_train)
+    p_train.set_defaults(func=_cmd_train, parser=p_train)
+
+    p_config = sub.add_parser(
+        "config", formatter_class=fmt, help="print the fully resolved config as TOML",
+        description=textwrap.dedent("""\
+            Print the config that `mindpipe train` would use with the same arguments,
+            as TOML: every section and key, with a comment on each value that differs
+            from its default. The output is a valid --config file. Only the config
+            itself is checked here; the mesh and batch sizes are checked against the
+            devices when training starts."""),
+        epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES]))
+    _add_config_args(p_config)
+    p_config.add_argument("--no-comments", action="store_true",
+                          help="plain TOML without section descriptions and default notes")
+    p_config.set_defaults(func=_cmd_config, parser=p_config)
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    # Options may come after overrides (`mindpipe train a.b=1 --config f.toml c.d=2`):
+    # argparse leaves the later positionals over, so collect them as overrides in order.
+    args, extra = parser.parse_known_args(argv)
+    for item in extra:
+        if item.startswith("-"):
+            getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides.append(item)
+    return args
+
+
+# --- the commands -----------------------------------------------------------------------------
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(to_toml(cfg, comments=not args.no_comments))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
+
+    result = mp.train(config=cfg)
+
+    import jax
+
+    if jax.process_index() == 0:
+        last_loss = next((h["loss"] for h in reversed(result.history) if "loss" in h), None)
+        val = ("n/a (train.eval_every=0)" if result.final_val_loss is None
+               else f"{result.final_val_loss:.4f}")
+        train_loss = "n/a" if last_loss is None else f"{last_loss:.4f}"
+        print(f"done: {cfg.train.steps} steps | final train loss {train_loss} | "
+              f"final validation loss {val} | out_dir {result.out_dir}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mindpipe`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:  # --help (0) and usage errors (2)
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
