@@ -97,11 +97,17 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh axis sizes; one of them may be -1 to take the remaining devices."""
+    """Mesh axis sizes; one of them may be -1 to take the remaining devices.
+
+    ``tensor=0`` (the default) means auto: 2 on a machine of simulated CPU
+    devices when another axis is -1 and there is room, so the default run shows
+    data × tensor parallelism; otherwise 1, so the default run fits one GPU and
+    an explicit layout such as ``data=8`` is taken as written.
+    """
 
     data: int = -1
     fsdp: int = 1
-    tensor: int = 1
+    tensor: int = 0
     pipe: int = 1
     subnet: int = 1
     expert: int = 1
@@ -115,7 +121,9 @@ class ParallelConfig:
         fills = [a for a, n in sizes.items() if n == -1]
         _check(len(fills) <= 1, f"parallel: only one axis may be -1, got {', '.join(fills)}")
         for axis, n in sizes.items():
-            _check(n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)")
+            auto = axis == "tensor" and n == 0
+            _check(auto or n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)"
+                   + (" or 0 (auto)" if axis == "tensor" else ""))
         _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
         _check(self.simulate_cpu_devices >= 0,
                f"parallel.simulate_cpu_devices={self.simulate_cpu_devices} must be >= 0")

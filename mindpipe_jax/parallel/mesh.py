@@ -29,9 +29,16 @@ __all__ = ["ParallelConfig", "MESH_ORDER", "resolve_axis_sizes", "make_mesh",
            "setup_runtime", "distributed_settings"]
 
 
-def resolve_axis_sizes(cfg: ParallelConfig, num_devices: int) -> dict[str, int]:
-    """Axis sizes with the one ``-1`` filled; refuse products that do not fit."""
+def resolve_axis_sizes(cfg: ParallelConfig, num_devices: int, platform: str = "cpu") -> dict[str, int]:
+    """Axis sizes with ``tensor=0`` (auto) decided and the one ``-1`` filled;
+    refuse products that do not fit."""
     sizes = cfg.axis_sizes()
+    if sizes["tensor"] == 0:
+        # Auto: 2 only where it cannot break an explicit layout: simulated CPU
+        # devices, another axis left to fill, and room for a factor of two.
+        others = math.prod(n for a, n in sizes.items() if n > 0)
+        room = -1 in sizes.values() and num_devices % (2 * others) == 0 and num_devices >= 4
+        sizes["tensor"] = 2 if platform == "cpu" and room else 1
     fixed = math.prod(n for n in sizes.values() if n != -1)
     described = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != 1)
     fill = [a for a, n in sizes.items() if n == -1]
@@ -51,7 +58,7 @@ def resolve_axis_sizes(cfg: ParallelConfig, num_devices: int) -> dict[str, int]:
 def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     """A mesh with all six named axes (size-1 axes cost nothing and keep specs uniform)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_axis_sizes(cfg, len(devices))
+    sizes = resolve_axis_sizes(cfg, len(devices), devices[0].platform)
     shape = tuple(sizes[a] for a in MESH_ORDER)
     auto = (AxisType.Auto,) * len(MESH_ORDER)
     try:

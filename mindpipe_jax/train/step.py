@@ -105,10 +105,24 @@ def check_step_config(cfg: Config, mesh) -> None:
     """Batch divisibility for the mesh; deterministic-mode requirements."""
     tr = cfg.train
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    if tr.global_batch % (n_batch * tr.grad_accum):
+    stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
+    if cfg.model.n_layers % stages:
         raise ConfigError(
-            f"train.global_batch={tr.global_batch} must be divisible by data x fsdp x grad_accum = "
-            f"{mesh.shape['data']} x {mesh.shape['fsdp']} x {tr.grad_accum} = {n_batch * tr.grad_accum}")
+            f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
+            f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}")
+    unused = {a: mesh.shape[a] for a in ("pipe", "subnet", "expert") if mesh.shape[a] > 1}
+    if unused:
+        # Refuse rather than silently replicate the work over axes the step ignores.
+        raise ConfigError(
+            f"parallel {', '.join(f'{a}={n}' for a, n in unused.items())}: the dense train step "
+            f"does not use these axes yet (pipeline, supernet and expert parallelism are not "
+            f"built); set them to 1")
+    micro = tr.grad_accum * cfg.parallel.microbatches
+    if tr.global_batch % (n_batch * micro):
+        raise ConfigError(
+            f"train.global_batch={tr.global_batch} must be divisible by data x fsdp x grad_accum x "
+            f"microbatches = {mesh.shape['data']} x {mesh.shape['fsdp']} x {tr.grad_accum} x "
+            f"{cfg.parallel.microbatches} = {n_batch * micro}")
     if tr.deterministic:
         if tr.global_batch % tr.virtual_shards or tr.virtual_shards % n_batch:
             raise ConfigError(
