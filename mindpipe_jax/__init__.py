@@ -7,8 +7,16 @@ The curated public API::
     result = mp.train(config=cfg)
 """
 
-from mindpipe_jax.config import (Config, DataConfig, DistributedConfig, ModelConfig, OptimConfig,
-                                 ParallelConfig, TrainConfig, load_config)
+from mindpipe_jax.config import (
+    Config,
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    load_config,
+)
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import GPT, flops_per_token
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime

@@ -26,7 +26,7 @@ PROG = "mindpipe"
 _OVERRIDES_HELP = """\
 overrides:
   Any config key can be set on the command line as section.key=value, after the
-  subcommand. The value is a TOML literal: 2, 0.5, 3e-4, true, "text", [1, 2].
+  subcommand. The value is a TOML literal: 2, -1, 0.5, 3e-4, true, "text".
   A bare word that is not a TOML literal is taken as a string (data.source=text).
   Precedence, lowest first:
     1. the defaults (the dataclasses in mindpipe_jax/config.py, written out with
@@ -41,7 +41,7 @@ examples:
   mindpipe train                                     # the default run (see README)
   mindpipe train parallel.tensor=2 train.steps=50    # tensor parallel, 50 steps
   mindpipe train --config examples/configs/tiny.toml # a small run in seconds
-  mindpipe train --config examples/configs/tiny.toml train.resume=true
+  mindpipe train --config examples/configs/tiny.toml train.resume=true train.steps=60
   mindpipe config parallel.fsdp=4 > my.toml          # write a full config to edit
 """
 
@@ -52,11 +52,17 @@ exit status:
 """
 
 
+def _paragraphs(cls) -> list[str]:
+    """A config section's docstring as plain one-line paragraphs."""
+    doc = textwrap.dedent(cls.__doc__ or "").strip()
+    return [" ".join(p.split()).replace("``", "").replace("\u00d7", "x")
+            for p in doc.split("\n\n") if p.strip()]
+
+
 def _first_line(cls) -> str:
-    """The first paragraph of a config section's docstring, as plain one-line text."""
-    doc = (cls.__doc__ or "").strip()
-    text = " ".join(doc.split("\n\n")[0].split())
-    return text.replace("``", "").replace("\u00d7", "x")
+    """The first paragraph of a config section's docstring."""
+    paragraphs = _paragraphs(cls)
+    return paragraphs[0] if paragraphs else ""
 
 
 def _sections_help(width: int = 78) -> str:
@@ -118,8 +124,9 @@ def to_toml(cfg: Config, *, comments: bool = True) -> str:
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         lines = []
-        if comments and _first_line(type(section)):
-            lines.extend("# " + line for line in textwrap.wrap(_first_line(type(section)), 76))
+        if comments:
+            for i, paragraph in enumerate(_paragraphs(type(section))):
+                lines.extend(["#"] * (i > 0) + ["# " + ln for ln in textwrap.wrap(paragraph, 76)])
         lines.append(f"[{f.name}]")
         for key, value in dataclasses.asdict(section).items():
             line = f"{key} = {_toml_value(value)}"
@@ -151,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
             With no config file and no overrides, `mindpipe train` trains a small
             byte-level GPT on the Python standard library's own sources, on every
-            device it finds (8 simulated devices on a CPU-only machine)."""),
+            device it finds: on a CPU-only machine 8 simulated devices as a
+            data=4 x tensor=2 mesh, on GPUs data parallel over all of them."""),
         epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES, _ERRORS]))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -214,8 +222,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if jax.process_index() == 0:
         last_loss = next((h["loss"] for h in reversed(result.history) if "loss" in h), None)
-        val = ("n/a (train.eval_every=0)" if result.final_val_loss is None
-               else f"{result.final_val_loss:.4f}")
+        val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
         train_loss = "n/a" if last_loss is None else f"{last_loss:.4f}"
         print(f"done: {cfg.train.steps} steps | final train loss {train_loss} | "
               f"final validation loss {val} | out_dir {result.out_dir}", flush=True)
@@ -236,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr, flush=True)
+        newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
+        print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
 
 

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mindpipe_jax.config import ModelConfig, ParallelConfig
+from mindpipe_jax.config import DistributedConfig, ModelConfig, ParallelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import GPT, flops_per_token, matmul_params
 from mindpipe_jax.parallel.mesh import distributed_settings, make_mesh, resolve_axis_sizes
 from mindpipe_jax.parallel.rules import check_sharded_as_rules, spec_for
 from mindpipe_jax.train.state import model_spec
 from mindpipe_jax.train.step import model_loss
-from mindpipe_jax.config import DistributedConfig
 
 CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=64, n_layers=2, n_heads=4)
 
@@ -78,12 +77,12 @@ def test_sharded_loss_and_grads_equal_unsharded(axes):
             lambda p, b: model_loss(spec, p, b, None)))(params, sharded_batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     # fp32 with different reduction orders: relative 1e-4 of each leaf's scale.
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max() + 1))
 
 
 def check_sharded_as_rules_pure(spec, params):
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(spec.storage)):
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(spec.storage), strict=True):
         assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
 
 

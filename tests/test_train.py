@@ -89,5 +89,5 @@ def test_existing_run_needs_resume_and_same_model(tmp_path):
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
     one = run(tmp_path, "train.steps=2", "train.eval_every=0", name="a")
     acc = run(tmp_path, "train.steps=2", "train.eval_every=0", "train.grad_accum=2", name="b")
-    for x, y in zip(leaves(one.state["params"]), leaves(acc.state["params"])):
+    for x, y in zip(leaves(one.state["params"]), leaves(acc.state["params"]), strict=True):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)

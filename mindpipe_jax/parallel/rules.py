@@ -22,7 +22,8 @@ from typing import Literal
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
 
@@ -82,7 +83,7 @@ def _logical_names(variable) -> tuple | None:
 
 def _checked_spec(path, shape, names, kind: Kind, mesh) -> P:
     spec = spec_for(names, kind, mesh)
-    for dim, (size, entry) in enumerate(zip(shape, spec)):
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
         parts = _axes_size(mesh, entry)
         if size % parts:
             where = "/".join(map(str, path))
@@ -135,7 +136,7 @@ def check_sharded_as_rules(state: nnx.State, mesh, kind: Kind = "storage") -> No
     """
     expected = state_shardings(state, mesh, kind)
     wrong = []
-    for (path, var), (_, want) in zip(nnx.to_flat_state(state), nnx.to_flat_state(expected)):
+    for (path, var), (_, want) in zip(nnx.to_flat_state(state), nnx.to_flat_state(expected), strict=True):
         got = var.get_value().sharding
         want = want.get_value()
         if not got.is_equivalent_to(want, var.get_value().ndim):

@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from mindpipe_jax.config import Config, DataConfig
@@ -26,8 +27,13 @@ from mindpipe_jax.models.gpt import GPT, flops_per_token
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.train.checkpoint import Checkpointer, check_same_model, read_meta
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
-from mindpipe_jax.train.state import (abstract_train_state, init_train_state, make_optimizer,
-                                      model_spec, state_shardings_for)
+from mindpipe_jax.train.state import (
+    abstract_train_state,
+    init_train_state,
+    make_optimizer,
+    model_spec,
+    state_shardings_for,
+)
 from mindpipe_jax.train.step import BATCH_AXES, check_step_config, make_eval_step, make_train_step
 
 
