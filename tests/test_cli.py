@@ -234,3 +234,19 @@ def test_train_tiny_run(tmp_path, capsys):
     again = ["train", *TINY, f"train.out_dir={out_dir}", "data.source=text", f"data.path={corpus}"]
     assert main(again) == 2
     _assert_one_line_error(capsys.readouterr().err, "train.resume=true")
+
+
+# --- the README's two commands and CI stay in step -----------------------------------------------
+
+
+def test_readme_quick_start_and_ci_run_the_same_commands():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start")[1].split("\n## ")[0]
+    blocks = [b.split("```")[0].strip() for b in quick.split("```bash\n")[1:]]
+    assert blocks == ['pip install -e . && mindpipe train',
+                      'pip install -e ".[dev]" && python -m pytest -n 2 -q']
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    assert 'python -m pip install -e ".[dev]"' in ci
+    assert ci.rstrip().splitlines()[-1] == "python -m pytest -n 2 -q"
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)

@@ -10,9 +10,11 @@ from mindpipe_jax.parallel.pipeline.schedules import (
     ScheduleReport,
     Task,
     Timeline,
+    from_orders,
     get_schedule,
     gpipe,
     interleaved,
+    interleaved_placement,
     one_f_one_b,
     register_schedule,
     validate,
@@ -20,5 +22,5 @@ from mindpipe_jax.parallel.pipeline.schedules import (
 )
 
 __all__ = ["DEFAULT_COST", "SCHEDULES", "Kind", "Schedule", "ScheduleError", "ScheduleReport", "Task",
-           "Timeline", "get_schedule", "gpipe", "interleaved", "one_f_one_b", "register_schedule",
-           "validate", "zb_h1"]
+           "Timeline", "from_orders", "get_schedule", "gpipe", "interleaved", "interleaved_placement",
+           "one_f_one_b", "register_schedule", "validate", "zb_h1"]

@@ -60,7 +60,7 @@ from mindpipe_jax.errors import ConfigError
 
 __all__ = [
     "Kind", "Task", "Schedule", "ScheduleError", "ScheduleReport", "Timeline",
-    "validate", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
+    "validate", "from_orders", "interleaved_placement", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
     "SCHEDULES", "register_schedule", "get_schedule", "DEFAULT_COST",
 ]
 
@@ -191,7 +191,7 @@ class Schedule:
                 raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
         p, v = self.num_stages, self.virtual_stages
         if self.placement is None:
-            placement = tuple(tuple(c * p + s for c in range(v)) for s in range(p))
+            placement = interleaved_placement(p, v)
         else:
             placement = tuple(tuple(row) for row in self.placement)
             if len(placement) != p or any(len(row) != v for row in placement):
@@ -234,7 +234,7 @@ class Schedule:
         (tick, stage) slot are refused."""
         p, v = num_stages, virtual_stages
         if placement is None:
-            placement = tuple(tuple(c * p + s for c in range(v)) for s in range(p))
+            placement = interleaved_placement(p, v)
         chunk_of = {(s, g): c for s, row in enumerate(placement) for c, g in enumerate(row)}
         events = list(events)
         ticks = 1 + max((e[0] for e in events), default=0)
@@ -576,14 +576,21 @@ def _cost_fn(cost: Cost | None) -> Callable[[int, Task], float]:
 
 
 # ----------------------------------------------------------------- generators
-def _greedy(name: str, p: int, m: int, v: int, orders: list[list[Task]],
-            placement: tuple[tuple[int, ...], ...] | None = None) -> Schedule:
-    """Run each device's ordered task list, tick by tick: a device runs its next
-    task as soon as the rules allow and idles otherwise. The table is therefore
-    correct by construction (and then validated again by ``Schedule``). New
-    schedules (ZB-V, ...) need only their per-device orders and a placement."""
-    if placement is None:
-        placement = tuple(tuple(c * p + s for c in range(v)) for s in range(p))
+def interleaved_placement(p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Megatron's layout: chunk ``c`` of device ``s`` is global stage ``c * p + s``."""
+    return tuple(tuple(c * p + s for c in range(v)) for s in range(p))
+
+
+def from_orders(orders: Sequence[Sequence[Task]], *, num_microbatches: int, virtual_stages: int = 1,
+                placement: Sequence[Sequence[int]] | None = None, name: str = "custom") -> Schedule:
+    """A schedule from each device's ordered task list (``orders[stage]``): tick by
+    tick, a device runs its next task as soon as the rules allow and idles
+    otherwise. The table is therefore correct by construction (and validated again
+    by ``Schedule``). New schedules (ZB-V, ...) need only their per-device orders
+    and, for a layout other than Megatron's, a placement."""
+    p, m, v = len(orders), num_microbatches, virtual_stages
+    _check_sizes(p, m, v)
+    placement = interleaved_placement(p, v) if placement is None else tuple(map(tuple, placement))
     ledger = _Ledger(placement, p * v, v > 1)
     pos = [0] * p
     left = sum(map(len, orders))
@@ -595,8 +602,8 @@ def _greedy(name: str, p: int, m: int, v: int, orders: list[list[Task]],
             if pos[s] < len(orders[s]) and ledger.blocker(t, s, orders[s][pos[s]]) is None:
                 row[s] = orders[s][pos[s]]
         if not any(row):
-            stuck = {s: str(orders[s][pos[s]]) for s in range(p) if pos[s] < len(orders[s])}
-            raise RuntimeError(f"{name}: the task orders deadlock at tick {t} (next tasks {stuck})")
+            stuck = ", ".join(f"stage {s}: {orders[s][pos[s]]}" for s in range(p) if pos[s] < len(orders[s]))
+            raise ScheduleError(f"{name}: the task orders deadlock at tick {t} (next: {stuck})")
         for s, task in enumerate(row):
             if task is not None:
                 ledger.record(t, s, task)
@@ -619,7 +626,7 @@ def gpipe(p: int, m: int) -> Schedule:
     _check_sizes(p, m)
     orders = [[Task(i, 0, Kind.F) for i in range(m)] + [Task(i, 0, Kind.BW) for i in reversed(range(m))]
               for _ in range(p)]
-    return _greedy("gpipe", p, m, 1, orders)
+    return from_orders(orders, num_microbatches=m, virtual_stages=1, name="gpipe")
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -637,7 +644,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             if x >= lag:
                 order.append(Task(x - lag, 0, Kind.BW))
         orders.append(order)
-    return _greedy("1f1b", p, m, 1, orders)
+    return from_orders(orders, num_microbatches=m, virtual_stages=1, name="1f1b")
 
 
 def interleaved(p: int, m: int, v: int = 2, *, warmup: str = "megatron") -> Schedule:
@@ -677,7 +684,7 @@ def interleaved(p: int, m: int, v: int = 2, *, warmup: str = "megatron") -> Sche
             order += [unit(lead + k, False), unit(k, True)]
         order += [unit(k, True) for k in range(total - lead, total)]
         orders.append(order)
-    return _greedy("interleaved", p, m, v, orders)
+    return from_orders(orders, num_microbatches=m, virtual_stages=v, name="interleaved")
 
 
 def zb_h1(p: int, m: int) -> Schedule:
@@ -686,8 +693,10 @@ def zb_h1(p: int, m: int) -> Schedule:
     deferred). In step x stage s runs F of microbatch x, B of x - (p - 1 - s) and
     W of x - (p - 1), when those exist: the F/B pattern (and hence the live
     activations, min(p - s, m)) is 1F1B's, while the W's trail behind and fill
-    the drain at the end. With F = B = W in cost the bubble is about (p - 1) / (3m),
-    a third of 1F1B's."""
+    the drain at the end. Ticks (one per task): 3m + p - 1 for m >= p, so with
+    F = B = W in cost the bubble is (p - 1) / (3m + p - 1), about a third of
+    1F1B's. Peak pending W's on stage s: s + 1. (For m < p the dependency chain,
+    not the order, sets the length: 2(m + p - 1) + 1 ticks.)"""
     _check_sizes(p, m)
     orders = []
     for s in range(p):
@@ -700,7 +709,7 @@ def zb_h1(p: int, m: int) -> Schedule:
             if x >= lag_w:
                 order.append(Task(x - lag_w, 0, Kind.W))
         orders.append(order)
-    return _greedy("zb-h1", p, m, 1, orders)
+    return from_orders(orders, num_microbatches=m, virtual_stages=1, name="zb-h1")
 
 
 # ------------------------------------------------------------------- registry

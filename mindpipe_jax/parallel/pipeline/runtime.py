@@ -1,0 +1,343 @@
+"""Execute any schedule table inside ``jax.shard_map`` (manual over ``pipe`` only).
+
+Every device runs the same program: a ``lax.scan`` over the table's ticks. In a
+tick each device looks up its own cell of the table and ``lax.switch``es to that
+task's branch — forward, fused backward, input-gradient or weight-gradient, for
+the first, a middle or the last global stage — or to the idle branch, which
+computes nothing. After the switch, and never inside a branch (a collective in
+one branch only would hang the others), every device executes the same two
+``ppermute``s: activations one device down the ring, gradients one device up.
+
+Memory. What a microbatch leaves behind between its forward and its backward is
+kept in slot buffers whose size is the schedule's peak number of live
+microbatches on a device, not ``m``: slots are assigned in Python by interval
+colouring of each (microbatch, chunk)'s lifetime, so any schedule works. This
+runtime keeps the *stage input* in a slot and recomputes the stage's forward in
+its backward (per-stage rematerialisation), so a slot holds one activation of
+``[microbatch, length, d_model]`` whatever the stage depth.
+
+The model enters through three functions (the pipeline model contract):
+``embed(embed_params, tokens) -> h``, ``stage(chunk_params, h) -> h`` applied to
+a chunk's slice of the stacked blocks, and ``head_loss(head_params, h,
+targets) -> mean loss``. Gradients of the first (embed) and last (head) stages
+are formed on the devices that own them and summed over ``pipe`` once, at the
+end, outside every branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
+
+AXIS = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+    """The pipeline model contract as three pure functions of (params, inputs)."""
+
+    embed: Callable[[Any, jax.Array], jax.Array]
+    stage: Callable[[Any, jax.Array], jax.Array]
+    head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+# ----------------------------------------------------------------------------
+# Plan: the table turned into per-tick integer arrays (pure Python / numpy).
+# ----------------------------------------------------------------------------
+
+_KINDS = (Kind.F, Kind.BW, Kind.B, Kind.W)
+MID, FIRST, LAST = 0, 1, 2
+
+
+def branch_index(kind: Kind, position: int) -> int:
+    """0 is idle; then one branch per (kind, position)."""
+    return 1 + _KINDS.index(kind) * 3 + position
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-tick arrays ``[ticks, p]`` the devices index with their own stage."""
+
+    branch: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    x_slot: np.ndarray  # slot holding this task's stage input (-1: none needed)
+    g_slot: np.ndarray  # slot holding this task's output gradient (-1: none)
+    recv_x: np.ndarray  # slot to store the activation arriving at the end of the tick
+    recv_g: np.ndarray  # slot to store the gradient arriving at the end of the tick
+    x_slots: int
+    g_slots: int
+
+    def arrays(self) -> dict[str, jax.Array]:
+        names = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "recv_x", "recv_g")
+        return {n: jnp.asarray(getattr(self, n), jnp.int32) for n in names}
+
+
+def _colour(intervals: dict) -> tuple[dict, int]:
+    """Interval colouring: a slot is reused once its previous tenant's last use
+    has happened (a new value is written at the end of a tick, after reads)."""
+    free_at: list[int] = []
+    slots = {}
+    for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
+        for slot, free in enumerate(free_at):
+            if free <= start:
+                free_at[slot] = end
+                break
+        else:
+            slot = len(free_at)
+            free_at.append(end)
+        slots[key] = slot
+    return slots, len(free_at)
+
+
+def make_plan(schedule: Schedule) -> Plan:
+    p, ticks = schedule.num_stages, schedule.num_ticks
+    last_global = schedule.num_global_stages - 1
+    where = {}  # (kind, mb, global stage) -> (tick, stage)
+    for t, row in enumerate(schedule.table):
+        for s, task in enumerate(row):
+            if task is not None:
+                where[(Kind(task.kind), task.microbatch, schedule.global_stage(s, task.chunk))] = (t, s)
+
+    def backward_tick(mb, g):
+        return where.get((Kind.BW, mb, g), where.get((Kind.B, mb, g)))[0]
+
+    def last_use(mb, g):
+        return where[(Kind.W, mb, g)][0] if (Kind.W, mb, g) in where else backward_tick(mb, g)
+
+    # Lifetimes per device: stage inputs from arrival (end of the producer's F tick)
+    # to the last backward use; output gradients from arrival to the last use.
+    x_life = [dict() for _ in range(p)]
+    g_life = [dict() for _ in range(p)]
+    for (kind, mb, g), (t, s) in where.items():
+        if kind is not Kind.F:
+            continue
+        if g > 0:
+            t_in, _ = where[(Kind.F, mb, g - 1)]
+            x_life[s][(mb, g)] = (t_in, last_use(mb, g))
+        if g < last_global:
+            t_back = backward_tick(mb, g + 1)
+            g_life[s][(mb, g)] = (t_back, last_use(mb, g))
+    x_slot_of, g_slot_of, x_slots, g_slots = [], [], 1, 1
+    for s in range(p):
+        xs, nx = _colour(x_life[s])
+        gs, ng = _colour(g_life[s])
+        x_slot_of.append(xs)
+        g_slot_of.append(gs)
+        x_slots, g_slots = max(x_slots, nx), max(g_slots, ng)
+
+    shape = (ticks, p)
+    arr = {n: np.full(shape, -1, np.int32) for n in
+           ("microbatch", "chunk", "x_slot", "g_slot", "recv_x", "recv_g")}
+    branch = np.zeros(shape, np.int32)
+    arr["microbatch"][:] = 0
+    arr["chunk"][:] = 0
+    for (kind, mb, g), (t, s) in where.items():
+        position = FIRST if g == 0 else (LAST if g == last_global else MID)
+        branch[t, s] = branch_index(kind, position)
+        arr["microbatch"][t, s] = mb
+        arr["chunk"][t, s] = schedule.owner(g)[1]
+        arr["x_slot"][t, s] = x_slot_of[s].get((mb, g), -1)
+        arr["g_slot"][t, s] = g_slot_of[s].get((mb, g), -1)
+        if kind is Kind.F and g < last_global:
+            dest = schedule.owner(g + 1)[0]
+            _expect_neighbour(s, dest, p, "forward")
+            arr["recv_x"][t, dest] = x_slot_of[dest][(mb, g + 1)]
+        if kind in (Kind.BW, Kind.B) and g > 0:
+            dest = schedule.owner(g - 1)[0]
+            _expect_neighbour(dest, s, p, "backward")
+            arr["recv_g"][t, dest] = g_slot_of[dest][(mb, g - 1)]
+    return Plan(branch, arr["microbatch"], arr["chunk"], arr["x_slot"], arr["g_slot"],
+                arr["recv_x"], arr["recv_g"], x_slots, g_slots)
+
+
+def _expect_neighbour(src: int, dst: int, p: int, what: str) -> None:
+    if dst != (src + 1) % p:
+        raise ValueError(f"{what} transfer from stage {src} to {dst}: this runtime moves values "
+                         f"one device along the ring per tick; use a placement where consecutive "
+                         f"global stages sit on consecutive devices")
+
+
+# ----------------------------------------------------------------------------
+# Execution inside shard_map.
+# ----------------------------------------------------------------------------
+
+
+def _vary(tree):
+    """Mark values as varying over ``pipe`` (loop carries and branch outputs must agree)."""
+    def one(x):
+        if AXIS in jax.typeof(x).manual_axis_type.varying:
+            return x
+        return lax.pcast(x, AXIS, to="varying")
+    return jax.tree.map(one, tree)
+
+
+def _zeros_like(tree, dtype=None):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, dtype or x.dtype), tree)
+
+
+def _add_at(tree, index, update):
+    return jax.tree.map(
+        lambda a, u: lax.dynamic_update_index_in_dim(
+            a, lax.dynamic_index_in_dim(a, index, 0, keepdims=False) + u.astype(a.dtype), index, 0),
+        tree, update)
+
+
+def _take(tree, index):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+
+
+def _put(buf, index, value):
+    return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), index, 0)
+
+
+def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool = False):
+    """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
+
+    ``blocks_p`` leaves have a leading layer axis ``L`` (divisible by p·v); inputs
+    and targets are ``[m, microbatch, length]``. Returns the mean loss over the m
+    microbatches and the gradients of all three parameter groups, with the same
+    structure and layer order as the inputs.
+    ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
+    proves idle slots never reach the results.
+    """
+    plan = make_plan(schedule)
+    p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
+    ticks = schedule.num_ticks
+
+    def to_stages(blocks):
+        # [L, ...] -> [p, v, L/(p v), ...]: global stage g = c·p + s (Megatron order).
+        def one(x):
+            x = x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])
+            return jnp.swapaxes(x, 0, 1)
+        return jax.tree.map(one, blocks)
+
+    def from_stages(blocks):
+        def one(x):
+            x = jnp.swapaxes(x, 0, 1)
+            return x.reshape(-1, *x.shape[3:])
+        return jax.tree.map(one, blocks)
+
+    def body(embed_p, blocks_p, head_p, inputs, targets):
+        stage_idx = lax.axis_index(AXIS)
+        # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
+        # a branch (a hang) and double-count; varying values keep gradients local.
+        embed_p, head_p = _vary(embed_p), _vary(head_p)
+        chunks = jax.tree.map(lambda x: x[0], blocks_p)  # [v, L_chunk, ...] on this device
+        inputs, targets = _vary(inputs), _vary(targets)
+        h_shape = jax.eval_shape(fns.embed, embed_p, inputs[0])
+        fill = jnp.nan if nan_bubbles else 0.0
+        x_buf = _vary(jnp.full((plan.x_slots, *h_shape.shape), fill, h_shape.dtype))
+        g_buf = _vary(jnp.full((plan.g_slots, *h_shape.shape), fill, h_shape.dtype))
+        zero_h = _vary(jnp.zeros(h_shape.shape, h_shape.dtype))
+        acc = {"embed": _zeros_like(embed_p, jnp.float32), "blocks": _zeros_like(chunks, jnp.float32),
+               "head": _zeros_like(head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)}
+        acc = _vary(acc)
+        seed = _vary(jnp.asarray(1.0 / m, jnp.float32))
+
+        def stage_fwd(c_params, x):
+            return fns.stage(c_params, x)
+
+        def first_fwd(e_params, c_params, tokens):
+            return fns.stage(c_params, fns.embed(e_params, tokens))
+
+        def last_loss(c_params, h_params, x, tgt):
+            return fns.head_loss(h_params, fns.stage(c_params, x), tgt)
+
+        def branches():
+            def idle(op):
+                return op["acc"], zero_h, zero_h
+
+            def make(kind, pos):
+                def run(op):
+                    acc, task, x, dy = op["acc"], op["task"], op["x"], op["dy"]
+                    c_params = _take(chunks, task["chunk"])
+                    tokens = _take(inputs, task["microbatch"])
+                    tgt = _take(targets, task["microbatch"])
+                    send_f, send_b = zero_h, zero_h
+                    if kind is Kind.F:
+                        if pos == FIRST:
+                            send_f = first_fwd(embed_p, c_params, tokens)
+                        elif pos == MID:
+                            send_f = stage_fwd(c_params, x)
+                        else:
+                            loss = last_loss(c_params, head_p, x, tgt)
+                            acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
+                        return acc, send_f, send_b
+                    want_w = kind in (Kind.BW, Kind.W)
+                    want_x = kind in (Kind.BW, Kind.B)
+                    if pos == FIRST:
+                        if want_w:
+                            _, vjp = jax.vjp(first_fwd, embed_p, c_params, tokens)
+                            d_e, d_c, _ = vjp(dy)
+                            acc = {**acc, "embed": jax.tree.map(jnp.add, acc["embed"], d_e),
+                                   "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
+                        return acc, send_f, send_b  # no input gradient below the embedding
+                    if pos == LAST:
+                        fn = lambda c, h, xx: last_loss(c, h, xx, tgt)  # noqa: E731
+                        _, vjp = jax.vjp(fn, c_params, head_p, x)
+                        d_c, d_h, d_x = vjp(seed.astype(jnp.float32))
+                        if want_w:
+                            acc = {**acc, "head": jax.tree.map(jnp.add, acc["head"], d_h),
+                                   "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
+                        return acc, send_f, (d_x if want_x else zero_h)
+                    _, vjp = jax.vjp(stage_fwd, c_params, x)
+                    d_c, d_x = vjp(dy)
+                    if want_w:
+                        acc = {**acc, "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
+                    return acc, send_f, (d_x if want_x else zero_h)
+
+                return lambda op: _vary(run(op))
+
+            out = [lambda op: _vary(idle(op))]
+            for kind in _KINDS:
+                for pos in (MID, FIRST, LAST):
+                    out.append(make(kind, pos))
+            return out
+
+        table = plan.arrays()
+        fwd_perm = [(i, (i + 1) % p) for i in range(p)]
+        bwd_perm = [(i, (i - 1) % p) for i in range(p)]
+        branch_fns = branches()
+
+        def tick(carry, t):
+            acc, x_buf_c, g_buf_c = carry
+            task = {k: table[k][t, stage_idx] for k in table}
+            operand = {"acc": acc, "task": task, "x": _take(x_buf_c, jnp.maximum(task["x_slot"], 0)),
+                       "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0))}
+            acc, send_f, send_b = lax.switch(task["branch"], branch_fns, operand)
+            # Every device takes part in both transfers every tick (outside the branches).
+            recv_f = lax.ppermute(send_f, AXIS, fwd_perm)
+            recv_b = lax.ppermute(send_b, AXIS, bwd_perm)
+            rx, rg = task["recv_x"], task["recv_g"]
+            x_new = jnp.where(rx >= 0, recv_f, _take(x_buf_c, jnp.maximum(rx, 0)))
+            g_new = jnp.where(rg >= 0, recv_b, _take(g_buf_c, jnp.maximum(rg, 0)))
+            x_buf_c = _put(x_buf_c, jnp.maximum(rx, 0), x_new)
+            g_buf_c = _put(g_buf_c, jnp.maximum(rg, 0), g_new)
+            return (acc, x_buf_c, g_buf_c), None
+
+        (acc, _, _), _ = lax.scan(tick, (acc, x_buf, g_buf), jnp.arange(ticks))
+        # Embed/head gradients live on their owners only (zeros elsewhere): one psum.
+        loss = lax.psum(acc["loss"], AXIS) / m
+        d_embed = jax.tree.map(lambda g, x: lax.psum(g, AXIS).astype(x.dtype), acc["embed"], embed_p)
+        d_head = jax.tree.map(lambda g, x: lax.psum(g, AXIS).astype(x.dtype), acc["head"], head_p)
+        d_blocks = jax.tree.map(lambda g, x: g.astype(x.dtype)[None], acc["blocks"], chunks)
+        return loss, d_embed, d_blocks, d_head
+
+    def run(embed_p, blocks_p, head_p, inputs, targets):
+        staged = to_stages(blocks_p)
+        fn = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
+                           in_specs=(P(), P(AXIS), P(), P(), P()),
+                           out_specs=(P(), P(), P(AXIS), P()))
+        loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
+        return loss, {"embed": d_embed, "blocks": from_stages(d_blocks), "head": d_head}
+
+    return run
