@@ -49,7 +49,6 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"
-    tie_embeddings: bool = False
 
     def __post_init__(self):
         _positive("model", vocab_size=self.vocab_size, seq_len=self.seq_len,

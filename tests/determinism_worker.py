@@ -1,23 +1,22 @@
 """Train a tiny GPT on N simulated CPU devices and save its final params to .npz.
 
-Usage: ``python determinism_worker.py N OUT.npz [MODES]`` where MODES is a
-comma-separated list of ``det`` (train.deterministic=true) and ``plain``
-(train.deterministic=false); default ``det``. Each mode's params are stored
-under keys ``"<mode>/<keystr path>"``.
+Usage: ``python determinism_worker.py N OUT.npz [MODES]``. MODES is a
+comma-separated list of ``det`` (``train.deterministic=true``) and ``plain``
+(``train.deterministic=false``), default ``det``; each mode's final params are
+stored under ``"<mode>/<keystr path>"``, gathered to the host.
 
-Run by ``tests/test_determinism.py`` in a fresh process per device count,
-because ``jax_num_cpu_devices`` must be set before JAX creates its backend.
+``tests/test_determinism.py`` runs one of these per device count, because
+``jax_num_cpu_devices`` must be set before JAX creates its backend. The same
+module is imported (not run) by the in-process test for ``TINY`` and ``train_tiny``.
 """
 
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import jax  # noqa: E402
+import jax
 
 if __name__ == "__main__":
-    # Before anything else touches JAX: the backend reads this once.
+    # Before anything touches a backend: the CPU client reads this once.
     jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 
 import tempfile  # noqa: E402
@@ -28,40 +27,45 @@ import mindpipe_jax as mp  # noqa: E402
 
 TINY = (
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
-    "model.dropout=0.1",  # exercises the per-shard dropout keys too
+    "model.dropout=0.1",  # exercises the per-shard dropout keys
     'data.source="synthetic"', "data.synthetic_tokens=65536",
-    "train.steps=3", "train.global_batch=16", "train.eval_every=0", "train.log_every=1",
-    "train.progress=false", "train.tensorboard=false", "train.checkpoint_every=0",
-    "train.virtual_shards=8",
-    "optim.warmup_steps=0",
-    "parallel.simulate_cpu_devices=0",
+    "train.steps=3", "train.global_batch=16", "train.virtual_shards=8",
+    "train.eval_every=0", "train.log_every=1", "train.checkpoint_every=0",
+    "train.progress=false", "train.tensorboard=false",
+    "optim.warmup_steps=0",  # a non-zero lr from step 1
+    "optim.clip_norm=0.05",  # grad_norm is ~0.5-0.7 here: clipping acts on every step
+    "parallel.tensor=1", "parallel.simulate_cpu_devices=0",  # train must not change our device count
 )
 
 
-def host_params(state) -> dict[str, np.ndarray]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(state["params"])
-    return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in flat}
-
-
-def run(n: int, deterministic: bool, out_dir: str, *extra: str) -> dict[str, np.ndarray]:
-    cfg = mp.Config().replace(*TINY, f"parallel.data={n}",
+def train_tiny(data: int, deterministic: bool, out_dir: str, *extra: str):
+    """``mindpipe_jax.train`` on the tiny config with ``parallel.data=data`` (+ overrides)."""
+    cfg = mp.Config().replace(*TINY, f"parallel.data={data}",
                               f"train.deterministic={'true' if deterministic else 'false'}",
                               f'train.out_dir="{out_dir}"', *extra)
-    result = mp.train(config=cfg)
-    return host_params(result.state)
+    return mp.train(config=cfg)
+
+
+def host_params(state) -> dict[str, np.ndarray]:
+    """Every parameter leaf, gathered to a host NumPy array, keyed by its tree path."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state["params"])
+    return {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in flat}
 
 
 def main() -> None:
     n, out = int(sys.argv[1]), sys.argv[2]
     modes = (sys.argv[3] if len(sys.argv) > 3 else "det").split(",")
-    assert len(jax.devices()) == n, (jax.devices(), n)
+    if bad := [m for m in modes if m not in ("det", "plain")]:
+        raise SystemExit(f"unknown mode(s) {bad}; valid: det, plain")
+    if len(jax.devices()) != n:
+        raise SystemExit(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")
     arrays = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
-            if mode not in ("det", "plain"):
-                raise SystemExit(f"unknown mode {mode!r}; valid: det, plain")
-            params = run(n, mode == "det", os.path.join(tmp, mode))
-            arrays.update({f"{mode}/{k}": v for k, v in params.items()})
+            result = train_tiny(n, mode == "det", os.path.join(tmp, mode))
+            if result.mesh.shape["data"] != n:
+                raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have data={n}")
+            arrays.update({f"{mode}/{k}": v for k, v in host_params(result.state).items()})
     np.savez(out, **arrays)
 
 

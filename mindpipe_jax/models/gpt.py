@@ -26,17 +26,23 @@ from mindpipe_jax.parallel.rules import constrain
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def _annotated(value, names) -> nnx.Param:
+    # Logical names are metadata for the rules table, not mesh axes: turn off
+    # Flax's eager sharding so the model can be built with or without a mesh.
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
 def _param(rngs: nnx.Rngs, shape, names, std: float, dtype) -> nnx.Param:
     init = nnx.initializers.normal(std) if std > 0 else nnx.initializers.zeros_init()
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+    return _annotated(init(rngs.params(), shape, dtype), names)
 
 
 def _ones(shape, names, dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype), out_sharding=names)
+    return _annotated(jnp.ones(shape, dtype), names)
 
 
 def _zeros(shape, names, dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names)
+    return _annotated(jnp.zeros(shape, dtype), names)
 
 
 def _dropout(x, rate: float, key):

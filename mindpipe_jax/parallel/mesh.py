@@ -108,6 +108,8 @@ def _first_slurm_host(nodelist: str) -> str:
 
 def _platforms_without_accelerator() -> bool:
     import importlib.util
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
     names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
     return all(importlib.util.find_spec(n) is None for n in names)
 

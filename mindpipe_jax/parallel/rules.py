@@ -39,7 +39,7 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "kv":       ((),                 ()),
     "vocab":    (("tensor",),        ("tensor",)),
     "norm":     ((),                 ()),
-    "layers":   ((),                 ()),        # pipeline stages split layers explicitly
+    "layers":   (("pipe",),          ("pipe",)),  # stacked blocks: stage s holds its layers
     "stages":   (("pipe",),          ("pipe",)),
     "experts":  (("expert",),        ("expert",)),
     "subnets":  (("subnet",),        ("subnet",)),

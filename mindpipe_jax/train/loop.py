@@ -107,6 +107,8 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     cfg = config or Config()
     if overrides:
         cfg = cfg.replace(*overrides)
+    if cfg.train.deterministic and cfg.parallel.tensor == 0:
+        cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
     setup_runtime(cfg.parallel, cfg.distributed)
     mesh = make_mesh(cfg.parallel)
     check_step_config(cfg, mesh)
@@ -121,10 +123,11 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     factory = model if model is not None else (lambda rngs: GPT(cfg.model, rngs=rngs))
     spec, create = model_spec(factory, mesh, tr.seed)
     fingerprint = spec.fingerprint()
+    tx = make_optimizer(cfg.optim, tr.steps, spec.decay_mask)
+    train_step = make_train_step(spec, tx, cfg, mesh, tr.steps)  # checks schedule and contract
     out_dir, ckpt_dir, resume_step = _prepare_out_dir(cfg, fingerprint)
 
     # From here on files may be written: every user mistake has been caught above.
-    tx = make_optimizer(cfg.optim, tr.steps, spec.decay_mask)
     shardings = state_shardings_for(spec, tx, mesh)
     primary = pid == 0
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint}
@@ -143,7 +146,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     to_device = _Batches(mesh)
     batch_spec = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32,
                                       sharding=to_device.sharding)
-    step_fn = jax.jit(make_train_step(spec, tx, cfg, mesh, tr.steps),
+    step_fn = jax.jit(train_step,
                       in_shardings=(shardings, to_device.sharding),
                       out_shardings=(shardings, None), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(spec), in_shardings=(spec.storage, to_device.sharding))
@@ -199,7 +202,9 @@ def _run(cfg, state, step_fn, eval_fn, loader, val, to_device, ckpt, meta, write
             record["val_loss"] = final_val
             t_last += time.perf_counter() - t_eval  # evaluation is not step time
         if (tr.checkpoint_every and done % tr.checkpoint_every == 0) or done == tr.steps:
+            t_save = time.perf_counter()
             ckpt.save(done, state, loader.get_state(), {**meta, "step": done})
+            t_last += time.perf_counter() - t_save  # saving is not step time either
         if record:
             history.append({"step": done, **record})
             writer.write(done, record)

@@ -8,10 +8,14 @@ donated state. Two ways to compute the gradient:
 * deterministic — the global batch is cut into a fixed number of virtual shards,
   each shard's gradient computed with ``lax.map`` (whose per-shard program does
   not depend on how many shards a device holds), and the shard gradients summed
-  in one fixed pairwise tree. Each device reduces a contiguous, power-of-two run
-  of shards (a subtree), then the partial sums are all-gathered and the top of
-  the same tree is summed. The association is identical on 1, 2, 4 or 8
-  devices, so the parameters are bitwise identical too.
+  in one fixed pairwise tree. Every shard's gradient is all-gathered unreduced
+  and every device sums the whole ``[virtual_shards, ...]`` stack, so from the
+  gather on the program is the same on 1, 2, 4 or 8 devices: not only the
+  association but also what XLA fuses into the optimizer update (the CPU
+  backend contracts mul+add into FMAs per fused expression), and the clipping
+  norm is taken over replicated gradients, never fsdp shards. The parameters
+  are bitwise identical too. The cost: each device holds ``virtual_shards``
+  gradient copies at the gather.
 """
 
 from __future__ import annotations
@@ -44,18 +48,18 @@ def _to_compute(spec: ModelSpec, params):
     return jax.tree.map(jax.lax.with_sharding_constraint, params, spec.compute)
 
 
+def _split_microbatches(batch, m: int):
+    # Row k·m + j goes to microbatch j, so each device keeps its own rows.
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+
+
 def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int):
     """Loss and gradient averaged over ``accum`` sequential microbatches (fp32 sum)."""
     grad_fn = jax.value_and_grad(lambda p, b, k: model_loss(spec, p, b, k))
     if accum == 1:
         return grad_fn(params, batch, key)
 
-    def split(x):
-        # Row k·accum + j goes to microbatch j: each device keeps its own rows.
-        x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    micro = jax.tree.map(split, batch)
+    micro = _split_microbatches(batch, accum)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(carry, xs):
@@ -89,9 +93,12 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int):
         idx = first + jnp.arange(shards // n_dev)
         losses, grads = lax.map(
             lambda xs: grad_fn(p, xs[0], jax.random.fold_in(base_key, xs[1])), (local, idx))
-        partial = _pairwise_sum((losses, grads))
+        # Gather unreduced, then sum the same [shards, ...] tree on every device count.
+        # (A per-device partial sum first left a different expression to fuse into the
+        # optimizer update on 1 device than on several, and FMA contraction then
+        # rounded the Adam moments differently.)
         gathered = jax.tree.map(
-            lambda x: lax.all_gather(x, BATCH_AXES, tiled=False, to="invarying"), partial)
+            lambda x: lax.all_gather(x, BATCH_AXES, tiled=True, to="invarying"), (losses, grads))
         loss, total = _pairwise_sum(gathered)
         return loss / shards, jax.tree.map(lambda g: g / shards, total)
 
@@ -110,13 +117,26 @@ def check_step_config(cfg: Config, mesh) -> None:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
             f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}")
-    unused = {a: mesh.shape[a] for a in ("pipe", "subnet", "expert") if mesh.shape[a] > 1}
+    unused = {a: mesh.shape[a] for a in ("subnet", "expert") if mesh.shape[a] > 1}
     if unused:
         # Refuse rather than silently replicate the work over axes the step ignores.
         raise ConfigError(
             f"parallel {', '.join(f'{a}={n}' for a, n in unused.items())}: the dense train step "
-            f"does not use these axes yet (pipeline, supernet and expert parallelism are not "
-            f"built); set them to 1")
+            f"does not use these axes yet (supernet and expert parallelism are not built); "
+            f"set them to 1")
+    if mesh.shape["pipe"] > 1:
+        if cfg.model.dropout > 0:
+            raise ConfigError(f"model.dropout={cfg.model.dropout}: the pipeline runtime does not apply "
+                              f"dropout yet; set model.dropout=0 with parallel.pipe>1")
+        if mesh.shape["tensor"] > 1:
+            # XLA 0.10's SPMD partitioner aborts (a CHECK failure, not an error) on the
+            # pipeline's shard_map with a tensor-sharded stage; refuse before compiling.
+            raise ConfigError(f"parallel.pipe={mesh.shape['pipe']} with parallel.tensor="
+                              f"{mesh.shape['tensor']} is not supported yet; use data/fsdp with the "
+                              f"pipeline and set parallel.tensor=1")
+        if tr.grad_accum != 1:
+            raise ConfigError(f"train.grad_accum={tr.grad_accum}: with parallel.pipe>1 the pipeline's "
+                              f"parallel.microbatches already accumulate; set train.grad_accum=1")
     micro = tr.grad_accum * cfg.parallel.microbatches
     if tr.global_batch % (n_batch * micro):
         raise ConfigError(
@@ -140,19 +160,53 @@ def check_step_config(cfg: Config, mesh) -> None:
                               f"set train.grad_accum=1 (got {tr.grad_accum})")
 
 
+def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
+    """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+
+    groups = set(spec.abstract_params)
+    if groups != {"embed", "blocks", "head"}:
+        raise ConfigError(f"parallel.pipe>1 needs a model whose parameters are exactly embed, blocks "
+                          f"and head (the pipeline contract); got {', '.join(sorted(groups))}")
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
+    fns = stage_fns(spec.merge(shapes))
+    par = cfg.parallel
+    schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
+    run = pipeline_grads(fns, schedule, mesh)
+
+    def grad_fn(params, batch):
+        micro = _split_microbatches(batch, par.microbatches)
+        loss, grads = run(params["embed"], params["blocks"], params["head"],
+                          micro["inputs"], micro["targets"])
+        return loss, grads
+
+    return grad_fn
+
+
 def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
     schedule = lr_schedule(cfg.optim, total_steps)
     tr = cfg.train
+    pipelined = mesh.shape["pipe"] > 1
+    pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
+    # Without a pipeline, parallel.microbatches is plain gradient accumulation.
+    accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         params = _to_compute(spec, state["params"])
-        if tr.deterministic:
+        if pipelined:
+            loss, grads = pipeline_grad(params, batch)
+        elif tr.deterministic:
             loss, grads = _deterministic_grad(spec, params, batch, key, mesh, tr.virtual_shards)
         else:
-            loss, grads = _accumulated_grad(spec, params, batch, key, tr.grad_accum)
+            loss, grads = _accumulated_grad(spec, params, batch, key, accum)
         # Back to storage layout: a reduce-scatter for FSDP instead of a full all-reduce.
-        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, spec.storage)
+        # Deterministic grads are already replicated: keep them so, so the clipping norm
+        # is one unsharded reduction rather than fsdp partial sums + an all-reduce.
+        layout = spec.compute if tr.deterministic else spec.storage
+        grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout)
         grad_norm = optax.global_norm(grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),

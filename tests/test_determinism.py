@@ -1,0 +1,135 @@
+"""Deterministic mode: the same parameters, bit for bit, whatever the device count.
+
+``train.deterministic=true`` cuts the global batch into ``train.virtual_shards``
+fixed shards and sums their gradients in one fixed tree, so 1, 2, 4 and 8 devices
+(data axis = device count) must end with bitwise identical parameters. Each device
+count needs its own process (``jax_num_cpu_devices`` is read once, before the
+backend starts): ``determinism_worker.py`` trains there and saves the params.
+
+A control keeps the comparison honest: the same runs *without* deterministic mode
+must differ between 1 and 8 devices, otherwise a bitwise comparison could not
+detect anything. The tiny config clips on every step (``optim.clip_norm=0.05``)
+and uses dropout, so the clipping norm and the per-shard dropout keys are covered.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = Path(__file__).with_name("determinism_worker.py")
+TIMEOUT_S = 300
+# Device count -> modes the worker trains. ``plain`` only where the control needs it.
+RUNS = {1: "det,plain", 2: "det", 4: "det", 8: "det,plain"}
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("determinism_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bitwise_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    """Leaves whose dtype, shape or raw bytes differ, with the largest difference."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    out = []
+    for key in sorted(a):
+        x, y = a[key], b[key]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{key}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+        elif x.tobytes() != y.tobytes():
+            diff = np.abs(x.astype(np.float64) - y.astype(np.float64)).max()
+            out.append(f"{key}: max |diff| {diff:.3g}, "
+                       f"{np.count_nonzero(x.view(np.uint8) != y.view(np.uint8))} bytes differ")
+    return out
+
+
+def _mode(arrays, mode: str) -> dict[str, np.ndarray]:
+    prefix = f"{mode}/"
+    out = {k[len(prefix):]: arrays[k] for k in arrays.files if k.startswith(prefix)}
+    assert out, f"no {mode!r} params in {arrays.files}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def device_runs(tmp_path_factory):
+    """{n: {mode: params}} from one worker process per device count, run in parallel."""
+    tmp = tmp_path_factory.mktemp("determinism")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = {}
+    try:
+        for n, modes in RUNS.items():
+            log = open(tmp / f"worker{n}.log", "wb")  # a file, not a pipe: no deadlock
+            procs[n] = (subprocess.Popen([sys.executable, str(WORKER), str(n), str(tmp / f"p{n}.npz"),
+                                          modes], env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        deadline = time.monotonic() + TIMEOUT_S
+        for n, (proc, log) in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # this child only
+                proc.wait()
+                pytest.fail(f"worker for {n} devices ran over {TIMEOUT_S}s; log:\n"
+                            + (tmp / f"worker{n}.log").read_text()[-3000:])
+            log.close()
+            if proc.returncode != 0:
+                pytest.fail(f"worker for {n} devices exited with {proc.returncode}; log:\n"
+                            + (tmp / f"worker{n}.log").read_text()[-3000:])
+    finally:
+        for proc, log in procs.values():  # on any failure, leave no worker behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    out = {}
+    for n, modes in RUNS.items():
+        with np.load(tmp / f"p{n}.npz") as arrays:
+            out[n] = {mode: _mode(arrays, mode) for mode in modes.split(",")}
+    return out
+
+
+@pytest.mark.slow
+def test_deterministic_mode_is_bitwise_equal_on_1_2_4_8_devices(device_runs):
+    reference = device_runs[1]["det"]
+    assert len(reference) > 10  # every GPT parameter, not an empty tree
+    for n in (2, 4, 8):
+        diff = _bitwise_diff(reference, device_runs[n]["det"])
+        assert not diff, f"deterministic params on {n} devices differ from 1 device:\n" + "\n".join(diff)
+
+
+@pytest.mark.slow
+def test_control_plain_mode_differs_between_1_and_8_devices(device_runs):
+    # Without deterministic mode XLA's all-reduce reorders the sum (~1e-7 relative):
+    # if these were equal, the bitwise test above would prove nothing.
+    assert _bitwise_diff(device_runs[1]["plain"], device_runs[8]["plain"]), \
+        "plain data parallelism gave bitwise equal params on 1 and 8 devices: the test cannot tell"
+    # And training moved the params: the two gradient paths round differently.
+    assert _bitwise_diff(device_runs[1]["det"], device_runs[1]["plain"])
+
+
+@pytest.mark.slow
+def test_deterministic_fsdp_equals_data_parallel_in_process(tmp_path):
+    """8 devices (conftest): data=2 x fsdp=4 gives the bits of data=8."""
+    import jax
+
+    worker = _load_worker()
+    assert len(jax.devices()) == 8
+    data8 = worker.train_tiny(8, True, str(tmp_path / "data8"))
+    fsdp = worker.train_tiny(2, True, str(tmp_path / "fsdp"), "parallel.fsdp=4")
+    assert dict(fsdp.mesh.shape)["fsdp"] == 4 and dict(data8.mesh.shape)["data"] == 8
+    # The fsdp run really keeps its params in shards (else this compares data=8 with itself).
+    sharded = [p for p in jax.tree.leaves(fsdp.state["params"]) if "fsdp" in str(p.sharding.spec)]
+    assert sharded, "no parameter is sharded over fsdp"
+    diff = _bitwise_diff(worker.host_params(data8.state), worker.host_params(fsdp.state))
+    assert not diff, "deterministic data=2 x fsdp=4 differs from data=8:\n" + "\n".join(diff)
+    # Same losses and clipping norms as well (logged as Python floats from float32).
+    for a, b in zip(data8.history, fsdp.history, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
