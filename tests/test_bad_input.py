@@ -33,7 +33,7 @@ CASES = [
     (["parallel.data=-1", "parallel.tensor=-1"], "only one axis"),
     (["train.global_batch=12", "parallel.data=8"], "train.global_batch=12"),
     (["model.n_layers=3", "parallel.pipe=2", "parallel.data=4"], "model.n_layers=3"),
-    (["parallel.pipe=2", "parallel.data=2", "parallel.tensor=2"], "parallel.tensor=2"),
+    (["parallel.pipe=2", "parallel.data=4", "model.dropout=0.1"], "model.dropout=0.1"),
     (["parallel.pipe=2", "parallel.data=4", "parallel.schedule=afapab"], "afapab"),
     (["parallel.pipe=2", "parallel.data=4", "parallel.virtual_stages=2"], "virtual"),
     (["parallel.pipe=2", "parallel.data=4", "parallel.microbatches=3"], "microbatches"),

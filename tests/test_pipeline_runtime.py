@@ -21,6 +21,15 @@ CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 4, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{c[0]}-p{c[1]}-m{c[2]}-v{c[3]}" for c in CASES])
 def test_pipeline_grads_equal_unpipelined(name, p, m, v):
+    check_pipeline_grads(name, p, m, v, ParallelConfig(pipe=p, data=-1, tensor=1))
+
+
+@pytest.mark.parametrize("axes", [dict(data=2, tensor=2), dict(fsdp=2, tensor=2), dict(data=4, tensor=1)])
+def test_pipeline_composes_with_data_and_tensor(axes):
+    check_pipeline_grads("1f1b", 2, 4, 1, ParallelConfig(pipe=2, **axes))
+
+
+def check_pipeline_grads(name, p, m, v, parallel):
     cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=p * v, n_heads=2)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -32,7 +41,7 @@ def test_pipeline_grads_equal_unpipelined(name, p, m, v):
         return jnp.mean(jnp.stack([merged.loss(inputs[i], targets[i]) for i in range(m)]))
 
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
-    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    mesh = make_mesh(parallel)
     # NaN in every buffer slot before use: an idle slot reaching a result would show.
     run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, nan_bubbles=True)
     with jax.set_mesh(mesh):
@@ -65,11 +74,12 @@ def unpipelined(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [
-    ("parallel.pipe=2", "parallel.data=4", "parallel.schedule=1f1b", "parallel.microbatches=4"),
+    ("parallel.pipe=2", "parallel.data=2", "parallel.tensor=2", "parallel.schedule=1f1b",
+     "parallel.microbatches=4"),
     ("parallel.pipe=4", "parallel.data=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"),
     ("parallel.pipe=2", "parallel.fsdp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
      "parallel.microbatches=2"),
-], ids=["1f1b-pipe2xdata4", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4"])
+], ids=["1f1b-pipe2xdata2xtensor2", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4"])
 def test_pipelined_training_matches_unpipelined(tmp_path, layout, unpipelined):
     ref = unpipelined
     got = mp.train(None, None, mp.Config(), *TINY, f"train.out_dir={tmp_path / 'pipe'}", *layout)

@@ -115,6 +115,8 @@ def constrain(x, names):
     if mesh.empty:
         return x
     manual = set(getattr(mesh, "manual_axes", ()))
+    if manual:
+        return x
     spec = spec_for(names, "compute", mesh)
     spec = P(*[_drop(entry, manual) for entry in spec])
     return jax.lax.with_sharding_constraint(x, spec)

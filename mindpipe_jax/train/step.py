@@ -128,12 +128,6 @@ def check_step_config(cfg: Config, mesh) -> None:
         if cfg.model.dropout > 0:
             raise ConfigError(f"model.dropout={cfg.model.dropout}: the pipeline runtime does not apply "
                               f"dropout yet; set model.dropout=0 with parallel.pipe>1")
-        if mesh.shape["tensor"] > 1:
-            # XLA 0.10's SPMD partitioner aborts (a CHECK failure, not an error) on the
-            # pipeline's shard_map with a tensor-sharded stage; refuse before compiling.
-            raise ConfigError(f"parallel.pipe={mesh.shape['pipe']} with parallel.tensor="
-                              f"{mesh.shape['tensor']} is not supported yet; use data/fsdp with the "
-                              f"pipeline and set parallel.tensor=1")
         if tr.grad_accum != 1:
             raise ConfigError(f"train.grad_accum={tr.grad_accum}: with parallel.pipe>1 the pipeline's "
                               f"parallel.microbatches already accumulate; set train.grad_accum=1")

@@ -38,6 +38,12 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 
 AXIS = "pipe"
+# The batch axes are manual too: each data shard runs the schedule on its own rows
+# and the gradients are averaged over them once, after the last tick. Leaving them
+# to the compiler instead made XLA 0.10's SPMD partitioner abort on pipe × data ×
+# tensor meshes; manual batch axes are also where AFAPAB's explicit gradient sync lives.
+BATCH = ("data", "fsdp")
+MANUAL = (AXIS, *BATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +178,11 @@ def _expect_neighbour(src: int, dst: int, p: int, what: str) -> None:
 
 
 def _vary(tree):
-    """Mark values as varying over ``pipe`` (loop carries and branch outputs must agree)."""
+    """Mark values as varying over every manual axis (loop carries and branch outputs
+    must agree; and a vjp w.r.t. an invariant value would insert a psum in a branch)."""
     def one(x):
-        if AXIS in jax.typeof(x).manual_axis_type.varying:
-            return x
-        return lax.pcast(x, AXIS, to="varying")
+        missing = tuple(a for a in MANUAL if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(one, tree)
 
 
@@ -231,7 +237,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
         # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
         # a branch (a hang) and double-count; varying values keep gradients local.
         embed_p, head_p = _vary(embed_p), _vary(head_p)
-        chunks = jax.tree.map(lambda x: x[0], blocks_p)  # [v, L_chunk, ...] on this device
+        chunks = _vary(jax.tree.map(lambda x: x[0], blocks_p))  # [v, L_chunk, ...] on this device
         inputs, targets = _vary(inputs), _vary(targets)
         h_shape = jax.eval_shape(fns.embed, embed_p, inputs[0])
         fill = jnp.nan if nan_bubbles else 0.0
@@ -326,16 +332,21 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
 
         (acc, _, _), _ = lax.scan(tick, (acc, x_buf, g_buf), jnp.arange(ticks))
         # Embed/head gradients live on their owners only (zeros elsewhere): one psum.
-        loss = lax.psum(acc["loss"], AXIS) / m
-        d_embed = jax.tree.map(lambda g, x: lax.psum(g, AXIS).astype(x.dtype), acc["embed"], embed_p)
-        d_head = jax.tree.map(lambda g, x: lax.psum(g, AXIS).astype(x.dtype), acc["head"], head_p)
-        d_blocks = jax.tree.map(lambda g, x: g.astype(x.dtype)[None], acc["blocks"], chunks)
+        # Shards hold equal row counts, so the global mean is the mean of shard means.
+        loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
+        d_embed = jax.tree.map(lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype),
+                               acc["embed"], embed_p)
+        d_head = jax.tree.map(lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype),
+                              acc["head"], head_p)
+        d_blocks = jax.tree.map(lambda g, x: lax.pmean(g, BATCH).astype(x.dtype)[None],
+                                acc["blocks"], chunks)
         return loss, d_embed, d_blocks, d_head
 
     def run(embed_p, blocks_p, head_p, inputs, targets):
         staged = to_stages(blocks_p)
-        fn = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
-                           in_specs=(P(), P(AXIS), P(), P(), P()),
+        rows = P(None, BATCH)
+        fn = jax.shard_map(body, mesh=mesh, axis_names=set(MANUAL),
+                           in_specs=(P(), P(AXIS), P(), rows, rows),
                            out_specs=(P(), P(), P(AXIS), P()))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
         return loss, {"embed": d_embed, "blocks": from_stages(d_blocks), "head": d_head}
