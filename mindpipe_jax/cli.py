@@ -4,6 +4,8 @@ Subcommands:
 
 * ``mindpipe train [--config FILE] [section.key=value ...]`` — run ``mindpipe_jax.train``.
 * ``mindpipe config [--config FILE] [section.key=value ...]`` — print the resolved config as TOML.
+* ``mindpipe schedule --schedule NAME --stages P --microbatches M [--virtual V] [--out FILE]`` —
+  print a pipeline schedule's timeline, bubble and live activations; draw it with ``--out``.
 
 A user mistake (``ConfigError``) becomes one line on stderr and exit status 2;
 Ctrl-C exits 130; anything else is a bug and keeps its traceback.
@@ -20,6 +22,7 @@ from typing import Any
 
 from mindpipe_jax.config import Config, load_config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
 
 PROG = "mindpipe"
 
@@ -43,6 +46,7 @@ examples:
   mindpipe train --config examples/configs/tiny.toml # a small run in seconds
   mindpipe train --config examples/configs/tiny.toml train.resume=true train.steps=60
   mindpipe config parallel.fsdp=4 > my.toml          # write a full config to edit
+  mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
 """
 
 _ERRORS = """\
@@ -189,6 +193,52 @@ def build_parser() -> argparse.ArgumentParser:
     p_config.add_argument("--no-comments", action="store_true",
                           help="plain TOML without section descriptions and default notes")
     p_config.set_defaults(func=_cmd_config, parser=p_config)
+
+    names = ",".join(SCHEDULES)
+    p_schedule = sub.add_parser(
+        "schedule", formatter_class=fmt,
+        help="print (and with --out draw) a pipeline schedule: timeline, bubble, live activations",
+        description=textwrap.dedent("""\
+            Build a pipeline schedule table for P stages (devices on the pipe axis) and M
+            microbatches and print it: the timeline (one row per stage, one column per
+            tick; F3 = forward of microbatch 3, BW3 = its fused backward, B3/W3 = input /
+            weight gradient, '..' = idle, and with --virtual V > 1 a letter names the
+            chunk: F3a, F3b), the tick count, the bubble fraction counting every task as
+            one tick and replayed with durations F=B=W=1, BW=2, and the peak number of
+            live activations (microbatches forwarded but not yet backwarded) per stage.
+            With --out, also draw the timeline as a picture. Nothing needs JAX devices."""),
+        epilog=textwrap.dedent("""\
+            schedules:
+              gpipe        all forwards, then all backwards (bubble (p-1)/(m+p-1), m live)
+              1f1b         PipeDream-flush one-forward-one-backward (same bubble, <= p live)
+              interleaved  Megatron interleaved 1F1B with V chunks per stage; needs M
+                           divisible by P (bubble (p-1)/(V*m+p-1) in ticks)
+              zb-h1        zero bubble H1: backward split into B and W, W's fill the
+                           bubbles (about (p-1)/(3m+p-1) with F=B=W)
+
+            examples:
+              mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8
+              mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
+              mindpipe schedule --schedule interleaved --stages 4 --microbatches 8 --virtual 2 --out il.svg
+              mindpipe schedule --schedule zb-h1 --stages 4 --microbatches 8 --weighted --out zb.pdf
+
+            pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
+            """) + "\n" + _ERRORS)
+    p_schedule.add_argument("--schedule", required=True, metavar=f"{{{names}}}",
+                            help="which schedule to build")
+    p_schedule.add_argument("--stages", required=True, metavar="P",
+                            help="pipeline stages (devices along the pipe axis), an integer >= 1")
+    p_schedule.add_argument("--microbatches", required=True, metavar="M",
+                            help="microbatches per step, an integer >= 1")
+    p_schedule.add_argument("--virtual", default="1", metavar="V",
+                            help="model chunks per stage (interleaved only; default: 1)")
+    p_schedule.add_argument("--out", metavar="FILE", default=None,
+                            help="also draw the timeline to FILE (.png, .svg or .pdf); its "
+                                 "directory must exist")
+    p_schedule.add_argument("--weighted", action="store_true",
+                            help="in the picture, size boxes by duration (F=B=W=1, BW=2, "
+                                 "as-soon-as-possible replay) instead of one tick per task")
+    p_schedule.set_defaults(func=_cmd_schedule, parser=p_schedule)
     return parser
 
 
@@ -197,7 +247,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
     # argparse leaves the later positionals over, so collect them as overrides in order.
     args, extra = parser.parse_known_args(argv)
     for item in extra:
-        if item.startswith("-"):
+        if item.startswith("-") or not hasattr(args, "overrides"):
             getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides.append(item)
     return args
@@ -226,6 +276,35 @@ def _cmd_train(args: argparse.Namespace) -> int:
         train_loss = "n/a" if last_loss is None else f"{last_loss:.4f}"
         print(f"done: {cfg.train.steps} steps | final train loss {train_loss} | "
               f"final validation loss {val} | out_dir {result.out_dir}", flush=True)
+    return 0
+
+
+def _positive_int(value: str, option: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{option} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from mindpipe_jax import viz
+    from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, get_schedule
+
+    # Every check before any output, so that a mistake writes nothing.
+    p = _positive_int(args.stages, "--stages")
+    m = _positive_int(args.microbatches, "--microbatches")
+    v = _positive_int(args.virtual, "--virtual")
+    schedule = get_schedule(args.schedule, p, m, v)
+    if args.out is not None:
+        viz.check_picture_path(args.out)
+        viz.require_matplotlib()
+    print(viz.schedule_summary(schedule), flush=True)
+    if args.out is not None:
+        path = viz.draw_schedule(schedule, args.out, cost=DEFAULT_COST if args.weighted else None)
+        print(f"wrote {path}", flush=True)
     return 0
 
 

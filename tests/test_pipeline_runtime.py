@@ -21,15 +21,18 @@ CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 4, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{c[0]}-p{c[1]}-m{c[2]}-v{c[3]}" for c in CASES])
 def test_pipeline_grads_equal_unpipelined(name, p, m, v):
-    check_pipeline_grads(name, p, m, v, ParallelConfig(pipe=p, data=-1, tensor=1))
+    # Residual buffers (no recompute) on the odd-numbered cases, stage remat on the others.
+    remat = CASES.index((name, p, m, v)) % 2 == 0
+    check_pipeline_grads(name, p, m, v, ParallelConfig(pipe=p, data=-1, tensor=1), remat=remat)
 
 
 @pytest.mark.parametrize("axes", [dict(data=2, tensor=2), dict(fsdp=2, tensor=2), dict(data=4, tensor=1)])
-def test_pipeline_composes_with_data_and_tensor(axes):
-    check_pipeline_grads("1f1b", 2, 4, 1, ParallelConfig(pipe=2, **axes))
+@pytest.mark.parametrize("remat", [False, True])
+def test_pipeline_composes_with_data_and_tensor(axes, remat):
+    check_pipeline_grads("1f1b", 2, 4, 1, ParallelConfig(pipe=2, **axes), remat=remat)
 
 
-def check_pipeline_grads(name, p, m, v, parallel):
+def check_pipeline_grads(name, p, m, v, parallel, *, remat):
     cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=p * v, n_heads=2)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -43,7 +46,8 @@ def check_pipeline_grads(name, p, m, v, parallel):
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
     mesh = make_mesh(parallel)
     # NaN in every buffer slot before use: an idle slot reaching a result would show.
-    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, nan_bubbles=True)
+    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat,
+                         nan_bubbles=True)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)

@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 
 AXIS = "pipe"
@@ -126,9 +127,10 @@ def make_plan(schedule: Schedule) -> Plan:
     for (kind, mb, g), (t, s) in where.items():
         if kind is not Kind.F:
             continue
-        if g > 0:
-            t_in, _ = where[(Kind.F, mb, g - 1)]
-            x_life[s][(mb, g)] = (t_in, last_use(mb, g))
+        # Stage inputs arrive at the end of the producer's F tick; the first stage's
+        # slot (residuals only) is taken by its own F.
+        t_in = where[(Kind.F, mb, g - 1)][0] if g > 0 else t
+        x_life[s][(mb, g)] = (t_in, last_use(mb, g))
         if g < last_global:
             t_back = backward_tick(mb, g + 1)
             g_life[s][(mb, g)] = (t_back, last_use(mb, g))
@@ -205,13 +207,17 @@ def _put(buf, index, value):
     return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), index, 0)
 
 
-def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool = False):
+def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = True,
+                   nan_bubbles: bool = False):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L`` (divisible by p·v); inputs
     and targets are ``[m, microbatch, length]``. Returns the mean loss over the m
     microbatches and the gradients of all three parameter groups, with the same
     structure and layer order as the inputs.
+    ``remat=True`` keeps only each microbatch's stage input and recomputes the
+    stage's forward in its backward; ``remat=False`` keeps the forward's residuals
+    (traced once, see ``residuals.py``) and recomputes nothing.
     ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
     proves idle slots never reach the results.
     """
@@ -249,6 +255,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
         acc = _vary(acc)
         seed = _vary(jnp.asarray(1.0 / m, jnp.float32))
 
+        store = None if remat else ResidualStore(fns.stage, _take(chunks, 0), zero_h)
+        res_buf = _vary(store.empty(plan.x_slots, fill)) if store else []
+
         def stage_fwd(c_params, x):
             return fns.stage(c_params, x)
 
@@ -258,48 +267,64 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
         def last_loss(c_params, h_params, x, tgt):
             return fns.head_loss(h_params, fns.stage(c_params, x), tgt)
 
+        def forward(op, c_params, tokens, pos):
+            """F of a first or middle stage: the activation to send on, residuals kept."""
+            x, res = op["x"], op["res"]
+            if store is None:  # remat: the stage input is already in its slot
+                return (first_fwd(embed_p, c_params, tokens) if pos == FIRST
+                        else stage_fwd(c_params, x)), res
+            h = fns.embed(embed_p, tokens) if pos == FIRST else x
+            return store.forward(c_params, h, res, op["task"]["x_slot"])
+
+        def backward(op, c_params, tokens, pos):
+            """(embed grad or None, chunk grad, input grad) of a first or middle stage."""
+            x, dy = op["x"], op["dy"]
+            if store is None:
+                if pos == FIRST:
+                    _, vjp = jax.vjp(first_fwd, embed_p, c_params, tokens)
+                    d_e, d_c, _ = vjp(dy)
+                    return d_e, d_c, zero_h
+                d_c, d_x = jax.vjp(stage_fwd, c_params, x)[1](dy)
+                return None, d_c, d_x
+            d_c, d_x = store.backward(c_params, op["res"], op["task"]["x_slot"], dy)
+            if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
+                _, vjp = jax.vjp(fns.embed, embed_p, tokens)
+                return vjp(d_x.astype(zero_h.dtype))[0], d_c, zero_h
+            return None, d_c, d_x
+
         def branches():
             def idle(op):
-                return op["acc"], zero_h, zero_h
+                return op["acc"], zero_h, zero_h, op["res"]
 
             def make(kind, pos):
                 def run(op):
-                    acc, task, x, dy = op["acc"], op["task"], op["x"], op["dy"]
+                    acc, task, x, res = op["acc"], op["task"], op["x"], op["res"]
                     c_params = _take(chunks, task["chunk"])
                     tokens = _take(inputs, task["microbatch"])
                     tgt = _take(targets, task["microbatch"])
-                    send_f, send_b = zero_h, zero_h
-                    if kind is Kind.F:
-                        if pos == FIRST:
-                            send_f = first_fwd(embed_p, c_params, tokens)
-                        elif pos == MID:
-                            send_f = stage_fwd(c_params, x)
-                        else:
-                            loss = last_loss(c_params, head_p, x, tgt)
-                            acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
-                        return acc, send_f, send_b
                     want_w = kind in (Kind.BW, Kind.W)
                     want_x = kind in (Kind.BW, Kind.B)
-                    if pos == FIRST:
-                        if want_w:
-                            _, vjp = jax.vjp(first_fwd, embed_p, c_params, tokens)
-                            d_e, d_c, _ = vjp(dy)
-                            acc = {**acc, "embed": jax.tree.map(jnp.add, acc["embed"], d_e),
-                                   "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
-                        return acc, send_f, send_b  # no input gradient below the embedding
+                    if kind is Kind.F:
+                        if pos == LAST:  # the last stage's forward runs inside its backward
+                            return acc, zero_h, zero_h, res
+                        send_f, res = forward(op, c_params, tokens, pos)
+                        return acc, send_f, zero_h, res
                     if pos == LAST:
                         fn = lambda c, h, xx: last_loss(c, h, xx, tgt)  # noqa: E731
-                        _, vjp = jax.vjp(fn, c_params, head_p, x)
-                        d_c, d_h, d_x = vjp(seed.astype(jnp.float32))
+                        loss, vjp = jax.vjp(fn, c_params, head_p, x)
+                        d_c, d_h, d_x = vjp(seed)
+                        if want_x:  # B or BW: counted once per microbatch
+                            acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
                         if want_w:
                             acc = {**acc, "head": jax.tree.map(jnp.add, acc["head"], d_h),
                                    "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
-                        return acc, send_f, (d_x if want_x else zero_h)
-                    _, vjp = jax.vjp(stage_fwd, c_params, x)
-                    d_c, d_x = vjp(dy)
+                        return acc, zero_h, (d_x if want_x else zero_h), res
+                    d_e, d_c, d_x = backward(op, c_params, tokens, pos)
                     if want_w:
                         acc = {**acc, "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
-                    return acc, send_f, (d_x if want_x else zero_h)
+                        if d_e is not None:
+                            acc = {**acc, "embed": jax.tree.map(jnp.add, acc["embed"], d_e)}
+                    return acc, zero_h, (d_x if want_x and pos != FIRST else zero_h), res
 
                 return lambda op: _vary(run(op))
 
@@ -315,11 +340,12 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
         branch_fns = branches()
 
         def tick(carry, t):
-            acc, x_buf_c, g_buf_c = carry
+            acc, x_buf_c, g_buf_c, res_c = carry
             task = {k: table[k][t, stage_idx] for k in table}
-            operand = {"acc": acc, "task": task, "x": _take(x_buf_c, jnp.maximum(task["x_slot"], 0)),
-                       "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0))}
-            acc, send_f, send_b = lax.switch(task["branch"], branch_fns, operand)
+            task["x_slot"] = jnp.maximum(task["x_slot"], 0)
+            operand = {"acc": acc, "task": task, "x": _take(x_buf_c, task["x_slot"]),
+                       "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0)), "res": res_c}
+            acc, send_f, send_b, res_c = lax.switch(task["branch"], branch_fns, operand)
             # Every device takes part in both transfers every tick (outside the branches).
             recv_f = lax.ppermute(send_f, AXIS, fwd_perm)
             recv_b = lax.ppermute(send_b, AXIS, bwd_perm)
@@ -328,9 +354,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, nan_bubbles: bool
             g_new = jnp.where(rg >= 0, recv_b, _take(g_buf_c, jnp.maximum(rg, 0)))
             x_buf_c = _put(x_buf_c, jnp.maximum(rx, 0), x_new)
             g_buf_c = _put(g_buf_c, jnp.maximum(rg, 0), g_new)
-            return (acc, x_buf_c, g_buf_c), None
+            return (acc, x_buf_c, g_buf_c, res_c), None
 
-        (acc, _, _), _ = lax.scan(tick, (acc, x_buf, g_buf), jnp.arange(ticks))
+        (acc, _, _, _), _ = lax.scan(tick, (acc, x_buf, g_buf, res_buf), jnp.arange(ticks))
         # Embed/head gradients live on their owners only (zeros elsewhere): one psum.
         # Shards hold equal row counts, so the global mean is the mean of shard means.
         loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m

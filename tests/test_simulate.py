@@ -1,0 +1,357 @@
+"""The pipeline simulator: analytic bubbles, transfer and sync costs, calibration.
+
+Pure Python, no devices. Every expected number is derived in a comment next to
+its assertion or in ``mindpipe_jax/parallel/pipeline/simulate.py``.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from mindpipe_jax.parallel.pipeline.schedules import (
+    Kind,
+    Schedule,
+    Task,
+    get_schedule,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    zb_h1,
+)
+from mindpipe_jax.parallel.pipeline.simulate import (
+    Collective,
+    DPSync,
+    LayerCost,
+    Link,
+    StageCosts,
+    even_assignment,
+    fit_alpha_beta,
+    predict_utilization,
+    simulate,
+)
+
+UNIT = StageCosts(F=1, B=1, W=1)     # BW = B + W = 2
+SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
+
+
+def all_schedules(p, m):
+    yield gpipe(p, m)
+    yield one_f_one_b(p, m)
+    yield zb_h1(p, m)
+    for v in (1, 2):
+        if m % p == 0:
+            yield interleaved(p, m, v)
+            yield interleaved(p, m, v, warmup="minimal")
+
+
+# ------------------------------------------------------------- analytic bubbles
+@pytest.mark.parametrize("p,m", SIZES)
+def test_1f1b_and_gpipe_async_bubble(p, m):
+    for sched in (one_f_one_b(p, m), gpipe(p, m)):
+        r = simulate(sched, UNIT)
+        assert r.step_time == 3 * (m + p - 1)
+        assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+        assert r.busy == (3.0 * m,) * p
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_interleaved_async_bubble(p, m, v):
+    sched = interleaved(p, m, v)
+    r = simulate(sched, UNIT)   # F = 1, BW = 2 per chunk
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    # per-device x per-chunk costs (mapped through the placement) give the same
+    nested = StageCosts(F=[[1] * v] * p, B=[[1] * v] * p, W=[[1] * v] * p)
+    assert simulate(sched, nested).step_time == r.step_time
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_async_bubble_agrees_with_schedules(p, m):
+    sched = zb_h1(p, m)
+    r = simulate(sched, UNIT)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert r.bubble_fraction == sched.bubble_fraction_weighted({"F": 1, "B": 1, "W": 1})   # exactly
+
+
+def test_1f1b_utilization_at_p8_m32():
+    r = simulate(one_f_one_b(8, 32), UNIT)
+    assert r.mean_utilization == pytest.approx(1 - 7 / 39)
+    assert r.mean_utilization == pytest.approx(0.82, abs=0.005)
+    assert r.utilization == pytest.approx([1 - 7 / 39] * 8)
+
+
+# --------------------------------------------- agreement with Schedule.timeline
+COSTS = [None, {"F": 1, "BW": 2}, {"F": 1, "B": 1, "W": 1}, {"F": 1, "BW": 3}, {"F": 0.7, "B": 1.3},
+         lambda stage, task: (1.5 if stage == 1 else 1.0) * (2.0 if task.kind == "BW" else 1.0)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+@pytest.mark.parametrize("lockstep", [False, True])
+@pytest.mark.parametrize("transfer", [0.0, 0.25])
+def test_reproduces_schedule_timeline(p, m, lockstep, transfer):
+    for sched in all_schedules(p, m):
+        for cost in COSTS:
+            ref = sched.timeline(cost, transfer=transfer, lockstep=lockstep)
+            r = simulate(sched, cost, link=transfer, mode="lockstep" if lockstep else "async")
+            assert r.to_timeline() == ref, (sched.name, cost)
+            assert r.bubble_fraction == ref.bubble_fraction
+
+
+# ------------------------------------------------------------ lockstep >= async
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 8)])
+def test_lockstep_never_beats_async(p, m):
+    rng = random.Random(p * 100 + m)
+    for sched in all_schedules(p, m):
+        G = sched.num_global_stages
+        costs = [UNIT, StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                                  B=[rng.uniform(0.5, 2) for _ in range(G)],
+                                  W=[rng.uniform(0.2, 1) for _ in range(G)],
+                                  activation_bytes=[rng.uniform(0, 1e6) for _ in range(G)],
+                                  param_bytes=[rng.uniform(0, 1e7) for _ in range(G)])]
+        links = [None, 0.3, Link(1e-3, 1e8)]
+        net = Link(1e-3, 1e9)
+        syncs = [None, DPSync(4, net, "end"), DPSync(4, net, "overlap", slice_bytes=2e6)]
+        for cost in costs:
+            for link in links:
+                for dp in syncs:
+                    for contention in (True, False):
+                        a = simulate(sched, cost, link=link, dp_sync=dp, contention=contention)
+                        lk = simulate(sched, cost, link=link, dp_sync=dp, mode="lockstep",
+                                      contention=contention)
+                        assert lk.step_time >= a.step_time - 1e-9, (sched.name, link, dp)
+                        assert lk.busy == pytest.approx(a.busy)
+
+
+def test_lockstep_costs_of_the_schedules_at_p8_m32():
+    # GPipe's ticks are all-F or all-BW and ZB-H1's tasks are all unit: no loss;
+    # 1F1B and interleaved mix F and BW in one tick and pay the BW
+    for name, v, loses in [("gpipe", 1, False), ("zb-h1", 1, False), ("1f1b", 1, True),
+                           ("interleaved", 2, True)]:
+        sched = get_schedule(name, 8, 32, v)
+        a, lk = simulate(sched, UNIT), simulate(sched, UNIT, mode="lockstep")
+        if loses:
+            assert lk.mean_utilization < a.mean_utilization - 0.1
+        else:
+            assert lk.step_time == a.step_time
+
+
+# ------------------------------------------------------------------- transfers
+def test_transfer_on_the_critical_path_gpipe_p2_m1():
+    # F0 on s0 [0, 1] -> send -> F0 on s1 [1 + tau, 2 + tau] -> BW0 on s1
+    # [2 + tau, 4 + tau] -> send -> BW0 on s0 [4 + 2 tau, 6 + 2 tau].
+    link = Link(latency_s=0.05, bandwidth_Bps=1e9)
+    costs = StageCosts(F=1, B=1, W=1, activation_bytes=[2e8, 0])
+    tau = 0.05 + 2e8 / 1e9
+    assert link.time(2e8) == pytest.approx(tau)
+    r = simulate(gpipe(2, 1), costs, link=link)
+    assert r.step_time == pytest.approx(6 + 2 * tau)
+    assert r.start[3][0] == pytest.approx(4 + 2 * tau)       # tick 3: BW0 on stage 0
+    sends = [e for e in r.events if e.kind == "send"]
+    assert [(e.device, e.peer) for e in sends] == [(0, 1), (1, 0)]
+    assert sends[0].start == pytest.approx(1) and sends[0].end == pytest.approx(1 + tau)
+    assert sends[1].start == pytest.approx(4 + tau) and sends[1].end == pytest.approx(4 + 2 * tau)
+    assert r.network_busy == pytest.approx((0.2, 0.2))        # occupancy n / bw, latency excluded
+    # lockstep: 4 ticks (F, F, BW, BW) and an exchange after each of the first three
+    lk = simulate(gpipe(2, 1), costs, link=link, mode="lockstep")
+    assert lk.step_time == pytest.approx(6 + 3 * tau)
+    assert sum(e.kind == "exchange" for e in lk.events) == 3 * 2
+
+
+def test_same_device_hand_off_is_free():
+    # a V-shaped placement on 2 devices: global stages 1 and 2 share device 1
+    sched = Schedule.from_table([["F0", ".."], ["..", "F0"], ["..", "F0b"], ["F0b", ".."],
+                                 ["BW0b", ".."], ["..", "BW0b"], ["..", "BW0"], ["BW0", ".."]],
+                                placement=[[0, 3], [1, 2]])
+    r = simulate(sched, UNIT, link=0.5)
+    # sends: F g0->g1 (device 0 -> 1), F g2->g3 (1 -> 0), BW g3->g2 (0 -> 1), BW g1->g0 (1 -> 0);
+    # g1 <-> g2 stay on device 1. Critical path: 4 F + 4 BW = 12, plus 4 transfers of 0.5
+    assert r.step_time == pytest.approx(12 + 4 * 0.5)
+    assert sum(e.kind == "send" for e in r.events) == 4
+
+
+def test_contention_serialises_sends_behind_a_sync():
+    # p = 2, 2 chunks per device: device 1's chunk-1 sync (overlapped) occupies its
+    # lane when it must send a gradient back to device 0
+    sched = interleaved(2, 2, 2)
+    costs = StageCosts(F=1, B=1, W=1, activation_bytes=1e6, param_bytes=[0, 0, 0, 5e9])
+    link = Link(0.0, 1e9)                                      # a send occupies 1 ms
+    dp = DPSync(2, Link(0.0, 1e9), "overlap")                  # the sync: 2 * 1/2 * 5 s = 5 s
+    free = simulate(sched, costs, link=link, dp_sync=dp, contention=False)
+    shared = simulate(sched, costs, link=link, dp_sync=dp, contention=True)
+    assert shared.step_time > free.step_time
+    # slicing the sync bounds the wait to one slice
+    sliced = simulate(sched, costs, link=link, dp_sync=DPSync(2, Link(0.0, 1e9), "overlap", slice_bytes=1e8),
+                      contention=True)
+    assert free.step_time <= sliced.step_time < shared.step_time
+
+
+# ------------------------------------------------------------ data-parallel sync
+def test_ring_collective_costs():
+    link = Link(1e-4, 1e9)
+    assert Collective(4, link).time(8e8) == pytest.approx(2 * 3 / 4 * 0.8 + 2 * 3 * 1e-4)
+    assert Collective(4, link, "reduce-scatter").time(8e8) == pytest.approx(3 / 4 * 0.8 + 3 * 1e-4)
+    assert Collective(1, link).time(8e8) == 0.0
+    dp = DPSync(4, link, slice_bytes=3e8)
+    assert dp.slices(8e8) == [3e8, 3e8, 2e8]
+    assert dp.time(8e8) == pytest.approx(2 * 3 / 4 * 0.8 + 3 * 2 * 3 * 1e-4)   # alpha per slice
+
+
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_sync_at_end_adds_exactly_the_sync_time_p1(mode):
+    sched = one_f_one_b(1, 4)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=4e8)
+    dp = DPSync(8, Link(1e-3, 1e9), "end")
+    sync = 2 * 7 / 8 * 0.4 + 2 * 7 * 1e-3
+    base = simulate(sched, costs, mode=mode)
+    r = simulate(sched, costs, dp_sync=dp, mode=mode)
+    assert base.step_time == 12
+    assert r.step_time == pytest.approx(12 + sync)
+    assert r.compute_time == 12 and r.exposed_communication == pytest.approx(sync)
+    assert r.mean_utilization == pytest.approx(12 / (12 + sync))
+    # overlapping a single chunk's sync hides nothing: its last backward ends the step
+    assert simulate(sched, costs, dp_sync=DPSync(8, Link(1e-3, 1e9), "overlap"),
+                    mode=mode).step_time == pytest.approx(r.step_time)
+
+
+@pytest.mark.parametrize("mode", ["async", "lockstep"])
+def test_overlapped_sync_hides_behind_remaining_backwards(mode):
+    # p = 1, v = 2 chunks, m = 4: the device's last task is BW3 of chunk 0 (2 s), and
+    # chunk 1's last BW comes right before it, so chunk 1's sync has 2 s to hide in.
+    sched = interleaved(1, 4, 2)
+    assert sched.table[-1][0] == Task(3, 0, Kind.BW) and sched.table[-2][0] == Task(3, 1, Kind.BW)
+    link = Link(0.0, 1e9)
+    compute = simulate(sched, UNIT, mode=mode).step_time
+    assert compute == 24
+    for nbytes, hidden in [(1.5e9, True), (3e9, False)]:   # all-reduce over 2 ranks: n / bw s
+        costs = StageCosts(F=1, B=1, W=1, param_bytes=[0, nbytes])
+        sync = nbytes / 1e9
+        end = simulate(sched, costs, dp_sync=DPSync(2, link, "end"), mode=mode)
+        over = simulate(sched, costs, dp_sync=DPSync(2, link, "overlap"), mode=mode)
+        assert end.step_time == pytest.approx(compute + sync)
+        if hidden:      # shorter than the remaining compute: free
+            assert over.step_time == pytest.approx(compute)
+        else:           # longer: only the part beyond the last backward shows
+            assert over.step_time == pytest.approx(compute + sync - 2)
+        assert over.step_time < end.step_time
+    # both chunks carry gradients: the last chunk's sync is always exposed,
+    # the other's hides when it fits in the last backward (and is queued otherwise)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=[1e9, 1.5e9])
+    over = simulate(sched, costs, dp_sync=DPSync(2, link, "overlap"), mode=mode)
+    end = simulate(sched, costs, dp_sync=DPSync(2, link, "end"), mode=mode)
+    assert over.step_time == pytest.approx(compute + 1.0)
+    assert end.step_time == pytest.approx(compute + 2.5)
+    assert [e.global_stage for e in over.events if e.kind == "sync"] == [1, 0]
+
+
+def test_zero_bubble_sync_waits_for_the_last_w():
+    sched = zb_h1(2, 4)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=1e9)
+    r = simulate(sched, costs, dp_sync=DPSync(2, Link(0, 1e9), "overlap"))
+    for s in range(2):
+        last_w = max(e.end for e in r.events_of(s, "compute") if e.kind == "W")
+        (sync,) = [e for e in r.events_of(s, "network") if e.kind == "sync"]
+        assert sync.start == pytest.approx(last_w)
+
+
+# ----------------------------------------------------------------- calibration
+def test_fit_alpha_beta_recovers_noisy_link():
+    rng = np.random.default_rng(0)
+    alpha, bw = 40e-6, 2.5e8
+    sizes = np.repeat(np.logspace(3, 8, 11), 5)
+    times = (alpha + sizes / bw) * rng.normal(1.0, 0.03, sizes.shape)   # 3 % relative noise
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.latency_s == pytest.approx(alpha, rel=0.05)
+    assert fit.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+    # constant absolute noise: ordinary least squares
+    sizes = np.repeat(np.linspace(1e6, 5e7, 10), 4)
+    times = alpha * 50 + sizes / bw + rng.normal(0, 2e-5, sizes.shape)
+    fit = fit_alpha_beta(sizes, times, relative=False)
+    assert fit.latency_s == pytest.approx(alpha * 50, rel=0.05)
+    assert fit.bandwidth_Bps == pytest.approx(bw, rel=0.05)
+
+
+def test_fit_alpha_beta_edge_cases():
+    fit = fit_alpha_beta([1e6, 2e6, 4e6], [1e-3, 2e-3, 4e-3])       # no latency at all
+    assert fit.latency_s == pytest.approx(0, abs=1e-12) and fit.bandwidth_Bps == pytest.approx(1e9)
+    negative = fit_alpha_beta([1e6, 2e6], [0.9e-3, 2.1e-3])          # alpha < 0 is clamped
+    assert negative.latency_s == 0.0 and negative.bandwidth_Bps > 0
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_alpha_beta([1e6, 1e6], [1e-3, 1e-3])
+    with pytest.raises(ValueError, match="grow"):
+        fit_alpha_beta([1e6, 2e6, 3e6], [3e-3, 2e-3, 1e-3])
+    with pytest.raises(ValueError, match="equal-length"):
+        fit_alpha_beta([1, 2, 3], [1, 2])
+
+
+# ------------------------------------------------------------------ prediction
+def test_predict_utilization_sums_layers_into_stages():
+    layer = LayerCost(F=1, B=1, W=1, activation_bytes=1e6, param_bytes=1e7)
+    # 16 layers on 8 stages, no embed/head: every stage F = 2, BW = 4 -> 1F1B ideal
+    r = predict_utilization(layer, num_layers=16, schedule="1f1b", p=8, m=32)
+    assert r.mean_utilization == pytest.approx(1 - 7 / 39)
+    assert r.step_time == pytest.approx(2 * 3 * 39)
+    # a heavy head lands on the last stage and slows everything down
+    head = LayerCost(F=2, B=2, W=2)
+    slow = predict_utilization(layer, num_layers=16, p=8, m=32, head=head)
+    assert slow.busy[-1] == pytest.approx(32 * ((2 + 2) + (4 + 4)))   # (F + BW) x m
+    assert slow.mean_utilization < r.mean_utilization
+    # ... unless the last stage gets fewer layers
+    stages = [0] * 3 + [1] * 2 + [2] * 2 + [3] * 2 + [4] * 2 + [5] * 2 + [6] * 2 + [7] * 1
+    balanced = predict_utilization([layer] * 16, stages, p=8, m=32, head=LayerCost(F=0.5, B=0.5, W=0.5))
+    assert balanced.mean_utilization > slow.mean_utilization
+    # zb-h1 reaches the issue's 0.90 goal with equal costs
+    assert predict_utilization(layer, num_layers=16, schedule="zb-h1").mean_utilization > 0.9
+
+
+def test_stage_costs_from_layers():
+    layers = [LayerCost(1, 2, 3, activation_bytes=10 * i, param_bytes=100) for i in range(4)]
+    embed = LayerCost(0.5, 0, 0, activation_bytes=7, param_bytes=50)
+    head = LayerCost(0.25, 0.25, 0, param_bytes=60)
+    costs = StageCosts.from_layers(layers, [0, 0, 2, 2], 3, embed=embed, head=head)
+    assert costs.F == [2.5, 0.0, 2.25]
+    assert costs.BW == [10.0, 0.0, 10.25]
+    assert costs.activation_bytes == [10, 10, 30]       # the empty stage passes its input on
+    assert costs.param_bytes == [250, 0, 260]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        StageCosts.from_layers(layers, [0, 1, 0, 1], 2)
+    with pytest.raises(ValueError, match="global stage"):
+        StageCosts.from_layers(layers, [0, 1, 2, 3], 2)
+    assert even_assignment(10, 4) == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+
+
+# ------------------------------------------------------------ results and input
+def test_events_are_consistent():
+    sched = interleaved(4, 8, 2)
+    costs = StageCosts(F=1, B=1, W=1, activation_bytes=1e6, param_bytes=1e8)
+    r = simulate(sched, costs, link=Link(1e-3, 1e9), dp_sync=DPSync(2, Link(1e-3, 1e9), "overlap"))
+    for s in range(4):
+        compute = r.events_of(s, "compute")
+        assert len(compute) == len(sched.tasks_of(s))
+        assert sum(e.duration for e in compute) == pytest.approx(r.busy[s])
+        for a, b in zip(compute, compute[1:], strict=False):
+            assert a.end <= b.start + 1e-12
+        syncs = [e for e in r.events_of(s, "network") if e.kind == "sync"]
+        assert len(syncs) == 2                                   # one per chunk
+        assert max(e.end for e in r.events_of(s)) <= r.step_time + 1e-12
+    assert math.isclose(r.bubble_fraction, 1 - r.mean_utilization)
+    assert "interleaved (async)" in r.summary()
+
+
+def test_bad_input_is_refused():
+    sched = one_f_one_b(2, 2)
+    with pytest.raises(ValueError, match="mode"):
+        simulate(sched, UNIT, mode="eager")
+    with pytest.raises(ValueError, match="2 values"):
+        simulate(sched, StageCosts(F=[1, 1, 1]))
+    with pytest.raises(ValueError, match=">= 0"):
+        simulate(sched, StageCosts(F=-1))
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link(0.0, 0.0)
+    with pytest.raises(ValueError, match="when"):
+        DPSync(2, Link(), when="later")
+    with pytest.raises(ValueError, match="ranks"):
+        Collective(0, Link())
+    with pytest.raises(ValueError, match="link"):
+        simulate(sched, UNIT, link="fast")

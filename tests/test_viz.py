@@ -1,0 +1,146 @@
+"""Pictures and the ``mindpipe schedule`` command: files that open, text that says
+the right numbers, and bad input that exits 2 and writes nothing."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+
+from mindpipe_jax import viz
+from mindpipe_jax.cli import main
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, get_schedule
+
+mpl_image = pytest.importorskip("matplotlib.image")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _assert_png(path, min_width=600, min_height=200):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    height, width, channels = mpl_image.imread(path).shape
+    assert min_width <= width <= 4000 and min_height <= height <= 2000
+    assert channels in (3, 4)
+    return width, height
+
+
+# --- draw_schedule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_draw_schedule_writes_a_png(tmp_path, name, p, m, v):
+    out = tmp_path / f"{name}.png"
+    assert viz.draw_schedule(get_schedule(name, p, m, v), out) == out
+    _assert_png(out)
+
+
+def test_weighted_picture_is_wider_than_unit_ticks(tmp_path):
+    """With BW twice an F, 1F1B p=4 m=8 lasts 33 time units instead of 22 ticks."""
+    schedule = get_schedule("1f1b", 4, 8)
+    unit = _assert_png(viz.draw_schedule(schedule, tmp_path / "unit.png"))
+    weighted = _assert_png(viz.draw_schedule(schedule, tmp_path / "w.png", cost=DEFAULT_COST))
+    assert weighted[0] > unit[0]
+
+
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_draw_schedule_other_formats(tmp_path, suffix, magic):
+    out = viz.draw_schedule(get_schedule("zb-h1", 2, 2), tmp_path / f"zb{suffix}", title="custom")
+    assert out.read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize("out, words", [("x.jpg", "must end in one of"), ("missing/x.png", "does not exist"),
+                                        ("x", "no suffix")])
+def test_draw_schedule_refuses_bad_paths(tmp_path, out, words):
+    with pytest.raises(ConfigError, match=words):
+        viz.draw_schedule(get_schedule("1f1b", 2, 2), tmp_path / out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_matplotlib_is_a_config_error(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ConfigError, match=r"pip install 'mindpipe-jax\[plots\]'"):
+        viz.draw_schedule(get_schedule("1f1b", 2, 2), tmp_path / "x.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_schedule_summary_numbers():
+    text = viz.schedule_summary(get_schedule("zb-h1", 4, 8))
+    assert "s0: F0 F1 F2 F3" in text
+    assert "27 ticks" in text and "0.111" in text          # (p-1)/(3m+p-1) = 3/27
+    assert "s0=4  s1=3  s2=2  s3=1" in text                # live activations, like 1F1B
+    assert "peak pending W:        s0=1  s1=2  s2=3  s3=4" in text
+
+
+# --- mindpipe schedule ------------------------------------------------------------------------
+
+
+def test_cli_schedule_prints_timeline_and_bubble(capsys):
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "s0: F0" in out and "BW7" in out
+    assert "22 ticks" in out
+    assert "bubble fraction:       0.273" in out             # 3/11 in unit ticks
+    assert "bubble (weighted):     0.273" in out             # and with BW = 2 F
+    assert "s0=4  s1=3  s2=2  s3=1" in out
+    assert "wrote" not in out
+
+
+def test_cli_schedule_out_writes_the_picture(tmp_path, capsys):
+    out = tmp_path / "il.png"
+    argv = ["schedule", "--schedule", "interleaved", "--stages", "2", "--microbatches", "4",
+            "--virtual", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "F0a" in printed and "F0b" in printed
+    assert printed.rstrip().endswith(f"wrote {out}")
+    _assert_png(out)
+    assert main([*argv, "--weighted"]) == 0
+    _assert_png(out)
+
+
+def test_cli_schedule_help(capsys):
+    assert main(["schedule", "--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("gpipe", "1f1b", "interleaved", "zb-h1", "--stages", "--microbatches", "--virtual",
+                 "--out", "mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out"):
+        assert word in out
+    assert main(["--help"]) == 0
+    assert "schedule" in capsys.readouterr().out
+
+
+BAD = {
+    "unknown schedule": (["--schedule", "zb-v", "--stages", "4", "--microbatches", "8"],
+                         "unknown pipeline schedule 'zb-v'"),
+    "zero stages": (["--schedule", "1f1b", "--stages", "0", "--microbatches", "8"], "--stages"),
+    "word for stages": (["--schedule", "1f1b", "--stages", "four", "--microbatches", "8"], "'four'"),
+    "zero microbatches": (["--schedule", "gpipe", "--stages", "2", "--microbatches", "0"], "--microbatches"),
+    "m not divisible": (["--schedule", "interleaved", "--stages", "4", "--microbatches", "6",
+                         "--virtual", "2"], "divisible"),
+    "virtual on 1f1b": (["--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--virtual", "2"],
+                        "virtual_stages"),
+    "missing directory": (["--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+                           "--out", "{tmp}/nope/x.png"], "does not exist"),
+    "bad extension": (["--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+                       "--out", "{tmp}/x.jpg"], ".png, .svg, .pdf"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_cli_schedule_bad_input_is_one_line_exit_2(case, tmp_path, capsys):
+    args, words = BAD[case]
+    argv = ["schedule", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""                                # nothing printed before the error
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mindpipe: error: ") and words in lines[0]
+    assert list(tmp_path.iterdir()) == []                    # nothing written
