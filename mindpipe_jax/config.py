@@ -113,6 +113,9 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab"] = "1f1b"
     virtual_stages: int = 1
+    # Pipeline memory: "none" keeps each microbatch's forward residuals until its
+    # backward; "full" keeps only the stage input and recomputes the forward.
+    stage_remat: Literal["none", "full"] = "none"
     simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
 
     def __post_init__(self):

@@ -93,3 +93,28 @@ def test_pipelined_training_matches_unpipelined(tmp_path, layout, unpipelined):
     for a, b in zip(jax.tree.leaves(jax.device_get(ref.state["params"])),
                     jax.tree.leaves(jax.device_get(got.state["params"])), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _temp_bytes(name, m, *, remat):
+    p = 4
+    cfg = ModelConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=p, n_heads=2)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.ShapeDtypeStruct((m, 8, 32), jnp.int32)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m), mesh, remat=remat)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(run).lower(params["embed"], params["blocks"], params["head"],
+                                      tokens, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
+    ms = (4, 16)
+    one_f_one_b = [_temp_bytes("1f1b", m, remat=False) for m in ms]
+    gpipe = [_temp_bytes("gpipe", m, remat=False) for m in ms]
+    # 4x the microbatches: 1F1B keeps p slots (inputs grow only by the token ids),
+    # GPipe keeps every microbatch's residuals until the flush.
+    assert one_f_one_b[1] < 1.25 * one_f_one_b[0], one_f_one_b
+    assert gpipe[1] > 2.5 * gpipe[0], gpipe
+    assert one_f_one_b[1] < gpipe[1] / 2

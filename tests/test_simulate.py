@@ -172,19 +172,37 @@ def test_same_device_hand_off_is_free():
 
 
 def test_contention_serialises_sends_behind_a_sync():
-    # p = 2, 2 chunks per device: device 1's chunk-1 sync (overlapped) occupies its
-    # lane when it must send a gradient back to device 0
+    # p = 2, 2 chunks per device; only global stage 3 (device 1, chunk 1) has
+    # gradients. Its 5 s sync starts after its last BW and is still running when
+    # device 1's BW0 of global stage 1 must send its gradient back to device 0.
     sched = interleaved(2, 2, 2)
     costs = StageCosts(F=1, B=1, W=1, activation_bytes=1e6, param_bytes=[0, 0, 0, 5e9])
     link = Link(0.0, 1e9)                                      # a send occupies 1 ms
-    dp = DPSync(2, Link(0.0, 1e9), "overlap")                  # the sync: 2 * 1/2 * 5 s = 5 s
-    free = simulate(sched, costs, link=link, dp_sync=dp, contention=False)
-    shared = simulate(sched, costs, link=link, dp_sync=dp, contention=True)
-    assert shared.step_time > free.step_time
-    # slicing the sync bounds the wait to one slice
-    sliced = simulate(sched, costs, link=link, dp_sync=DPSync(2, Link(0.0, 1e9), "overlap", slice_bytes=1e8),
-                      contention=True)
-    assert free.step_time <= sliced.step_time < shared.step_time
+
+    def run(contention, slice_bytes=None):
+        dp = DPSync(2, Link(0.0, 1e9), "overlap", slice_bytes=slice_bytes)   # 2 * 1/2 * 5e9 / 1e9 = 5 s
+        r = simulate(sched, costs, link=link, dp_sync=dp, contention=contention)
+        (bw,) = [e for e in r.events_of(1, "compute")
+                 if (e.kind, e.microbatch, e.global_stage) == ("BW", 0, 1)]
+        (send,) = [e for e in r.events_of(1, "network") if e.kind == "send" and e.tick == bw.tick]
+        syncs = [e for e in r.events_of(1, "network") if e.kind == "sync"]
+        return r, bw, send, syncs
+
+    free, bw, send, syncs = run(False)
+    assert send.start == pytest.approx(bw.end)                 # infinite capacity: no wait
+    assert syncs[0].duration == pytest.approx(5.0)
+    assert syncs[0].start < bw.end < syncs[0].end              # the sync is running then
+    shared, bw, send, syncs = run(True)
+    assert send.start == pytest.approx(syncs[0].end)           # waits for the whole sync
+    # ... then device 0 runs its two last BWs (2 s each) on the critical path
+    assert shared.step_time == pytest.approx(syncs[0].end + 0.001 + 2 + 2)
+    assert shared.step_time > free.step_time + 2.9
+    # slicing the sync (0.1 s slices) bounds the wait to one slice: the send
+    # overtakes the slices that have not started
+    sliced, bw, send, syncs = run(True, slice_bytes=1e8)
+    assert len(syncs) == 50 and sum(e.duration for e in syncs) == pytest.approx(5.0)
+    assert 0 <= send.start - bw.end <= 0.1 + 1e-9
+    assert free.step_time <= sliced.step_time <= free.step_time + 0.1 + 1e-9 < shared.step_time
 
 
 # ------------------------------------------------------------ data-parallel sync

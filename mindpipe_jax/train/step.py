@@ -168,7 +168,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     fns = stage_fns(spec.merge(shapes))
     par = cfg.parallel
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
-    run = pipeline_grads(fns, schedule, mesh)
+    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat == "full")
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)

@@ -30,12 +30,14 @@ on a free lane. Links are full duplex: receiving is free. With
 
 Gradient sync (``DPSync``). Each (device, chunk) all-reduces its stage's
 ``param_bytes`` over the ``data`` ranks: a ring all-reduce of ``n`` bytes over
-``r`` ranks costs ``2 (r - 1) / r * n / bw + 2 (r - 1) α`` (``Collective``). The
-sync occupies the device's network lane for that whole time, so syncs of one
-device run one after another, and — with ``contention=True`` — the device's sends
-queue behind a running sync and vice versa (first come, first served, no
-preemption; ``slice_bytes`` cuts a sync into slices, each paying its own α, which
-bounds how long a send can wait). Placement of the sync:
+``r`` ranks costs ``2 (r - 1) / r * n / bw + 2 (r - 1) α`` (``Collective``). A
+sync occupies the device's network lane for that whole time, so the syncs of one
+device run one after another in request order. With ``contention=True`` sends and
+syncs share the lane: a running sync is never interrupted, so a send issued
+during it waits for its end, but a send overtakes syncs that have not started
+(the pipeline's transfers are on the critical path). ``slice_bytes`` cuts each
+sync into slices (each paying its own α), which bounds a send's wait to one
+slice. Placement of the sync:
 
 * ``when="end"`` (Megatron): a device starts its syncs when its own compute is
   done (async) or after the last tick (lockstep: the tick loop is one program).
@@ -55,16 +57,18 @@ tick's compute lasts as long as its slowest task, then every device joins one
 exchange (the runtime's forward and backward ``ppermute``s, in opposite
 directions on full-duplex links, so they overlap) of a buffer sized for the
 largest activation crossing devices — paid every tick but the last, whether or
-not the buffer carries anything. With ``contention=True`` the exchange waits until
-every device's network lane is free (it is a collective). Without any
+not the buffer carries anything. With ``contention=True`` the exchange is a send
+on every lane at once: it starts when every device's lane is free (waiting for
+running sync slices, overtaking the queued ones). Without any
 cross-device boundary (p = 1) there is no exchange. A sync of a chunk finished in
 tick ``t`` is queued after tick ``t``'s exchange.
 
 Why a loop over ticks is an event simulation: the table orders every producer
-before its consumers and each device's tasks in time; every lane is a
-first-come-first-served queue whose requests (a device's sends and syncs) are
-issued at its task ends, i.e. in time order. So visiting the cells tick by tick
-and keeping each resource's "free at" time processes the events in an order
+before its consumers and each device's tasks in time; each lane only serves its
+own device, whose requests (sends and syncs) are issued at its task ends, i.e.
+in time order, and queued sync slices are started lazily, just before the next
+send that would otherwise overtake them. So visiting the cells tick by tick and
+keeping each resource's "free at" time processes the events in an order
 consistent with time, and gives the same start and end times as a priority-queue
 simulation would.
 
@@ -78,6 +82,7 @@ replay with p = 1 pays no per-tick transfer here (there is no neighbour).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -340,7 +345,8 @@ class DPSync:
     ``when="end"``: after the device's compute (Megatron); ``"overlap"``: right
     after each chunk's last weight-gradient task, concurrent with the remaining
     compute (AFAPAB). ``slice_bytes`` cuts each chunk's sync into slices of at
-    most that many bytes (each pays its own α; a send waits at most one slice)."""
+    most that many bytes (each pays its own α; with ``contention`` a send waits
+    at most for the slice in progress)."""
 
     ranks: int
     link: Link
@@ -465,24 +471,45 @@ def _inputs(kind: Kind, mb: int, g: int, num_global: int) -> list[tuple[str, int
 
 
 class _Lanes:
-    """Per-device network lanes: FIFO, non-preemptive; records events."""
+    """Per-device network lanes. Sync slices wait in a per-device queue and are
+    started lazily: ``claim(s, at)`` first runs every queued slice that can start
+    before ``at`` (a running slice is never interrupted), then hands the lane to
+    the caller, so a send overtakes the slices that have not started yet."""
 
     def __init__(self, p: int, events: list[Event]):
         self.free = [0.0] * p
         self.busy = [0.0] * p
         self.events = events
+        self.pending: list[deque] = [deque() for _ in range(p)]
         self.last = 0.0
 
-    def sync(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync) -> None:
+    def request_sync(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync) -> None:
         coll = dp.collective
         for n in dp.slices(nbytes):
-            d = coll.time(n)
+            self.pending[s].append((at, n, coll.time(n), chunk, g))
+
+    def drain(self, s: int, before: float = math.inf) -> None:
+        queue = self.pending[s]
+        while queue:
+            at, n, d, chunk, g = queue[0]
             start = max(at, self.free[s])
+            if start >= before:
+                break
+            queue.popleft()
             self.free[s] = start + d
             self.busy[s] += d
             self.last = max(self.last, start + d)
             self.events.append(Event(s, "network", "sync", start, start + d, chunk=chunk,
                                      global_stage=g, nbytes=n))
+
+    def claim(self, s: int, at: float) -> float:
+        """When a send issued at ``at`` gets device ``s``'s lane."""
+        self.drain(s, before=at)
+        return max(at, self.free[s])
+
+    def finish(self) -> None:
+        for s in range(len(self.pending)):
+            self.drain(s)
 
 
 def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None = None, *,
@@ -573,7 +600,7 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                 dest, boundary = out
                 nbytes = cc.act[boundary]
                 occ = link.occupancy(nbytes)
-                leave = max(stop, lanes.free[s]) if contention else stop
+                leave = lanes.claim(s, stop) if contention else stop
                 if contention:
                     lanes.free[s] = leave + occ
                 lanes.busy[s] += occ
@@ -581,12 +608,13 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                 events.append(Event(s, "network", "send", leave, arrival[key], t, task.microbatch,
                                     task.chunk, g, dest, nbytes))
             if dp is not None and dp.when == "overlap" and last_grad.get((s, task.chunk)) == t:
-                lanes.sync(s, task.chunk, g, cc.params[g], stop, dp)
+                lanes.request_sync(s, task.chunk, g, cc.params[g], stop, dp)
     compute = max(free, default=0.0)
     if dp is not None and dp.when == "end":
         for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
             g = schedule.global_stage(s, c)
-            lanes.sync(s, c, g, cc.params[g], free[s], dp)
+            lanes.request_sync(s, c, g, cc.params[g], free[s], dp)
+    lanes.finish()
     return SimResult(schedule.name, "async", max(compute, lanes.last), compute, tuple(busy),
                      tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
 
@@ -623,7 +651,7 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
         compute_end = clock + longest
         clock = compute_end
         if t < ticks - 1 and crossing:
-            leave = max([compute_end] + lanes.free) if contention else compute_end
+            leave = max(lanes.claim(s, compute_end) for s in range(p)) if contention else compute_end
             arrive = leave + occ + link.latency_s
             for s in range(p):
                 if contention:
@@ -634,12 +662,13 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
         if dp is not None and dp.when == "overlap":
             for s, c in finished_in.get(t, ()):
                 g = schedule.global_stage(s, c)
-                lanes.sync(s, c, g, cc.params[g], compute_end, dp)
+                lanes.request_sync(s, c, g, cc.params[g], compute_end, dp)
     compute = clock
     if dp is not None and dp.when == "end":
         for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
             g = schedule.global_stage(s, c)
-            lanes.sync(s, c, g, cc.params[g], compute, dp)
+            lanes.request_sync(s, c, g, cc.params[g], compute, dp)
+    lanes.finish()
     return SimResult(schedule.name, "lockstep", max(compute, lanes.last), compute, tuple(busy),
                      tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
 
