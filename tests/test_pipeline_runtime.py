@@ -12,7 +12,7 @@ from mindpipe_jax.models.gpt import GPT
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
-from mindpipe_jax.parallel.pipeline.runtime import make_plan, pipeline_grads
+from mindpipe_jax.parallel.pipeline.runtime import StageLayout, make_plan, pipeline_grads
 
 # Each schedule at p=2 and p=4; m from p to 4p; v=2 for the interleaved one.
 CASES = [("gpipe", 2, 4, 1), ("gpipe", 4, 4, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 16, 1),
@@ -32,8 +32,18 @@ def test_pipeline_composes_with_data_and_tensor(axes, remat):
     check_pipeline_grads("1f1b", 2, 4, 1, ParallelConfig(pipe=2, **axes), remat=remat)
 
 
-def check_pipeline_grads(name, p, m, v, parallel, *, remat):
-    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=p * v, n_heads=2)
+@pytest.mark.parametrize("counts,remat", [((1, 3), False), ((0, 2, 1, 1), True)],
+                         ids=["p2-1+3-residual", "p4-0+2+1+1-remat"])
+def test_uneven_stages(counts, remat):
+    # Fewer blocks where embed/head live; an empty stage only passes activations on.
+    p = len(counts)
+    check_pipeline_grads("1f1b", p, p, 1, ParallelConfig(pipe=p, data=-1, tensor=1), remat=remat,
+                         layout=StageLayout(counts, p, 1))
+
+
+def check_pipeline_grads(name, p, m, v, parallel, *, remat, layout=None):
+    n_layers = sum(layout.counts) if layout else p * v
+    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=n_layers, n_heads=2)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tokens = np.random.default_rng(p * m).integers(0, 64, (m, 4, 9)).astype(np.int32)
@@ -47,7 +57,7 @@ def check_pipeline_grads(name, p, m, v, parallel, *, remat):
     mesh = make_mesh(parallel)
     # NaN in every buffer slot before use: an idle slot reaching a result would show.
     run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat,
-                         nan_bubbles=True)
+                         layout=layout, nan_bubbles=True)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)

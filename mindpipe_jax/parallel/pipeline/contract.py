@@ -9,7 +9,6 @@ must have ``loss(h, targets)``.
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
@@ -37,12 +36,10 @@ def stage_fns(model) -> StageFns:
     def embed(params, tokens):
         return nnx.merge(embed_def, params)(tokens)
 
-    def stage(params, h):
-        def body(x, layer):
-            return nnx.merge(blocks_def, layer)(x), None
-        return jax.lax.scan(body, h, params)[0]
+    def layer(params, h):
+        return nnx.merge(blocks_def, params)(h)
 
     def head_loss(params, h, targets):
         return nnx.merge(head_def, params).loss(h, targets)
 
-    return StageFns(embed, stage, head_loss)
+    return StageFns(embed, layer, head_loss)

@@ -53,8 +53,75 @@ class StageFns:
     """The pipeline model contract as three pure functions of (params, inputs)."""
 
     embed: Callable[[Any, jax.Array], jax.Array]
-    stage: Callable[[Any, jax.Array], jax.Array]
+    layer: Callable[[Any, jax.Array], jax.Array]  # one block: (its params, h) -> h
     head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Which layers each (device, chunk) runs. Global stage ``g = c·p + s`` runs the
+    next ``counts[g]`` layers; uneven stages are padded to the longest with slots
+    that ``lax.cond`` skips (never computed)."""
+
+    counts: tuple[int, ...]
+    p: int
+    v: int
+
+    @classmethod
+    def even(cls, num_layers: int, p: int, v: int) -> StageLayout:
+        if num_layers % (p * v):
+            raise ValueError(f"{num_layers} layers do not split evenly into {p * v} stages")
+        return cls((num_layers // (p * v),) * (p * v), p, v)
+
+    def __post_init__(self):
+        if len(self.counts) != self.p * self.v or min(self.counts) < 0:
+            raise ValueError(f"stage layer counts {self.counts} must be {self.p * self.v} values >= 0")
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.counts)) == 1
+
+    @property
+    def width(self) -> int:
+        return max(self.counts)
+
+    def _slots(self) -> np.ndarray:
+        """[p, v, width] layer index per slot, -1 where padded."""
+        out = np.full((self.p, self.v, self.width), -1, np.int64)
+        start = np.concatenate([[0], np.cumsum(self.counts)])
+        for g, n in enumerate(self.counts):
+            c, s = divmod(g, self.p)
+            out[s, c, :n] = np.arange(start[g], start[g] + n)
+        return out
+
+    def counts_array(self) -> np.ndarray:
+        return np.asarray(self.counts, np.int32).reshape(self.v, self.p).T  # [p, v]
+
+    def to_stages(self, blocks):
+        """[L, ...] -> [p, v, width, ...]."""
+        if self.uniform:  # a free reshape (no gather), layer axis already split over pipe
+            def one(x):
+                x = x.reshape(self.v, self.p, self.width, *x.shape[1:])
+                return jnp.swapaxes(x, 0, 1)
+        else:
+            index = np.maximum(self._slots(), 0).reshape(-1)
+
+            def one(x):
+                return jnp.take(x, index, axis=0).reshape(self.p, self.v, self.width, *x.shape[1:])
+        return jax.tree.map(one, blocks)
+
+    def from_stages(self, blocks):
+        """[p, v, width, ...] -> [L, ...] (padded slots dropped)."""
+        if self.uniform:
+            def one(x):
+                return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
+        else:
+            flat = self._slots().reshape(-1)
+            order = np.argsort(np.where(flat >= 0, flat, np.iinfo(np.int64).max))[: sum(self.counts)]
+
+            def one(x):
+                return jnp.take(x.reshape(-1, *x.shape[3:]), order, axis=0)
+        return jax.tree.map(one, blocks)
 
 
 # ----------------------------------------------------------------------------
@@ -209,10 +276,11 @@ def _put(buf, index, value):
 
 
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = True,
-                   nan_bubbles: bool = False):
+                   layout: StageLayout | None = None, nan_bubbles: bool = False):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
-    ``blocks_p`` leaves have a leading layer axis ``L`` (divisible by p·v); inputs
+    ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
+    ``layout`` (default: evenly, L divisible by p·v); inputs
     and targets are ``[m, microbatch, length]``. Returns the mean loss over the m
     microbatches and the gradients of all three parameter groups, with the same
     structure and layer order as the inputs.
@@ -225,19 +293,20 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
     plan = make_plan(schedule)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     ticks = schedule.num_ticks
+    if layout is not None and (layout.p, layout.v) != (p, v):
+        raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
 
-    def to_stages(blocks):
-        # [L, ...] -> [p, v, L/(p v), ...]: global stage g = c·p + s (Megatron order).
-        def one(x):
-            x = x.reshape(v, p, x.shape[0] // (p * v), *x.shape[1:])
-            return jnp.swapaxes(x, 0, 1)
-        return jax.tree.map(one, blocks)
+    counts = None if layout is None or layout.uniform else jnp.asarray(layout.counts_array())
 
-    def from_stages(blocks):
-        def one(x):
-            x = jnp.swapaxes(x, 0, 1)
-            return x.reshape(-1, *x.shape[3:])
-        return jax.tree.map(one, blocks)
+    def run_layers(c, x):
+        """A chunk's layers; with uneven stages ``c`` carries the real layer count."""
+        if counts is None:
+            return lax.scan(lambda h, lp: (fns.layer(lp, h), None), x, c)[0]
+
+        def one(h, xs):
+            lp, i = xs
+            return lax.cond(i < c["n"], fns.layer, lambda _, hh: hh, lp, h), None
+        return lax.scan(one, x, (c["w"], jnp.arange(layout.width)))[0]
 
     def body(embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
@@ -256,17 +325,25 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
         acc = _vary(acc)
         seed = _vary(jnp.asarray(1.0 / m, jnp.float32))
 
-        store = None if remat else ResidualStore(fns.stage, _take(chunks, 0), zero_h)
+        def chunk_params(chunk):
+            if counts is None:
+                return _take(chunks, chunk)
+            return {"w": _take(chunks, chunk), "n": counts[stage_idx, chunk]}
+
+        def weights(d_c):  # drop the (float0) cotangent of the layer count
+            return d_c if counts is None else d_c["w"]
+
+        store = None if remat else ResidualStore(run_layers, chunk_params(0), zero_h)
         res_buf = _vary(store.empty(plan.x_slots, fill)) if store else []
 
         def stage_fwd(c_params, x):
-            return fns.stage(c_params, x)
+            return run_layers(c_params, x)
 
         def first_fwd(e_params, c_params, tokens):
-            return fns.stage(c_params, fns.embed(e_params, tokens))
+            return run_layers(c_params, fns.embed(e_params, tokens))
 
         def last_loss(c_params, h_params, x, tgt):
-            return fns.head_loss(h_params, fns.stage(c_params, x), tgt)
+            return fns.head_loss(h_params, run_layers(c_params, x), tgt)
 
         def forward(op, c_params, tokens, pos):
             """F of a first or middle stage: the activation to send on, residuals kept."""
@@ -300,7 +377,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
             def make(kind, pos):
                 def run(op):
                     acc, task, x, res = op["acc"], op["task"], op["x"], op["res"]
-                    c_params = _take(chunks, task["chunk"])
+                    c_params = chunk_params(task["chunk"])
                     tokens = _take(inputs, task["microbatch"])
                     tgt = _take(targets, task["microbatch"])
                     want_w = kind in (Kind.BW, Kind.W)
@@ -318,11 +395,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                             acc = {**acc, "loss": acc["loss"] + loss.astype(jnp.float32)}
                         if want_w:
                             acc = {**acc, "head": jax.tree.map(jnp.add, acc["head"], d_h),
-                                   "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
+                                   "blocks": _add_at(acc["blocks"], task["chunk"], weights(d_c))}
                         return acc, zero_h, (d_x if want_x else zero_h), res
                     d_e, d_c, d_x = backward(op, c_params, tokens, pos)
                     if want_w:
-                        acc = {**acc, "blocks": _add_at(acc["blocks"], task["chunk"], d_c)}
+                        acc = {**acc, "blocks": _add_at(acc["blocks"], task["chunk"], weights(d_c))}
                         if d_e is not None:
                             acc = {**acc, "embed": jax.tree.map(jnp.add, acc["embed"], d_e)}
                     return acc, zero_h, (d_x if want_x and pos != FIRST else zero_h), res
@@ -370,12 +447,14 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
         return loss, d_embed, d_blocks, d_head
 
     def run(embed_p, blocks_p, head_p, inputs, targets):
-        staged = to_stages(blocks_p)
+        num_layers = jax.tree.leaves(blocks_p)[0].shape[0]
+        stage_layout = layout or StageLayout.even(num_layers, p, v)
+        staged = stage_layout.to_stages(blocks_p)
         rows = P(None, BATCH)
         fn = jax.shard_map(body, mesh=mesh, axis_names=set(MANUAL),
                            in_specs=(P(), P(AXIS), P(), rows, rows),
                            out_specs=(P(), P(), P(AXIS), P()))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
-        return loss, {"embed": d_embed, "blocks": from_stages(d_blocks), "head": d_head}
+        return loss, {"embed": d_embed, "blocks": stage_layout.from_stages(d_blocks), "head": d_head}
 
     return run
