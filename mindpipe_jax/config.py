@@ -116,6 +116,9 @@ class ParallelConfig:
     # Pipeline memory: "none" keeps each microbatch's forward residuals until its
     # backward; "full" keeps only the stage input and recomputes the forward.
     stage_remat: Literal["none", "full"] = "none"
+    # Layers per global stage (pipe x virtual_stages values, in global-stage order);
+    # empty = an even split. Uneven splits balance stages that also hold embed/head.
+    stage_layers: tuple[int, ...] = ()
     simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
 
     def __post_init__(self):

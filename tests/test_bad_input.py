@@ -38,6 +38,7 @@ CASES = [
     (["parallel.pipe=2", "parallel.data=4", "parallel.virtual_stages=2"], "virtual"),
     (["parallel.pipe=2", "parallel.data=4", "parallel.microbatches=3"], "microbatches"),
     (["parallel.subnet=2", "parallel.data=4"], "subnet=2"),
+    (["parallel.pipe=2", "parallel.data=4", "parallel.stage_layers=[1, 2]"], "[1, 2]"),
     (["model.d_model=30", "model.n_heads=4"], "model.d_model=30"),
     (["model.n_heads=3", "model.d_model=48", "parallel.tensor=2", "parallel.data=4"], "heads=3"),
     (["data.source=text", "data.path={tmp}/missing"], "missing"),

@@ -81,16 +81,23 @@ def _logical_names(variable) -> tuple | None:
     return tuple(names) if names is not None else None
 
 
+# Logical axes that may stay whole when their size does not divide: an uneven
+# pipeline split (parallel.stage_layers) cannot shard the stacked layers evenly.
+MAY_REPLICATE = {"layers"}
+
+
 def _checked_spec(path, shape, names, kind: Kind, mesh) -> P:
-    spec = spec_for(names, kind, mesh)
+    spec = list(spec_for(names, kind, mesh))
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
         parts = _axes_size(mesh, entry)
-        if size % parts:
+        if size % parts and names[dim] in MAY_REPLICATE:
+            spec[dim] = None
+        elif size % parts:
             where = "/".join(map(str, path))
             raise ConfigError(
                 f"parameter {where} dimension {dim} ({names[dim]}={size}) is not divisible by mesh "
                 f"axes {entry}={parts}; choose sizes so that {names[dim]} divides evenly")
-    return spec
+    return P(*spec)
 
 
 def state_shardings(state: nnx.State, mesh, kind: Kind = "storage"):

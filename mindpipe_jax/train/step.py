@@ -113,10 +113,16 @@ def check_step_config(cfg: Config, mesh) -> None:
     tr = cfg.train
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
-    if cfg.model.n_layers % stages:
+    layers = cfg.parallel.stage_layers
+    if layers and (len(layers) != stages or sum(layers) != cfg.model.n_layers or min(layers) < 0):
+        raise ConfigError(
+            f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages) "
+            f"summing to model.n_layers={cfg.model.n_layers}")
+    if not layers and cfg.model.n_layers % stages:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
-            f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}")
+            f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}, "
+            f"or list the layers per stage in parallel.stage_layers")
     unused = {a: mesh.shape[a] for a in ("subnet", "expert") if mesh.shape[a] > 1}
     if unused:
         # Refuse rather than silently replicate the work over axes the step ignores.
@@ -158,7 +164,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.contract import stage_fns
-    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+    from mindpipe_jax.parallel.pipeline.runtime import StageLayout, pipeline_grads
 
     groups = set(spec.abstract_params)
     if groups != {"embed", "blocks", "head"}:
@@ -168,7 +174,9 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     fns = stage_fns(spec.merge(shapes))
     par = cfg.parallel
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
-    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat == "full")
+    layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
+        if par.stage_layers else None
+    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat == "full", layout=layout)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)
