@@ -94,7 +94,7 @@ def unpipelined(tmp_path_factory):
     ("parallel.pipe=2", "parallel.fsdp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
      "parallel.microbatches=2"),
     ("parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2", "parallel.stage_layers=[1, 3]"),
-], ids=["1f1b-pipe2xdata2xtensor2", "uneven-1+3-pipe2xdata4", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4"])
+], ids=["1f1b-pipe2xdata2xtensor2", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4", "uneven-1+3-pipe2xdata4"])
 def test_pipelined_training_matches_unpipelined(tmp_path, layout, unpipelined):
     ref = unpipelined
     got = mp.train(None, None, mp.Config(), *TINY, f"train.out_dir={tmp_path / 'pipe'}", *layout)
