@@ -119,6 +119,9 @@ class ParallelConfig:
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
+    # Online repartition: at this step re-measure layer costs and move layers
+    # between stages if the partitioner finds a better split (0 = never).
+    repartition_after: int = 0
     simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
 
     def __post_init__(self):
@@ -130,6 +133,8 @@ class ParallelConfig:
             _check(auto or n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)"
                    + (" or 0 (auto)" if axis == "tensor" else ""))
         _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        _check(self.repartition_after >= 0,
+               f"parallel.repartition_after={self.repartition_after} must be >= 0 (0 = never)")
         _check(self.simulate_cpu_devices >= 0,
                f"parallel.simulate_cpu_devices={self.simulate_cpu_devices} must be >= 0")
 

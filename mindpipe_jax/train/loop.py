@@ -146,18 +146,22 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     to_device = _Batches(mesh)
     batch_spec = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32,
                                       sharding=to_device.sharding)
-    step_fn = jax.jit(train_step,
-                      in_shardings=(shardings, to_device.sharding),
-                      out_shardings=(shardings, None), donate_argnums=0)
+    abstract_state = abstract_train_state(spec, tx, mesh)
+
+    def compile_step(run_cfg: Config, step=None):
+        """Ahead-of-time compile of the step (once; again only when repartitioning)."""
+        t0 = time.perf_counter()
+        step_fn = jax.jit(step or make_train_step(spec, tx, run_cfg, mesh, tr.steps),
+                          in_shardings=(shardings, to_device.sharding),
+                          out_shardings=(shardings, None), donate_argnums=0)
+        compiled = step_fn.lower(abstract_state, {"inputs": batch_spec, "targets": batch_spec}).compile()
+        return compiled, time.perf_counter() - t0
+
     eval_fn = jax.jit(make_eval_step(spec), in_shardings=(spec.storage, to_device.sharding))
     with jax.set_mesh(mesh):
-        t0 = time.perf_counter()
-        compiled = step_fn.lower(abstract_train_state(spec, tx, mesh),
-                                 {"inputs": batch_spec, "targets": batch_spec}).compile()
-        compile_s = time.perf_counter() - t0
         state, history, final_val = _run(
-            cfg, state, compiled, eval_fn, loader, val, to_device, ckpt, meta, writer,
-            flops=_model_flops_per_token(model, cfg), mesh=mesh, compile_s=compile_s)
+            cfg, state, compile_step, train_step, eval_fn, loader, val, to_device, ckpt, meta, writer,
+            flops=_model_flops_per_token(model, cfg), mesh=mesh)
     ckpt.close()
     writer.close()
     return TrainResult(state, history, out_dir, ckpt_dir, final_val, cfg, mesh)
@@ -168,9 +172,23 @@ def _evaluate(eval_fn, params, val, to_device) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _run(cfg, state, step_fn, eval_fn, loader, val, to_device, ckpt, meta, writer, *, flops, mesh,
-         compile_s):
+def _replan(cfg: Config, mesh) -> tuple[int, ...]:
+    """Measure the model's layer costs now and return the balanced stage split."""
+    from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition
+
+    par = cfg.parallel
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
+    profile = measure_layer_costs(cfg.model, microbatch=microbatch)
+    plan = partition(profile, p=mesh.shape["pipe"], v=par.virtual_stages, m=par.microbatches,
+                     schedule=par.schedule)
+    return tuple(plan.counts)
+
+
+def _run(cfg, state, compile_step, first_step, eval_fn, loader, val, to_device, ckpt, meta, writer, *,
+         flops, mesh):
     tr = cfg.train
+    step_fn, compile_s = compile_step(cfg, first_step)
     tokens_per_step = tr.global_batch * cfg.model.seq_len
     peak = peak_flops_per_device(tr.peak_tflops)
     primary = jax.process_index() == 0
@@ -205,6 +223,19 @@ def _run(cfg, state, step_fn, eval_fn, loader, val, to_device, ckpt, meta, write
             t_save = time.perf_counter()
             ckpt.save(done, state, loader.get_state(), {**meta, "step": done})
             t_last += time.perf_counter() - t_save  # saving is not step time either
+        if cfg.parallel.repartition_after and done == cfg.parallel.repartition_after:
+            # The stage split lives only inside the step (storage keeps the [layers]
+            # axis), so moving layers between stages changes no parameter bit.
+            t_plan = time.perf_counter()
+            stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
+            before = tuple(cfg.parallel.stage_layers) or (cfg.model.n_layers // stages,) * stages
+            counts = _replan(cfg, mesh)
+            if counts != before:
+                cfg = cfg.replace(f"parallel.stage_layers={list(counts)}")
+                step_fn, _ = compile_step(cfg)
+            record["repartition"] = {"before": list(before), "after": list(counts)}
+            say(f"step {done} | repartition {list(before)} -> {list(counts)}")
+            t_last += time.perf_counter() - t_plan
         if record:
             history.append({"step": done, **record})
             writer.write(done, record)

@@ -130,6 +130,9 @@ def check_step_config(cfg: Config, mesh) -> None:
             f"parallel {', '.join(f'{a}={n}' for a, n in unused.items())}: the dense train step "
             f"does not use these axes yet (supernet and expert parallelism are not built); "
             f"set them to 1")
+    if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
+        raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
+                          f"between pipeline stages; it needs parallel.pipe > 1")
     if mesh.shape["pipe"] > 1:
         if cfg.model.dropout > 0:
             raise ConfigError(f"model.dropout={cfg.model.dropout}: the pipeline runtime does not apply "
