@@ -133,10 +133,10 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint}
     if resume_step is not None:
         ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
-        state, data_state, _ = ckpt.restore(resume_step, abstract_train_state(spec, tx, mesh))
+        state, data_state, _ = ckpt.restore(resume_step, abstract_train_state(spec, tx, mesh, shardings))
         loader.set_state(data_state)
     else:
-        state = init_train_state(spec, create, tx, mesh, tr.seed)
+        state = init_train_state(spec, create, tx, mesh, tr.seed, shardings)
         ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
     if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     to_device = _Batches(mesh)
     batch_spec = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32,
                                       sharding=to_device.sharding)
-    abstract_state = abstract_train_state(spec, tx, mesh)
+    abstract_state = abstract_train_state(spec, tx, mesh, shardings)
 
     def compile_step(run_cfg: Config, step=None):
         """Ahead-of-time compile of the step (once; again only when repartitioning)."""

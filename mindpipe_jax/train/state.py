@@ -141,8 +141,8 @@ def state_shardings_for(spec: ModelSpec, tx, mesh):
     return {"step": rep, "params": spec.storage, "opt": opt, "rng": rep}
 
 
-def abstract_train_state(spec: ModelSpec, tx, mesh):
-    shardings = state_shardings_for(spec, tx, mesh)
+def abstract_train_state(spec: ModelSpec, tx, mesh, shardings=None):
+    shardings = shardings or state_shardings_for(spec, tx, mesh)
     shapes = {
         "step": jax.ShapeDtypeStruct((), jnp.int32),
         "params": spec.abstract_params,
@@ -152,9 +152,9 @@ def abstract_train_state(spec: ModelSpec, tx, mesh):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
 
 
-def init_train_state(spec: ModelSpec, create, tx, mesh, seed: int):
+def init_train_state(spec: ModelSpec, create, tx, mesh, seed: int, shardings=None):
     """Create params and optimizer state directly in their shards (one jitted call)."""
-    shardings = state_shardings_for(spec, tx, mesh)
+    shardings = shardings or state_shardings_for(spec, tx, mesh)
 
     def init():
         params = create()
