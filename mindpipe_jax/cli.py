@@ -6,6 +6,9 @@ Subcommands:
 * ``mindpipe config [--config FILE] [section.key=value ...]`` — print the resolved config as TOML.
 * ``mindpipe schedule --schedule NAME --stages P --microbatches M [--virtual V] [--out FILE]`` —
   print a pipeline schedule's timeline, bubble and live activations; draw it with ``--out``.
+* ``mindpipe plan [--config FILE] [section.key=value ...] [--budget-mb N] [--out FILE]`` — measure
+  the model's layer costs on this machine and print the vPipe partition: layers, predicted time,
+  memory and remat per stage, and the predicted utilization; draw it with ``--out``.
 
 A user mistake (``ConfigError``) becomes one line on stderr and exit status 2;
 Ctrl-C exits 130; anything else is a bug and keeps its traceback.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -47,6 +51,7 @@ examples:
   mindpipe train --config examples/configs/tiny.toml train.resume=true train.steps=60
   mindpipe config parallel.fsdp=4 > my.toml          # write a full config to edit
   mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
+  mindpipe plan parallel.pipe=4 parallel.microbatches=16 --out plan.png
 """
 
 _ERRORS = """\
@@ -239,6 +244,48 @@ def build_parser() -> argparse.ArgumentParser:
                             help="in the picture, size boxes by duration (F=B=W=1, BW=2, "
                                  "as-soon-as-possible replay) instead of one tick per task")
     p_schedule.set_defaults(func=_cmd_schedule, parser=p_schedule)
+
+    p_plan = sub.add_parser(
+        "plan", formatter_class=fmt,
+        help="measure layer costs and print the pipeline partition (vPipe plan); draw it with --out",
+        description=textwrap.dedent("""\
+            Measure the configured GPT's layer costs on this machine (one block, the
+            embedding and the head: forward, input-gradient, weight-gradient and fused
+            backward times, FLOPs, activation, residual and parameter bytes; JAX's
+            default device, median of --repeats runs) and split the layers over the
+            pipeline: parallel.pipe stages (must be > 1) x parallel.virtual_stages
+            chunks, parallel.microbatches microbatches, parallel.schedule. The split
+            minimises the slowest stage (embed on the first stage, head on the last, so
+            those get fewer blocks); each stage then takes the cheapest remat policy
+            that fits --budget-mb per device. Prints one row per stage: layers,
+            predicted time, memory and remat policy, and the predicted utilization
+            (event simulation of the schedule with these costs).
+
+            The microbatch size is train.global_batch / parallel.microbatches: the
+            whole global batch goes through one pipeline (no data-parallel split).
+            Memory counts parameters with gradients and Adam state (4 copies), the
+            microbatches in flight and, under remat, one microbatch rebuilt."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              mindpipe plan parallel.pipe=4 parallel.microbatches=16
+              mindpipe plan parallel.pipe=4 parallel.microbatches=16 --budget-mb 20 --out plan.png
+              mindpipe plan --config my.toml parallel.pipe=2 parallel.schedule=interleaved \\
+                  parallel.virtual_stages=2 parallel.microbatches=8
+
+            pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
+            """) + "\n" + _OVERRIDES_HELP + "\n" + _ERRORS)
+    _add_config_args(p_plan)
+    p_plan.add_argument("--budget-mb", metavar="N", default=None,
+                        help="memory budget per device in MB (1 MB = 2^20 bytes); default: unlimited")
+    p_plan.add_argument("--remat", metavar="LIST", default="none,full",
+                        help="remat policies to choose from, comma-separated, of none, full, dots "
+                             "(default: none,full; dots adds a measurement)")
+    p_plan.add_argument("--repeats", metavar="N", default="5",
+                        help="timed runs per measurement, the median is used (default: 5)")
+    p_plan.add_argument("--out", metavar="FILE", default=None,
+                        help="also draw per-stage time and per-device memory bars to FILE "
+                             "(.png, .svg or .pdf); its directory must exist")
+    p_plan.set_defaults(func=_cmd_plan, parser=p_plan)
     return parser
 
 
@@ -308,6 +355,56 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import math
+
+    from mindpipe_jax import viz
+    from mindpipe_jax.parallel.pipeline.partition import MB, REMAT_POLICIES
+    from mindpipe_jax.parallel.pipeline.schedules import get_schedule
+
+    # Every check before touching JAX or writing anything.
+    cfg = load_config(args.config, args.overrides)
+    par = cfg.parallel
+    if par.pipe < 2:
+        raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "
+                          f"parallel.pipe={par.pipe}; e.g. mindpipe plan parallel.pipe=4")
+    p, v, m = par.pipe, par.virtual_stages, par.microbatches
+    get_schedule(par.schedule, p, m, v)  # refuses an unknown schedule or a bad (p, m, v)
+    if cfg.train.global_batch % m:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
+                          f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")
+    budget = None
+    if args.budget_mb is not None:
+        try:
+            budget_mb = float(args.budget_mb)
+        except ValueError:
+            budget_mb = math.nan
+        if not 0 < budget_mb < math.inf:
+            raise ConfigError(f"--budget-mb must be a number > 0 (MB per device), got {args.budget_mb!r}")
+        budget = budget_mb * MB
+    options = tuple(o.strip() for o in args.remat.split(",") if o.strip())
+    if not options or any(o not in REMAT_POLICIES for o in options):
+        raise ConfigError(f"--remat must list policies from {', '.join(REMAT_POLICIES)}, got {args.remat!r}")
+    repeats = _positive_int(args.repeats, "--repeats")
+    if args.out is not None:
+        viz.check_picture_path(args.out)
+        viz.require_matplotlib()
+
+    from mindpipe_jax.parallel.mesh import setup_runtime
+
+    setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
+    from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition
+
+    profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
+                                  dots="dots" in options)
+    plan = partition(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
+                     remat_options=options)
+    print(plan.table(), flush=True)
+    if args.out is not None:
+        print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mindpipe`` console script; returns the exit status."""
     parser = build_parser()
@@ -325,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
         print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`mindpipe schedule ... | head`): stop quietly, as cat does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

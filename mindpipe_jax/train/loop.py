@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from mindpipe_jax.config import Config, DataConfig
 from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
