@@ -22,8 +22,8 @@ from pathlib import Path
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, Kind, Schedule
 
-__all__ = ["draw_schedule", "schedule_summary", "check_picture_path", "require_matplotlib", "PICTURE_FORMATS",
-           "KIND_COLORS"]
+__all__ = ["draw_schedule", "draw_plan", "schedule_summary", "check_picture_path", "require_matplotlib",
+           "PICTURE_FORMATS", "KIND_COLORS"]
 
 # File types a picture can be written as (matplotlib picks the writer from the suffix).
 PICTURE_FORMATS = (".png", ".svg", ".pdf")
@@ -223,5 +223,91 @@ def draw_schedule(schedule: Schedule, out_path: str | os.PathLike, *,
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=8, frameon=False, handlelength=1.6)
 
+    fig.savefig(path)
+    return path
+
+
+# --------------------------------------------------------------------- plan picture
+def draw_plan(plan, out_path: str | os.PathLike, *, title: str | None = None) -> Path:
+    """Draw a ``partition.PipelinePlan`` and write it to ``out_path`` (.png, .svg, .pdf).
+
+    Left: per global stage, the predicted time of one microbatch through it, as
+    stacked bars (forward, backward, remat recompute), the layers it holds and its
+    remat policy above the bar, and the slowest stage as a dashed line. Right: per
+    device, the predicted memory (parameters with gradients and optimizer state,
+    microbatches in flight, one microbatch rebuilt by remat) against the memory
+    budget (red dashed line). Returns the path written.
+    """
+    path = check_picture_path(out_path)
+    Figure, FigureCanvasAgg, Rectangle, Patch = require_matplotlib()
+    from matplotlib.lines import Line2D
+
+    G, p = plan.p * plan.v, plan.p
+    mb = 2.0 ** 20
+    fig = Figure(figsize=(min(max(6.0 + 0.55 * (G + p), 9.0), 22.0), 4.8), dpi=150, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_t, ax_m = fig.subplots(1, 2, width_ratios=[max(G, 2), max(p, 2)])
+
+    # Time per global stage.
+    xs = range(G)
+    fwd = [1e3 * t for t in plan.forward_s]
+    bwd = [1e3 * t for t in plan.backward_s]
+    rec = [1e3 * t for t in plan.recompute_s]
+    ax_t.bar(xs, fwd, 0.7, color=KIND_COLORS[Kind.F], edgecolor="white", label="forward")
+    ax_t.bar(xs, bwd, 0.7, bottom=fwd, color=KIND_COLORS[Kind.BW], edgecolor="white", label="backward")
+    if any(rec):
+        ax_t.bar(xs, rec, 0.7, bottom=[a + b for a, b in zip(fwd, bwd, strict=True)], color="#b279a2",
+                 edgecolor="white", hatch="xx", label="remat recompute")
+    slowest = 1e3 * max(plan.stage_time_s)
+    ax_t.axhline(slowest, color="#333333", linestyle="--", linewidth=1)
+    for g in xs:
+        r = plan.layers[g]
+        text = (f"L{r.start}" if len(r) == 1 else f"L{r.start}-{r.stop - 1}") if len(r) else "no layers"
+        extras = [e for e, on in (("embed", g == 0), ("head", g == G - 1)) if on]
+        label = "\n".join([text + (" +" + "+".join(extras) if extras else ""), f"remat {plan.remat[g]}"])
+        ax_t.text(g, 1e3 * plan.stage_time_s[g] + 0.02 * slowest, label, ha="center", va="bottom", fontsize=7)
+    ax_t.set_ylim(0, slowest * 1.28)
+    names = [f"{g}" if plan.v == 1 else f"{g}\n(dev {g % p})" for g in xs]
+    ax_t.set_xticks(list(xs), names, fontsize=8)
+    ax_t.set_xlabel("global stage")
+    ax_t.set_ylabel("time per microbatch (ms)")
+    ax_t.set_title(f"stage time (slowest {slowest:.3g} ms)", fontsize=10, loc="left")
+    ax_t.legend(fontsize=7, frameon=False, loc="upper left", ncol=3)
+
+    # Memory per device.
+    xd = range(p)
+    par = [b / mb for b in plan.memory_params_bytes]
+    act = [b / mb for b in plan.memory_activations_bytes]
+    tra = [b / mb for b in plan.memory_transient_bytes]
+    ax_m.bar(xd, par, 0.6, color="#9d9d9d", edgecolor="white", label="params+grads+optimizer")
+    ax_m.bar(xd, act, 0.6, bottom=par, color="#72b7b2", edgecolor="white", label="in-flight microbatches")
+    if any(tra):
+        ax_m.bar(xd, tra, 0.6, bottom=[a + b for a, b in zip(par, act, strict=True)], color="#eeca3b",
+                 edgecolor="white", label="one microbatch rebuilt by remat")
+    total = [b / mb for b in plan.memory_bytes]
+    top = max(total)
+    handles, _ = ax_m.get_legend_handles_labels()
+    if plan.memory_budget_bytes is not None:
+        budget = plan.memory_budget_bytes / mb
+        ax_m.axhline(budget, color="#d62728", linestyle="--", linewidth=1.2)
+        handles.append(Line2D([], [], color="#d62728", linestyle="--", label=f"budget {budget:.4g} MB"))
+        top = max(top, budget)
+    for s in xd:
+        ax_m.text(s, total[s] + 0.02 * top, f"{total[s]:.3g} MB\n{plan.in_flight[s]} in flight",
+                  ha="center", va="bottom", fontsize=7)
+    ax_m.set_ylim(0, top * 1.3)
+    ax_m.set_xticks(list(xd), [f"{s}" for s in xd], fontsize=8)
+    ax_m.set_xlabel("device (pipe rank)")
+    ax_m.set_ylabel("memory (MB, 1 MB = 2^20 bytes)")
+    ax_m.set_title("predicted memory per device", fontsize=10, loc="left")
+    ax_m.legend(handles=handles, fontsize=7, frameon=False, loc="upper right")
+    for ax in (ax_t, ax_m):
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+
+    name = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}.get(plan.schedule, plan.schedule)
+    fig.suptitle(title or f"vPipe plan: {name}  p={plan.p} v={plan.v} m={plan.m}, layers per stage "
+                          f"{list(plan.counts)}   ·   predicted utilization {plan.utilization['async']:.2f} "
+                          f"(async), {plan.utilization['lockstep']:.2f} (lockstep)", fontsize=10)
     fig.savefig(path)
     return path

@@ -1,0 +1,821 @@
+"""vPipe partitioner: measured layer costs -> layers per stage and remat per stage.
+
+Two steps, usable apart:
+
+``measure_layer_costs(model_cfg, microbatch=...)`` builds the reference GPT and
+times, on the current default device, one block's forward (F), its backward
+split into B (input gradient only), W (weight gradient only) and the fused BW,
+and the same for the embedding and the head (+ loss); it reads FLOPs from the
+compiled programs (``cost_analysis``) and sizes the hidden state, the residuals
+a forward keeps for its backward (the leaves of the ``jax.vjp`` closure that are
+not the weights themselves, i.e. what the runtime's residual buffer holds per
+microbatch) and the parameters. The GPT's blocks are identical, so one block is
+measured and its costs are replicated over ``n_layers``. A model whose layers
+differ can be described directly: ``ProfiledModel(layers=[LayerCost(...), ...],
+embed=..., head=..., residual_bytes=[...])``.
+
+``partition(profile, p=..., v=..., m=..., schedule=..., memory_budget_bytes=...)``
+cuts the layers into ``p * v`` contiguous global stages (Megatron order: global
+stage ``g = c * p + s`` is chunk ``c`` of device ``s``), embed counted on global
+stage 0 and head on the last, so that the slowest stage is as fast as possible
+(an exact dynamic program over all contiguous splits, not a heuristic), then
+picks a remat policy per stage so each device fits the memory budget at the
+least recompute. It returns a ``PipelinePlan``: ``plan.layout()`` is the
+``StageLayout`` the runtime executes, ``plan.table()`` the per-stage table that
+``mindpipe plan`` prints.
+
+The memory model, per device ``s`` (all bytes, per device)::
+
+    params_state = param_copies x params of its layers (+ embed on stage 0, + head
+                   on the last; weights, gradients and Adam's two moments: 4 copies)
+    in_flight    = k_s x per_microbatch  (k_s = the schedule's peak number of
+                   microbatches forwarded whose last backward task has not run:
+                   Schedule.peak_in_flight(), which is peak_live_activations() for
+                   every schedule without a B/W split; under ZB-H1 a microbatch's
+                   residuals stay until its deferred W)
+    per_microbatch: remat "none": stage input + the stage's forward residuals
+                    remat "full": stage input only
+                    remat "dots": stage input + the matmul outputs kept by
+                                  ``dots_with_no_batch_dims_saveable``
+    transient    = one microbatch's residuals rebuilt by a recomputing backward
+                   ("full": all of them; "dots": those the policy did not keep)
+
+and remat adds its recompute to the stage's backward: "full" re-runs the stage's
+forward (+F), "dots" the measured difference between the policy's backward and
+the plain one. With ``v > 1`` a device's peak is found by walking its task list
+with each chunk's own per-microbatch size.
+
+What the current SPMD runtime executes differs in two ways, on purpose reported
+rather than hidden: ``pipeline_grads(remat=...)`` takes ONE flag for every stage,
+so ``plan.runtime_remat`` is True as soon as any stage needs remat (per-stage remat
+in the runtime is future work) and the table also prints the step time with that
+uniform remat; and SPMD buffers have one shape on every device, sized for the
+device with the most microbatches in flight, so the real per-device figure is the
+largest of the plan's. Embed and head parameters are modelled on the devices that
+use them (as an MPMD runtime would hold them); the SPMD runtime replicates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, get_schedule, interleaved_placement
+from mindpipe_jax.parallel.pipeline.simulate import LayerCost, Link, SimResult, StageCosts, simulate
+
+__all__ = ["ProfiledModel", "PipelinePlan", "measure_layer_costs", "partition", "REMAT_POLICIES",
+           "PARAM_COPIES", "MB"]
+
+REMAT_POLICIES = ("none", "dots", "full")
+PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
+MB = float(2 ** 20)  # what the table calls a megabyte
+_ZERO = LayerCost(0.0, 0.0, 0.0)
+_REL = 1e-9          # relative tolerance for "as fast as the optimum"
+
+
+# ----------------------------------------------------------------------- profile
+def _per_layer(value, n: int, name: str) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        values = (float(value),) * n
+    else:
+        values = tuple(float(x) for x in value)
+    if len(values) != n:
+        raise ConfigError(f"ProfiledModel.{name}: {len(values)} values for {n} layers")
+    if any(not math.isfinite(x) or x < 0 for x in values):
+        raise ConfigError(f"ProfiledModel.{name} must be finite and >= 0, got {values}")
+    return values
+
+
+@dataclass(frozen=True)
+class ProfiledModel:
+    """Per-layer costs of a model (seconds and bytes, per microbatch).
+
+    ``layers``: one ``LayerCost`` per block (F, B, W, BW durations, output
+    activation bytes, parameter bytes). ``embed``/``head``: the same for the
+    embedding (its output is the first hidden state) and the head with its loss.
+    ``residual_bytes``: per layer, what its forward keeps for its backward (one
+    number for all layers or one per layer); ``embed_residual_bytes``,
+    ``head_residual_bytes`` likewise. ``dots_residual_bytes`` and
+    ``dots_recompute_s`` (per layer) describe remat "dots" and are needed only
+    to offer that policy. ``flops``: forward/backward FLOPs of the measured parts
+    (information only). ``note``: where the numbers came from."""
+
+    layers: Sequence[LayerCost]
+    embed: LayerCost = _ZERO
+    head: LayerCost = _ZERO
+    residual_bytes: float | Sequence[float] = 0.0
+    embed_residual_bytes: float = 0.0
+    head_residual_bytes: float = 0.0
+    dots_residual_bytes: float | Sequence[float] | None = None
+    dots_recompute_s: float | Sequence[float] | None = None
+    flops: dict[str, float] = field(default_factory=dict)
+    microbatch: int = 0
+    note: str = "injected costs"
+
+    def __post_init__(self):
+        layers = tuple(self.layers)
+        if not layers or not all(isinstance(x, LayerCost) for x in layers):
+            raise ConfigError("ProfiledModel.layers must be a non-empty sequence of LayerCost")
+        for name in ("embed", "head"):
+            if not isinstance(getattr(self, name), LayerCost):
+                raise ConfigError(f"ProfiledModel.{name} must be a LayerCost")
+        n = len(layers)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "residual_bytes", _per_layer(self.residual_bytes, n, "residual_bytes"))
+        for name in ("dots_residual_bytes", "dots_recompute_s"):
+            object.__setattr__(self, name, _per_layer(getattr(self, name), n, name))
+        if (self.dots_residual_bytes is None) != (self.dots_recompute_s is None):
+            raise ConfigError("ProfiledModel: give both dots_residual_bytes and dots_recompute_s, or neither")
+        for name in ("embed_residual_bytes", "head_residual_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ConfigError(f"ProfiledModel.{name} must be a number >= 0, got {value!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def has_dots(self) -> bool:
+        return self.dots_residual_bytes is not None
+
+
+def _median_time(fn: Callable, *args, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` samples, after a warm-up (compile).
+    A sample runs the call enough times back to back to last about 2 ms, so
+    sub-millisecond programs are not timed at the clock's resolution."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    number = max(1, min(200, int(2e-3 / max(once, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def _compile(fn, *args):
+    """``fn`` compiled once for ``args``: the program that is timed and whose FLOPs are read."""
+    import jax
+
+    return jax.jit(fn).lower(*args).compile()
+
+
+def _flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, Sequence):  # older JAX: one dict per computation
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def _nbytes(tree) -> float:
+    import jax
+
+    return float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _residual_bytes(fn, params, x) -> float:
+    """Bytes the runtime's residual buffer keeps per microbatch for ``fn(params, x)``:
+    the vjp closure's leaves that are not the parameters themselves."""
+    from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
+
+    avals = ResidualStore(fn, params, x).buffer_avals
+    return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
+
+
+def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
+                  extra: dict[str, Callable] | None = None) -> dict[str, float]:
+    """Forward, B (w.r.t. ``x``), W (w.r.t. ``params``) and BW of ``fn(params, x)``,
+    plus one backward per ``extra`` function of the same signature. Backward times
+    are of the backward alone: one compiled forward returns every ``jax.vjp``
+    closure (its residuals), which are then passed into compiled backwards."""
+    import jax
+
+    out: dict[str, float] = {}
+    forward = _compile(fn, params, x)
+    out["F"] = _median_time(forward, params, x, repeats=repeats)
+    out["flops_F"] = _flops(forward)
+
+    def closures(w, h):
+        made = {"W": jax.vjp(lambda ww: fn(ww, h), w)[1]}
+        if input_grad:
+            made["B"] = jax.vjp(lambda hh: fn(w, hh), h)[1]
+            made["BW"] = jax.vjp(fn, w, h)[1]
+        for name, other in (extra or {}).items():
+            made[name] = jax.vjp(other, w, h)[1]
+        return made
+
+    for kind, vjp_fn in jax.jit(closures)(params, x).items():
+        backward = _compile(lambda f, ct: f(ct), vjp_fn, cotangent)
+        out[kind] = _median_time(backward, vjp_fn, cotangent, repeats=repeats)
+        out[f"flops_{kind}"] = _flops(backward)
+    if not input_grad:
+        out["B"], out["BW"], out["flops_B"], out["flops_BW"] = 0.0, out["W"], 0.0, out["flops_W"]
+    return out
+
+
+def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True) -> ProfiledModel:
+    """Measure the reference GPT (``GPT(model_cfg, rngs=nnx.Rngs(0))``) on the current
+    default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens.
+
+    Every time is the median of ``repeats`` samples after a warm-up run, each
+    program ``jax.jit``-compiled and waited for with ``block_until_ready``. One
+    block is measured and replicated over ``n_layers`` (the GPT's blocks are
+    identical). ``dots=True`` also measures remat "dots" (residual bytes under
+    ``dots_with_no_batch_dims_saveable`` and the recompute it adds to the backward).
+    """
+    import jax
+
+    for name, value in (("microbatch", microbatch), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"measure_layer_costs: {name} must be an integer >= 1, got {value!r}")
+    # One device whatever the caller's context: under an ambient mesh (e.g. train's
+    # repartition) the model's sharding constraints would compile a sharded program.
+    with jax.set_mesh(None):
+        return _measure_gpt(model_cfg, microbatch, repeats, dots)
+
+
+def _measure_gpt(model_cfg, microbatch: int, repeats: int, dots: bool) -> ProfiledModel:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mindpipe_jax.models.gpt import GPT
+    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+
+    model = GPT(model_cfg, rngs=nnx.Rngs(0))
+    fns = stage_fns(model)
+    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jax.devices()[0])
+    block = jax.tree.map(lambda x: x[0], params["blocks"])
+    rng = np.random.default_rng(0)
+    shape = (microbatch, model_cfg.seq_len)
+    tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
+    hidden = fns.embed(params["embed"], tokens)
+    d_hidden = jnp.asarray(rng.standard_normal(hidden.shape) * 1e-3, hidden.dtype)
+
+    def head(w, h):
+        return fns.head_loss(w, h, targets)
+
+    saved = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    lay = _measure_part(fns.layer, block, hidden, d_hidden, repeats=repeats, input_grad=True,
+                        extra={"BW_dots": saved} if dots else None)
+    emb = _measure_part(fns.embed, params["embed"], tokens, d_hidden, repeats=repeats, input_grad=False)
+    hd = _measure_part(head, params["head"], hidden, jnp.ones((), jnp.float32), repeats=repeats,
+                       input_grad=True)
+    act = float(hidden.size * hidden.dtype.itemsize)
+    layer = LayerCost(lay["F"], lay["B"], lay["W"], lay["BW"], act, _nbytes(block))
+    embed = LayerCost(emb["F"], 0.0, emb["W"], emb["W"], act, _nbytes(params["embed"]))
+    head_cost = LayerCost(hd["F"], hd["B"], hd["W"], hd["BW"], 0.0, _nbytes(params["head"]))
+    flops = {f"{part}_{k[6:]}": v for part, d in (("layer", lay), ("embed", emb), ("head", hd))
+             for k, v in d.items() if k.startswith("flops_")}
+    extra: dict[str, Any] = {}
+    if dots:
+        extra = {"dots_residual_bytes": _residual_bytes(saved, block, hidden),
+                 "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
+    n = model_cfg.n_layers
+    device = jax.devices()[0]
+    where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
+    note = (f"measured on {where}: one block of GPT(d_model="
+            f"{model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
+            f"vocab={model_cfg.vocab_size}, {model_cfg.dtype}) at microbatch {microbatch}, "
+            f"median of {repeats}; blocks are identical, so its costs are replicated over {n} layers")
+    return ProfiledModel(
+        layers=(layer,) * n, embed=embed, head=head_cost,
+        residual_bytes=_residual_bytes(fns.layer, block, hidden),
+        embed_residual_bytes=_residual_bytes(fns.embed, params["embed"], tokens),
+        head_residual_bytes=_residual_bytes(head, params["head"], hidden),
+        flops=flops, microbatch=microbatch, note=note, **extra)
+
+
+# -------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Layers, remat and predictions per stage. Per global stage ``g`` (tuples of
+    ``p * v``): ``counts``, ``layers`` (a ``range``), ``device``, ``remat``,
+    ``forward_s``/``backward_s``/``recompute_s`` and ``stage_time_s`` (their sum:
+    the stage's work per microbatch). Per device (tuples of ``p``):
+    ``memory_bytes`` = ``memory_params_bytes`` + ``memory_activations_bytes`` +
+    ``memory_transient_bytes`` (see the module docstring) and ``in_flight``.
+    Predictions from ``simulate.simulate`` with these stage costs and ``link``:
+    ``step_time_s`` and ``utilization`` for ``"async"`` (an MPMD executor) and
+    ``"lockstep"`` (the SPMD runtime's tick loop). ``runtime_remat``: the one flag
+    ``pipeline_grads(remat=...)`` takes today (True if any stage needs remat);
+    ``runtime`` holds the lockstep prediction with that flag applied to every
+    stage. ``even_split``: the same figures for an even split without remat."""
+
+    schedule: str
+    p: int
+    v: int
+    m: int
+    counts: tuple[int, ...]
+    layers: tuple[range, ...]
+    device: tuple[int, ...]
+    remat: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    recompute_s: tuple[float, ...]
+    stage_time_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    memory_params_bytes: tuple[float, ...]
+    memory_activations_bytes: tuple[float, ...]
+    memory_transient_bytes: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    memory_budget_bytes: float | None
+    runtime_remat: bool
+    step_time_s: dict[str, float]
+    utilization: dict[str, float]
+    runtime: dict[str, float]
+    even_split: dict[str, Any]
+    costs: StageCosts = field(repr=False)
+    simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
+    note: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def slowest_stage_s(self) -> float:
+        return max(self.stage_time_s)
+
+    def layout(self):
+        """The ``StageLayout`` for ``pipeline_grads(..., layout=plan.layout())``."""
+        from mindpipe_jax.parallel.pipeline.runtime import StageLayout
+
+        return StageLayout(self.counts, self.p, self.v)
+
+    def table(self) -> str:
+        """The per-stage table ``mindpipe plan`` prints."""
+        G = self.p * self.v
+        last = G - 1
+
+        def span(g: int) -> str:
+            r = self.layers[g]
+            parts = (["embed"] if g == 0 else []) + \
+                ([f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"] if len(r) else []) + \
+                (["head"] if g == last else [])
+            return " + ".join(parts) if parts else "(none)"
+
+        head = ["stage", "device", "layers", "n", "F ms", "bwd ms", "recomp ms", "time ms", "remat",
+                "in flight", "memory MB"]
+        rows = []
+        for g in range(G):
+            s = self.device[g]
+            dev = str(s) if self.v == 1 else f"{s}.{g // self.p}"
+            rows.append([str(g), dev, span(g), str(self.counts[g]),
+                         f"{1e3 * self.forward_s[g]:.3f}", f"{1e3 * self.backward_s[g]:.3f}",
+                         f"{1e3 * self.recompute_s[g]:.3f}", f"{1e3 * self.stage_time_s[g]:.3f}",
+                         self.remat[g], str(self.in_flight[s]), f"{self.memory_bytes[s] / MB:.1f}"])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        left = {2, 8}
+
+        def line(cells):
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+        budget = ("none" if self.memory_budget_bytes is None
+                  else f"{self.memory_budget_bytes / MB:.1f} MB per device")
+        out = [f"vPipe plan: {self.schedule}  p={self.p} v={self.v} m={self.m}, {self.num_layers} layers, "
+               f"memory budget {budget}"]
+        if self.note:
+            out.append(f"costs: {self.note}")
+        out += ["", line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        if self.v > 1:
+            out.append("(device s.c = chunk c of device s; in flight and memory are the device's)")
+        ms = 1e3
+        out += ["",
+                f"slowest stage {ms * self.slowest_stage_s:.3f} ms; memory = params+grads+Adam "
+                f"({PARAM_COPIES:g} copies) + in-flight microbatches + one rebuilt microbatch under remat",
+                f"predicted step: async {ms * self.step_time_s['async']:.3f} ms (utilization "
+                f"{self.utilization['async']:.3f}), lockstep {ms * self.step_time_s['lockstep']:.3f} ms "
+                f"(utilization {self.utilization['lockstep']:.3f})"]
+        even = self.even_split
+        out.append(f"even split {list(even['counts'])}, no remat: slowest stage "
+                   f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
+                   f"{even['utilization_async']:.3f}, lockstep {even['utilization_lockstep']:.3f}; "
+                   f"peak memory {even['peak_memory_bytes'] / MB:.1f} MB")
+        flag = "True" if self.runtime_remat else "False"
+        if self.runtime_remat and any(r != "full" for r in self.remat):
+            out.append(f"SPMD runtime today (one remat flag, 'full' on every stage): lockstep "
+                       f"{ms * self.runtime['step_time_lockstep_s']:.3f} ms (utilization "
+                       f"{self.runtime['utilization_lockstep']:.3f}); per-stage remat is future work")
+        out.append(f"run it: pipeline_grads(..., remat={flag}, layout=StageLayout({self.counts}, {self.p}, "
+                   f"{self.v})); train: parallel.stage_layers={list(self.counts)} "
+                   f"parallel.stage_remat={'full' if self.runtime_remat else 'none'}")
+        return "\n".join(out)
+
+
+# -------------------------------------------------------------------- partition
+class _Model:
+    """Prefix sums over the profile, and one stage's figures for a remat policy."""
+
+    def __init__(self, prof: ProfiledModel, G: int, split: bool):
+        self.prof, self.G, self.split = prof, G, split
+        L = prof.num_layers
+        self.L = L
+
+        def prefix(values):
+            out = [0.0]
+            for x in values:
+                out.append(out[-1] + x)
+            return out
+
+        ls = prof.layers
+        self.F = prefix(x.F for x in ls)
+        self.back = prefix((x.B + x.W) if split else x.fused for x in ls)
+        self.params = prefix(x.param_bytes for x in ls)
+        self.res = prefix(prof.residual_bytes)
+        self.dres = prefix(prof.dots_residual_bytes or (0.0,) * L)
+        self.drec = prefix(prof.dots_recompute_s or (0.0,) * L)
+        self.act_in = [prof.embed.activation_bytes] + [x.activation_bytes for x in ls]  # input of layer i
+
+    def _sum(self, arr, i, j):
+        return arr[j] - arr[i]
+
+    def stage(self, g: int, i: int, j: int, policy: str) -> dict[str, float]:
+        """Figures of global stage ``g`` holding layers ``[i, j)`` under ``policy``."""
+        prof, first, last = self.prof, g == 0, g == self.G - 1
+        e, h = prof.embed, prof.head
+        fwd = self._sum(self.F, i, j) + first * e.F + last * h.F
+        eb = (e.B + e.W) if self.split else e.fused
+        hb = (h.B + h.W) if self.split else h.fused
+        back = self._sum(self.back, i, j) + first * eb + last * hb
+        res = self._sum(self.res, i, j) + first * prof.embed_residual_bytes + last * prof.head_residual_bytes
+        act = self.act_in[i]
+        if policy == "none":
+            recompute, per_mb, transient = 0.0, act + res, 0.0
+        elif policy == "full":   # the runtime's remat: re-run the stage's forward (embed included)
+            recompute, per_mb, transient = self._sum(self.F, i, j) + first * e.F, act, res
+        else:                    # dots: matmul outputs kept, the rest recomputed
+            kept = self._sum(self.dres, i, j)
+            recompute = self._sum(self.drec, i, j)
+            per_mb, transient = act + kept + first * prof.embed_residual_bytes \
+                + last * prof.head_residual_bytes, max(0.0, self._sum(self.res, i, j) - kept)
+        params = self._sum(self.params, i, j) + first * e.param_bytes + last * h.param_bytes
+        return {"F": fwd, "back": back, "recompute": recompute, "time": fwd + back + recompute,
+                "params": params, "per_mb": per_mb, "transient": transient}
+
+
+def _less(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Lexicographic ``a < b`` with the first entries equal within a relative tolerance."""
+    if abs(a[0] - b[0]) > _REL * max(abs(a[0]), abs(b[0]), 1e-30):
+        return a[0] < b[0]
+    return a[1] < b[1] * (1 - 1e-12)
+
+
+def _split_dp(L: int, G: int, cost: Callable[[int, int, int], float]) -> list[int] | None:
+    """Boundaries ``b[0]=0 <= ... <= b[G]=L`` minimising the largest ``cost(g, i, j)``
+    (exact), then, among splits within a relative ``1e-9`` of that optimum, the sum of
+    costs and then the sum of their squares (the most even of the fastest splits).
+    Every stage gets >= 1 layer when L >= G. ``None`` if every split costs inf."""
+    lo = 1 if L >= G else 0
+    inf = math.inf
+    cache: dict[tuple[int, int, int], float] = {}
+
+    def c(g, i, j):
+        key = (g, i, j)
+        if key not in cache:
+            cache[key] = cost(g, i, j)
+        return cache[key]
+
+    # Pass 1: the optimal bottleneck. best[k][j]: first j layers on k stages.
+    best = [[inf] * (L + 1) for _ in range(G + 1)]
+    best[0][0] = 0.0
+    for k in range(1, G + 1):
+        for j in range(L + 1):
+            for i in range(0, j - lo + 1):
+                if best[k - 1][i] < inf:
+                    value = max(best[k - 1][i], c(k - 1, i, j))
+                    if value < best[k][j]:
+                        best[k][j] = value
+    target = best[G][L]
+    if target == inf:
+        return None
+    limit = target * (1 + _REL) + 1e-300
+    # Pass 2: among splits whose every stage is <= the optimum, (sum, sum of squares).
+    score: list[list[tuple[float, float] | None]] = [[None] * (L + 1) for _ in range(G + 1)]
+    back = [[-1] * (L + 1) for _ in range(G + 1)]
+    score[0][0] = (0.0, 0.0)
+    for k in range(1, G + 1):
+        for j in range(L + 1):
+            for i in range(0, j - lo + 1):
+                prev = score[k - 1][i]
+                t = c(k - 1, i, j)
+                if prev is None or t > limit:
+                    continue
+                cand = (prev[0] + t, prev[1] + t * t)
+                if score[k][j] is None or _less(cand, score[k][j]):
+                    score[k][j], back[k][j] = cand, i
+    bounds = [L]
+    for k in range(G, 0, -1):
+        bounds.append(back[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _device_peak(schedule: Schedule, s: int, per_mb_by_chunk: Sequence[float]) -> float:
+    """Peak in-flight bytes on device ``s``: +per_mb[c] at a chunk's F, - at its last
+    backward task (BW, or W when the schedule splits the backward)."""
+    level = peak = 0.0
+    for _, task in schedule.tasks_of(s):
+        if task.kind is Kind.F:
+            level += per_mb_by_chunk[task.chunk]
+        elif task.kind in (Kind.BW, Kind.W):
+            level -= per_mb_by_chunk[task.chunk]
+        peak = max(peak, level)
+    return peak
+
+
+def _check_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"partition: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: str | Schedule = "1f1b",
+              memory_budget_bytes: float | None = None, remat_options: Sequence[str] = ("none", "full"),
+              param_copies: float = PARAM_COPIES, link: Link | float | None = None) -> PipelinePlan:
+    """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
+    each stage; see the module docstring for the cost and memory model.
+
+    Time: a stage's work is F + its backward (BW, or B + W for a schedule that splits
+    the backward) + the recompute of its remat policy, embed on global stage 0 and
+    head on the last. The split minimises the slowest stage exactly (dynamic program
+    over all contiguous splits); among equally fast splits it takes the least total
+    work, then the most even. Stages hold >= 1 layer unless there are fewer layers
+    than stages.
+
+    Memory: ``memory_budget_bytes`` per device (None = unlimited). Each stage takes
+    the fastest of ``remat_options`` ("none", "full", "dots") that lets its device
+    fit; recompute goes into the stage's B (or BW). With ``v == 1`` the split and the
+    policies are chosen together, exactly (a stage's cost in the program is its
+    fastest fitting policy), so the plan may also move layers off a device rather
+    than recompute. With ``v > 1`` a device's chunks share its memory and a split
+    cannot be scored stage by stage: a few candidate splits (each optimal for a
+    simpler stage cost, see ``_interleaved_split``) get their exact per-device
+    policies (each chunk its own, tried exhaustively up to 1024 combinations,
+    else one for the whole device) and the best is kept, which is a heuristic.
+    Nothing fits -> ``ConfigError`` naming the stage (device), the memory it needs
+    and the budget. ``link``: transfer cost for the simulation (None = free).
+
+    The SPMD runtime takes one remat flag today: ``plan.runtime_remat`` is True when
+    any stage needs remat; per-stage remat in the runtime is future work.
+    """
+    if not isinstance(profile, ProfiledModel):
+        raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
+    p, v, m = _check_int("p", p), _check_int("v", v), _check_int("m", m)
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        if (sched.num_stages, sched.virtual_stages, sched.num_microbatches) != (p, v, m):
+            raise ConfigError(f"partition: the schedule is for p={sched.num_stages}, "
+                              f"v={sched.virtual_stages}, m={sched.num_microbatches}, "
+                              f"not p={p}, v={v}, m={m}")
+    elif isinstance(schedule, str):
+        sched = get_schedule(schedule, p, m, v)
+    else:
+        raise ConfigError(f"partition: schedule must be a name or a Schedule, got {schedule!r}")
+    if sched.placement != interleaved_placement(p, v):
+        raise ConfigError("partition: the schedule's placement is not Megatron's (global stage c*p + s "
+                          "on device s), which StageLayout assumes")
+    options = tuple(remat_options) if not isinstance(remat_options, str) else (remat_options,)
+    bad = [o for o in options if o not in REMAT_POLICIES]
+    if not options or bad:
+        raise ConfigError(f"partition: remat_options {list(options)} must be a non-empty subset of "
+                          f"{list(REMAT_POLICIES)}")
+    if "dots" in options and not profile.has_dots:
+        raise ConfigError("partition: remat 'dots' needs a profile with dots_residual_bytes and "
+                          "dots_recompute_s (measure_layer_costs(..., dots=True))")
+    options = tuple(o for o in REMAT_POLICIES if o in options)   # usually fastest first: none, dots, full
+    budget = None
+    if memory_budget_bytes is not None:
+        ok = isinstance(memory_budget_bytes, int | float) and not isinstance(memory_budget_bytes, bool)
+        if not ok or not 0 < memory_budget_bytes < math.inf:
+            raise ConfigError(f"partition: memory_budget_bytes must be a number > 0 or None, "
+                              f"got {memory_budget_bytes!r}")
+        budget = float(memory_budget_bytes)
+    if not (isinstance(param_copies, int | float) and param_copies >= 0):
+        raise ConfigError(f"partition: param_copies must be a number >= 0, got {param_copies!r}")
+
+    G, L = p * v, profile.num_layers
+    split = any(t is not None and t.kind in (Kind.B, Kind.W) for row in sched.table for t in row)
+    model = _Model(profile, G, split)
+    inflight = sched.peak_in_flight()
+
+    def device_memory(g: int, fig: dict[str, float]) -> float:
+        return param_copies * fig["params"] + inflight[g % p] * fig["per_mb"] + fig["transient"]
+
+    def fastest_fitting(g: int, i: int, j: int) -> tuple[str, dict[str, float]] | None:
+        best = None
+        for policy in options:  # ties go to the earlier policy: none, dots, full
+            fig = model.stage(g, i, j, policy)
+            if (budget is None or device_memory(g, fig) <= budget) and (
+                    best is None or fig["time"] < best[1]["time"]):
+                best = policy, fig
+        return best
+
+    if v == 1:
+        def cost(g, i, j):
+            best = fastest_fitting(g, i, j)
+            return math.inf if best is None else best[1]["time"]
+
+        bounds = _split_dp(L, G, cost)
+        if bounds is None:   # no split fits: name a stage of the fastest split
+            _raise_no_fit(model, sched, options, budget, param_copies, inflight)
+        spans = [range(bounds[g], bounds[g + 1]) for g in range(G)]
+        chosen = _choose_remat(model, sched, spans, options, budget, param_copies, inflight)
+    else:
+        spans, chosen = _interleaved_split(model, sched, options, budget, param_copies, inflight)
+    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    memory = _memory(sched, spans, figs, param_copies)
+
+    def stage_costs(fig_list) -> StageCosts:
+        base = StageCosts.from_layers(list(profile.layers), [g for g in range(G) for _ in spans[g]], G,
+                                      embed=profile.embed, head=profile.head)
+        rec = [f["recompute"] for f in fig_list]
+        return dataclasses.replace(base, B=[b + r for b, r in zip(base.B, rec, strict=True)],
+                                   BW=[b + r for b, r in zip(base.BW, rec, strict=True)])
+
+    def predict(costs: StageCosts) -> dict[str, SimResult]:
+        return {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
+
+    costs = stage_costs(figs)
+    sims = predict(costs)
+    runtime_remat = any(c != "none" for c in chosen)
+    if runtime_remat:   # what pipeline_grads(remat=True) runs: "full" on every stage
+        rt_figs = [model.stage(g, spans[g].start, spans[g].stop, "full") for g in range(G)]
+        rt = simulate(sched, stage_costs(rt_figs), link=link, mode="lockstep")
+        runtime = {"step_time_lockstep_s": rt.step_time, "utilization_lockstep": rt.mean_utilization}
+    else:
+        runtime = {"step_time_lockstep_s": sims["lockstep"].step_time,
+                   "utilization_lockstep": sims["lockstep"].mean_utilization}
+    even = _even_split(model, sched, profile, G, param_copies, link)
+    return PipelinePlan(
+        schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
+        device=tuple(g % p for g in range(G)), remat=tuple(chosen),
+        forward_s=tuple(f["F"] for f in figs), backward_s=tuple(f["back"] for f in figs),
+        recompute_s=tuple(f["recompute"] for f in figs), stage_time_s=tuple(f["time"] for f in figs),
+        memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
+        memory_params_bytes=memory[0], memory_activations_bytes=memory[1], memory_transient_bytes=memory[2],
+        in_flight=tuple(inflight), memory_budget_bytes=budget, runtime_remat=runtime_remat,
+        step_time_s={k: s.step_time for k, s in sims.items()},
+        utilization={k: s.mean_utilization for k, s in sims.items()},
+        runtime=runtime, even_split=even, costs=costs, simulations=sims, note=profile.note)
+
+
+def _memory(sched: Schedule, spans, figs, param_copies: float):
+    """Per device: (params+optimizer, in-flight activations, transient) bytes."""
+    p, v = sched.num_stages, sched.virtual_stages
+    params, acts, trans = [], [], []
+    for s in range(p):
+        gs = [c * p + s for c in range(v)]
+        params.append(param_copies * sum(figs[g]["params"] for g in gs))
+        acts.append(_device_peak(sched, s, [figs[g]["per_mb"] for g in gs]))
+        trans.append(max(figs[g]["transient"] for g in gs))
+    return tuple(params), tuple(acts), tuple(trans)
+
+
+def _choose_remat(model: _Model, sched: Schedule, spans, options, budget, param_copies,
+                  inflight) -> list[str]:
+    """Per global stage, the fastest policy that lets its device fit."""
+    p, v, G = sched.num_stages, sched.virtual_stages, sched.num_global_stages
+    chosen = ["none"] * G
+    for s in range(p):
+        gs = [c * p + s for c in range(v)]
+        if len(options) ** v <= 1024:
+            combos = list(itertools.product(options, repeat=v))
+        else:
+            combos = [(o,) * v for o in options]
+        best, best_key, least = None, None, None
+        for combo in combos:
+            figs = [model.stage(g, spans[g].start, spans[g].stop, o) for g, o in zip(gs, combo, strict=True)]
+            mem = param_copies * sum(f["params"] for f in figs) \
+                + _device_peak(sched, s, [f["per_mb"] for f in figs]) + max(f["transient"] for f in figs)
+            if least is None or mem < least[0]:
+                least = (mem, combo)
+            if budget is not None and mem > budget:
+                continue
+            key = (max(f["time"] for f in figs), sum(f["recompute"] for f in figs))
+            if best_key is None or key < best_key:
+                best, best_key = combo, key
+        if best is None:
+            assert least is not None
+            raise ConfigError(
+                f"memory budget {budget / MB:.1f} MB per device is too small: "
+                f"{'stage' if v == 1 else 'device'} {s} ({_describe(spans, gs, G, v > 1)}) needs at least "
+                f"{least[0] / MB:.1f} MB with remat {'/'.join(least[1])} ({inflight[s]} microbatches in "
+                f"flight); tried remat {', '.join(options)}"
+                f"{' on every split' if v == 1 else ' on the candidate splits'}; raise the budget, "
+                f"add stages or use fewer microbatches in flight")
+        for g, o in zip(gs, best, strict=True):
+            chosen[g] = o
+    return chosen
+
+
+def _interleaved_split(model: _Model, sched: Schedule, options, budget, param_copies, inflight):
+    """v > 1: a device's chunks share its memory, so a split cannot be scored stage by
+    stage. Candidate splits, each optimal for its own stage cost: time under each
+    policy in ``options`` applied everywhere, and the fastest policy fitting a 1/v
+    share of the budget with the chunk's own in-flight count. Each candidate gets
+    its exact per-device remat (``_choose_remat``); the best (slowest stage, total
+    work, evenness) wins. The first candidate's error is raised if none fits."""
+    p, v, G, L = sched.num_stages, sched.virtual_stages, sched.num_global_stages, model.L
+    per_chunk = [[0] * v for _ in range(p)]   # peak in-flight microbatches of one chunk
+    for s in range(p):
+        for c in range(v):
+            per_chunk[s][c] = round(_device_peak(sched, s, [float(k == c) for k in range(v)]))
+
+    def share_cost(g, i, j):
+        s, c = g % p, g // p
+        best = math.inf
+        for policy in options:
+            fig = model.stage(g, i, j, policy)
+            need = param_copies * fig["params"] + per_chunk[s][c] * fig["per_mb"] + fig["transient"]
+            if budget is None or need <= budget / v:
+                best = min(best, fig["time"])
+        return best
+
+    costs = [(lambda g, i, j, pol=pol: model.stage(g, i, j, pol)["time"]) for pol in options]
+    if budget is not None:
+        costs.append(share_cost)
+    best, best_key, first_error, seen = None, None, None, set()
+    for cost in costs:
+        bounds = _split_dp(L, G, cost)
+        if bounds is None or tuple(bounds) in seen:
+            continue
+        seen.add(tuple(bounds))
+        spans = [range(bounds[g], bounds[g + 1]) for g in range(G)]
+        try:
+            chosen = _choose_remat(model, sched, spans, options, budget, param_copies, inflight)
+        except ConfigError as err:
+            first_error = first_error or err
+            continue
+        times = [model.stage(g, spans[g].start, spans[g].stop, chosen[g])["time"] for g in range(G)]
+        key = (max(times), sum(times), sum(t * t for t in times))
+        if best_key is None or _less(key[:2], best_key[:2]) or (
+                not _less(best_key[:2], key[:2]) and key[2] < best_key[2]):
+            best, best_key = (spans, chosen), key
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    return best
+
+
+def _describe(spans, gs, G, name_stages: bool = False) -> str:
+    parts = []
+    for g in gs:
+        r = spans[g]
+        if len(r) > 1:
+            text = f"layers {r.start}-{r.stop - 1}"
+        else:
+            text = f"layer {r.start}" if len(r) else "no layers"
+        text += " + embed" if g == 0 else ""
+        text += " + head" if g == G - 1 else ""
+        parts.append(f"global stage {g}: {text}" if name_stages else text)
+    return "; ".join(parts)
+
+
+def _raise_no_fit(model: _Model, sched: Schedule, options, budget, param_copies, inflight):
+    """No split fits (v == 1): report the device of the fastest split that does not."""
+    G = sched.num_global_stages
+    bounds = _split_dp(model.L, G, lambda g, i, j: model.stage(g, i, j, "none")["time"])
+    assert bounds is not None
+    spans = [range(bounds[g], bounds[g + 1]) for g in range(G)]
+    _choose_remat(model, sched, spans, options, budget, param_copies, inflight)
+    raise AssertionError("unreachable: the fastest split fits but the search found no split")
+
+
+def _even_split(model: _Model, sched: Schedule, profile: ProfiledModel, G: int, param_copies: float,
+                link) -> dict[str, Any]:
+    """An even split without remat, for comparison."""
+    from mindpipe_jax.parallel.pipeline.simulate import even_assignment
+
+    stage_of = even_assignment(profile.num_layers, G)
+    counts = [stage_of.count(g) for g in range(G)]
+    starts = [sum(counts[:g]) for g in range(G)]
+    spans = [range(starts[g], starts[g] + counts[g]) for g in range(G)]
+    figs = [model.stage(g, spans[g].start, spans[g].stop, "none") for g in range(G)]
+    costs = StageCosts.from_layers(list(profile.layers), stage_of, G, embed=profile.embed, head=profile.head)
+    sims = {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
+    memory = _memory(sched, spans, figs, param_copies)
+    return {"counts": tuple(counts), "slowest_stage_s": max(f["time"] for f in figs),
+            "utilization_async": sims["async"].mean_utilization,
+            "utilization_lockstep": sims["lockstep"].mean_utilization,
+            "step_time_async_s": sims["async"].step_time, "step_time_lockstep_s": sims["lockstep"].step_time,
+            "peak_memory_bytes": max(sum(x) for x in zip(*memory, strict=True))}

@@ -1,0 +1,309 @@
+"""vPipe partitioner: optimal contiguous splits, remat under a memory budget, the plan's
+layout through the runtime, and ``mindpipe plan``. Costs are injected except in the
+one command-line test, which measures a tiny GPT for real."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mindpipe_jax.cli import main
+from mindpipe_jax.config import ModelConfig, ParallelConfig
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.gpt import GPT
+from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline import partition as partition_mod
+from mindpipe_jax.parallel.pipeline.contract import stage_fns
+from mindpipe_jax.parallel.pipeline.partition import MB, PARAM_COPIES, ProfiledModel, partition
+from mindpipe_jax.parallel.pipeline.runtime import StageLayout, pipeline_grads
+from mindpipe_jax.parallel.pipeline.simulate import LayerCost
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def uniform(L, *, F=1.0, B=1.0, W=1.0, embed=None, head=None, act=1e6, params=1e6, residual=8e6):
+    layer = LayerCost(F, B, W, activation_bytes=act, param_bytes=params)
+    return ProfiledModel(layers=[layer] * L, embed=embed or LayerCost(0.0, 0.0, 0.0, activation_bytes=act),
+                         head=head or LayerCost(0.0, 0.0, 0.0), residual_bytes=residual)
+
+
+# --- the split is optimal ---------------------------------------------------------------------
+
+
+def _splits(L, G):
+    """Every contiguous split of L layers into G stages (>= 1 layer each when L >= G)."""
+    if L >= G:
+        cuts = itertools.combinations(range(1, L), G - 1)
+    else:
+        cuts = itertools.combinations_with_replacement(range(L + 1), G - 1)
+    for c in cuts:
+        bounds = (0, *c, L)
+        yield [range(bounds[g], bounds[g + 1]) for g in range(G)]
+
+
+def _stage_time(prof, spans, g):
+    G = len(spans)
+    t = sum(prof.layers[i].F + prof.layers[i].fused for i in spans[g])
+    if g == 0:
+        t += prof.embed.F + prof.embed.fused
+    if g == G - 1:
+        t += prof.head.F + prof.head.fused
+    return t
+
+
+def _random_profile(rng, L):
+    layers = [LayerCost(rng.uniform(0.5, 3), rng.uniform(0.5, 3), rng.uniform(0.5, 3),
+                        activation_bytes=1e6, param_bytes=rng.uniform(1e6, 4e6)) for _ in range(L)]
+    embed = LayerCost(rng.uniform(0, 6), 0.0, rng.uniform(0, 3), activation_bytes=1e6, param_bytes=2e6)
+    head = LayerCost(rng.uniform(0, 6), rng.uniform(0, 3), rng.uniform(0, 3), param_bytes=2e6)
+    return ProfiledModel(layers=layers, embed=embed, head=head, head_residual_bytes=3e6,
+                         residual_bytes=[rng.uniform(2e6, 9e6) for _ in range(L)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    for L in range(1, 8):
+        for p in range(1, 5):
+            prof = _random_profile(rng, L)
+            plan = partition(prof, p=p, m=4)
+            best = min(max(_stage_time(prof, spans, g) for g in range(p)) for spans in _splits(L, p))
+            assert plan.slowest_stage_s == pytest.approx(best, rel=1e-9), (L, p, plan.counts)
+            assert sum(plan.counts) == L and (L < p or min(plan.counts) >= 1)
+            times = [_stage_time(prof, plan.layers, g) for g in range(p)]
+            assert plan.stage_time_s == pytest.approx(times)
+
+
+def _fits(prof, spans, g, p, inflight, policy, budget):
+    """The memory model, written out independently of partition.py (v = 1)."""
+    r, G = spans[g], len(spans)
+    params = sum(prof.layers[i].param_bytes for i in r) + (g == 0) * prof.embed.param_bytes \
+        + (g == G - 1) * prof.head.param_bytes
+    res = sum(prof.residual_bytes[i] for i in r) + (g == G - 1) * prof.head_residual_bytes
+    act_in = prof.layers[r.start - 1].activation_bytes if r.start else prof.embed.activation_bytes
+    per_mb, transient = (act_in + res, 0.0) if policy == "none" else (act_in, res)
+    return PARAM_COPIES * params + inflight[g] * per_mb + transient <= budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_and_remat_are_optimal_under_a_budget(seed):
+    """v = 1: the slowest stage, each stage at its fastest fitting policy, over all splits."""
+    rng = random.Random(100 + seed)
+    for L, p in [(5, 2), (6, 3), (7, 4), (3, 4)]:
+        prof = _random_profile(rng, L)
+        inflight = get_schedule("1f1b", p, 8).peak_in_flight()
+        budget = rng.uniform(30, 90) * MB
+        best = None
+        for spans in _splits(L, p):
+            worst = 0.0
+            for g in range(p):
+                r = spans[g]
+                recompute = sum(prof.layers[i].F for i in r) + (g == 0) * prof.embed.F
+                options = [t for pol, t in (("none", 0.0), ("full", recompute))
+                           if _fits(prof, spans, g, p, inflight, pol, budget)]
+                worst = max(worst, _stage_time(prof, spans, g) + min(options, default=float("inf")))
+            best = worst if best is None else min(best, worst)
+        if best == float("inf"):
+            with pytest.raises(ConfigError, match="too small"):
+                partition(prof, p=p, m=8, memory_budget_bytes=budget)
+            continue
+        plan = partition(prof, p=p, m=8, memory_budget_bytes=budget)
+        assert plan.slowest_stage_s == pytest.approx(best, rel=1e-9)
+        assert max(plan.memory_bytes) <= budget
+
+
+def test_embed_and_head_stages_get_fewer_layers():
+    # A layer costs 3 (F+B+W); embed and head each cost 6: (1, 3, 3, 1) balances every stage at 9.
+    heavy = LayerCost(3.0, 0.0, 3.0, activation_bytes=1e6, param_bytes=1e6)
+    prof = uniform(8, embed=heavy, head=LayerCost(3.0, 1.5, 1.5, param_bytes=1e6))
+    plan = partition(prof, p=4, m=8)
+    assert plan.counts == (1, 3, 3, 1)
+    assert plan.stage_time_s == pytest.approx((9.0,) * 4)
+    assert plan.layers == (range(0, 1), range(1, 4), range(4, 7), range(7, 8))
+    assert plan.even_split["counts"] == (2, 2, 2, 2) and plan.even_split["slowest_stage_s"] == 12.0
+    assert plan.utilization["async"] > plan.even_split["utilization_async"]
+    assert plan.utilization["lockstep"] > plan.even_split["utilization_lockstep"]
+    layout = plan.layout()
+    assert isinstance(layout, StageLayout) and (layout.counts, layout.p, layout.v) == ((1, 3, 3, 1), 4, 1)
+    table = plan.table()
+    for text in ("embed + 0", "1-3", "4-6", "7 + head", "remat", "memory MB", "predicted step",
+                 "utilization", "StageLayout((1, 3, 3, 1), 4, 1)"):
+        assert text in table, text
+
+
+def test_empty_stages_only_with_fewer_layers_than_stages():
+    heavy = LayerCost(50.0, 0.0, 50.0, activation_bytes=1e6)
+    # Embed far heavier than every layer together: with L >= p·v each stage still gets one.
+    assert min(partition(uniform(4, embed=heavy), p=4, m=4).counts) == 1
+    plan = partition(uniform(3, embed=heavy), p=4, m=4)
+    assert plan.counts[0] == 0 and sum(plan.counts) == 3
+    assert "embed" in plan.table()
+
+
+def test_interleaved_plan_uses_megatron_order():
+    prof = uniform(8, embed=LayerCost(3.0, 0.0, 3.0, activation_bytes=1e6),
+                   head=LayerCost(3.0, 1.5, 1.5))
+    plan = partition(prof, p=2, v=2, m=4, schedule="interleaved")
+    assert plan.counts == (1, 3, 3, 1) and plan.device == (0, 1, 0, 1)
+    assert plan.layout().counts_array().tolist() == [[1, 3], [3, 1]]   # [device][chunk]
+    assert len(plan.memory_bytes) == 2 and plan.in_flight == tuple(get_schedule("interleaved", 2, 4, 2)
+                                                                   .peak_in_flight())
+
+
+# --- remat under a memory budget --------------------------------------------------------------
+
+
+def test_budget_forces_remat_on_stage_0_first_under_1f1b():
+    prof = uniform(8)   # 1F1B p=4: 4, 3, 2, 1 microbatches in flight
+    free = partition(prof, p=4, m=8)
+    assert free.remat == ("none",) * 4 and not free.runtime_remat
+    assert free.in_flight == (4, 3, 2, 1)
+    mem = free.memory_bytes
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+
+    plan = partition(prof, p=4, m=8, memory_budget_bytes=(mem[0] + mem[1]) / 2)
+    assert plan.counts == (2, 2, 2, 2)
+    assert plan.remat == ("full", "none", "none", "none") and plan.runtime_remat
+    assert max(plan.memory_bytes) <= (mem[0] + mem[1]) / 2
+    assert plan.recompute_s == (2.0, 0.0, 0.0, 0.0)   # "full" re-runs the two layers' forwards
+    assert plan.stage_time_s[0] == free.stage_time_s[0] + 2.0
+    assert plan.step_time_s["lockstep"] > free.step_time_s["lockstep"]
+    assert plan.runtime["step_time_lockstep_s"] >= plan.step_time_s["lockstep"]  # one flag for all
+    assert "full" in plan.table() and "stage_remat=full" in plan.table()
+
+    tighter = partition(prof, p=4, m=8, memory_budget_bytes=(mem[1] + mem[2]) / 2)
+    assert tighter.remat == ("full", "full", "none", "none")
+
+
+def test_impossible_budget_names_the_stage_and_the_memory():
+    with pytest.raises(ConfigError, match=r"memory budget 1\.0 MB per device is too small: stage \d .*"
+                                          r"needs at least [\d.]+ MB"):
+        partition(uniform(8), p=4, m=8, memory_budget_bytes=1 * MB)
+    with pytest.raises(ConfigError, match="device 0"):
+        partition(uniform(8), p=2, v=2, m=4, schedule="interleaved", memory_budget_bytes=1 * MB)
+
+
+def test_dots_policy_between_none_and_full():
+    prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
+                         residual_bytes=8e6, dots_residual_bytes=3e6, dots_recompute_s=0.25)
+    mem = partition(prof, p=4, m=8).memory_bytes
+    plan = partition(prof, p=4, m=8, memory_budget_bytes=(mem[0] + mem[1]) / 2,
+                     remat_options=("none", "dots", "full"))
+    assert plan.remat == ("dots", "none", "none", "none") and plan.recompute_s[0] == 0.5
+    with pytest.raises(ConfigError, match="dots"):
+        partition(uniform(8), p=4, m=8, remat_options=("none", "dots"))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(p=0, m=4), "p must be"), (dict(p=2, m=4, memory_budget_bytes=-1), "memory_budget_bytes"),
+    (dict(p=2, m=4, remat_options=("fast",)), "remat_options"), (dict(p=2, m=4, schedule="nope"), "unknown"),
+])
+def test_bad_arguments_raise_config_error(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        partition(uniform(4), **kwargs)
+
+
+# --- the plan's layout runs through the runtime ----------------------------------------------
+
+
+def test_plan_layout_gives_unpipelined_gradients():
+    # A heavy head pushes layers to stage 0: an uneven (3, 1) split on p=2.
+    prof = uniform(4, head=LayerCost(1.0, 2.0, 2.0))
+    plan = partition(prof, p=2, m=4)
+    assert plan.counts == (3, 1)
+    p, m = plan.p, plan.m
+    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=4, n_heads=2)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = np.random.default_rng(0).integers(0, 64, (m, 4, 9)).astype(np.int32)
+    inputs, targets = tokens[..., :-1], tokens[..., 1:]
+
+    def reference(prm):
+        merged = nnx.merge(nnx.graphdef(model), prm)
+        return jnp.mean(jnp.stack([merged.loss(inputs[i], targets[i]) for i in range(m)]))
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), get_schedule(plan.schedule, p, m), mesh,
+                         remat=plan.runtime_remat, layout=plan.layout(), nan_bubbles=True)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for path, got in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        want = ref_grads
+        for key in path:
+            want = want[key.key]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+# --- mindpipe plan (the one real measurement) -------------------------------------------------
+
+TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64",
+        "train.global_batch=8", "parallel.pipe=2", "parallel.microbatches=4"]
+
+
+def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
+    measured = []
+    real = partition_mod.measure_layer_costs
+
+    def spy(*args, **kwargs):
+        # Under a caller's mesh (as train's repartition calls it) it still measures one device.
+        with jax.set_mesh(make_mesh(ParallelConfig(pipe=2, data=2, tensor=2))):
+            measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(partition_mod, "measure_layer_costs", spy)
+    out = tmp_path / "plan.png"
+    assert main(["plan", *TINY, "--repeats", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for words in ("vPipe plan: 1f1b  p=2 v=1 m=4, 4 layers", "stage", "layers", "time ms", "memory MB",
+                  "remat", "predicted step", "utilization", f"wrote {out}"):
+        assert words in text, words
+    assert out.read_bytes()[:8] == PNG_MAGIC
+
+    prof, = measured
+    assert prof.microbatch == 2 and prof.num_layers == 4 and len(set(prof.layers)) == 1
+    layer = prof.layers[0]
+    assert min(layer.F, layer.B, layer.W, layer.BW) > 0
+    assert layer.activation_bytes == 2 * 16 * 32 * 4
+    assert prof.residual_bytes[0] > layer.activation_bytes   # a block keeps more than its input
+    assert prof.embed.B == 0 and prof.embed.W > 0 and prof.head.BW > 0
+    tokens, d = 2 * 16, 32
+    matmuls = 2 * tokens * (4 * d * d + 2 * d * 4 * d)   # qkv, out, mlp in/out: unsharded, one device
+    assert matmuls < prof.flops["layer_F"] < 1.5 * matmuls
+    assert prof.flops["layer_BW"] > 1.5 * prof.flops["layer_F"]
+    assert 3 * 32 * 32 * 4 < layer.param_bytes < 20 * 32 * 32 * 4
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan"], "parallel.pipe > 1"),
+    (["plan", "parallel.pipe=2", "--budget-mb", "-5"], "--budget-mb"),
+    (["plan", "parallel.pipe=2", "--budget-mb", "lots"], "--budget-mb"),
+    (["plan", "parallel.pipe=2", "--remat", "fast"], "--remat"),
+    (["plan", "parallel.pipe=2", "parallel.microbatches=3"], "divisible"),
+    (["plan", "parallel.pipe=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+      "parallel.microbatches=3"], "divisible"),
+    (["plan", "parallel.pipe=2", "--out", "plan.jpg"], "must end in one of"),
+    (["plan", "parallel.pipe=2", "--repeats", "0"], "--repeats"),
+    (["plan", "parallel.pipe=2", "model.nope=1"], "unknown config key"),
+])
+def test_plan_command_bad_input_exits_2(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured despite bad input")
+
+    monkeypatch.setattr(partition_mod, "measure_layer_costs", refuse)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert err.startswith("mindpipe: error:") and "\n" not in err and words in err, err
+    assert list(tmp_path.iterdir()) == []
