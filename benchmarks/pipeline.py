@@ -34,7 +34,8 @@ Columns:
              first stage's backward re-runs the embedding lookup and its vjp.
              GPipe-autodiff computes every stage every iteration, forward and
              backward, plus one more forward per iteration with remat.
-``step ms``  median wall time of timed calls after a warm-up. On this machine the
+``step ms``  median wall time of the timed calls after a warm-up call: up to ``--calls``
+             (10), fewer for a slow row (``calls`` says how many). On this machine the
              simulated devices share 2 cores, so an idle device frees a core: wall
              times favour schedules that skip bubbles, and are not a cluster claim.
 
@@ -110,16 +111,19 @@ def _backward_only(fn, primals, cotangent, select=lambda g: g):
     return (lambda vf, dy: select(vf(dy))), (vjp_fn, cotangent)
 
 
-def _time(f, *args, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of the compiled ``f`` (after two warm-up calls)."""
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _time_all(compiled: dict, repeats: int) -> dict:
+    """Median seconds per call of every compiled ``(f, args)``, timed round-robin (one
+    call of each per round) so that load drifting on a shared machine hits all alike."""
+    for f, args in compiled.values():  # warm-up
         jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        jax.block_until_ready(f(*args))
+    times = {k: [] for k in compiled}
+    for _ in range(repeats):
+        for k, (f, args) in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def piece_probes(fns, params, tokens, targets):
@@ -241,7 +245,7 @@ def table1(args, out):
         start = time.perf_counter()
         jax.block_until_ready(compiled(*step_args))  # warm-up
         first = time.perf_counter() - start
-        calls = max(3, min(args.calls, int(args.row_budget_s / max(first, 1e-3))))
+        calls = max(args.min_calls, min(args.calls, int(args.row_budget_s / max(first, 1e-3))))
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
@@ -269,8 +273,8 @@ def table1(args, out):
 
 # ------------------------------------------------------------------- table 2
 def table2(args, out, params, probes):
-    t = {k: _time(c, *a, repeats=args.repeats) for k, (c, a) in probes.items()
-         if k not in ("bw_keep_x", "bw_keep_w")}
+    t = _time_all({k: v for k, v in probes.items() if k not in ("bw_keep_x", "bw_keep_w")},
+                  args.repeats)
     act = ROWS * SEQ * D_MODEL * 4
     layer_bytes = sum(x[0].size * x.dtype.itemsize for x in jax.tree.leaves(params["blocks"]))
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
@@ -282,7 +286,7 @@ def table2(args, out, params, probes):
 
     print(f"\nTable 2: simulated utilization, GPT-class model of {SIM_LAYERS} layers of the block above "
           f"(microbatch {ROWS}x{SEQ}), p={SIM_P}, m={SIM_M}, free transfers; costs measured on this "
-          f"machine (one device, jit + block_until_ready, median of {args.repeats}):", file=out)
+          f"machine (one device, jit + block_until_ready, median of {args.repeats}, round-robin):", file=out)
     ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
     print(f"  layer: F {ms(t['f'])} ms, B (vjp wrt input) {ms(t['b'])} ms, W (vjp wrt params) "
           f"{ms(t['w'])} ms, BW (vjp wrt both) {ms(t['bw'])} ms; BW - B = {ms(t['bw'] - t['b'])} ms",
@@ -293,10 +297,12 @@ def table2(args, out, params, probes):
                          activation_bytes=act, param_bytes=layer_bytes)
     as_run = LayerCost(F=t["f"], B=t["bw"], W=t["bw"], BW=t["bw"], activation_bytes=act,
                        param_bytes=layer_bytes)
+    head_split = LayerCost(F=t["H"], B=t["Hb_x"], W=max(t["Hb"] - t["Hb_x"], 0.0), BW=t["Hb"],
+                           param_bytes=head.param_bytes)
     head_as_run = LayerCost(F=t["H"], B=t["Hb"], W=t["Hb"], BW=t["Hb"], param_bytes=head.param_bytes)
     cases = [("gpipe", 1, layer, head, ""), ("1f1b", 1, layer, head, ""),
              ("interleaved", 2, layer, head, ""), ("zb-h1", 1, layer, head, "W = vjp wrt params"),
-             ("zb-h1", 1, zb_split, head, "W = BW - B (W reuses B's grads)"),
+             ("zb-h1", 1, zb_split, head_split, "W = BW - B (W reuses B's grads)"),
              ("zb-h1", 1, as_run, head_as_run, "B = W = BW (this runtime, residual mode)")]
     # Utilization = useful work / (p · step time), useful = each layer's F and fused BW
     # plus embed and head, once per microbatch: a schedule whose B and W together cost
@@ -332,10 +338,12 @@ def table2(args, out, params, probes):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=10, help="timed calls per row (at most)")
-    parser.add_argument("--row-budget-s", type=float, default=15.0,
-                        help="fewer timed calls (>= 3) for a row whose warm-up call is slow")
+    parser.add_argument("--row-budget-s", type=float, default=12.0,
+                        help="fewer timed calls for a row whose warm-up call is slow (keeps the "
+                             "benchmark within minutes on 2 cores)")
+    parser.add_argument("--min-calls", type=int, default=2, help="timed calls per row (at least)")
     parser.add_argument("--layers-per-stage", type=int, default=2, help="k: the GPT has 4·k layers")
-    parser.add_argument("--repeats", type=int, default=30, help="timed repeats per measured cost")
+    parser.add_argument("--repeats", type=int, default=50, help="timed repeats per measured cost")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--out", default=None, help="also write the output to this file")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script runs")

@@ -1,5 +1,7 @@
 """vPipe runtime: every schedule's loss and gradients equal the unpipelined model."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +131,27 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     assert one_f_one_b[1] < 1.25 * one_f_one_b[0], one_f_one_b
     assert gpipe[1] > 2.5 * gpipe[0], gpipe
     assert one_f_one_b[1] < gpipe[1] / 2
+
+
+@pytest.mark.slow
+def test_online_repartition_keeps_every_bit(tmp_path):
+    common = (*TINY, "train.steps=4", "train.checkpoint_every=2", "train.log_every=2",
+              "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2",
+              "parallel.stage_layers=[1, 3]")
+    online = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'online'}",
+                      "parallel.repartition_after=2")
+    events = [h["repartition"] for h in online.history if "repartition" in h]
+    assert len(events) == 1 and events[0]["before"] == [1, 3]
+    after = events[0]["after"]
+    assert sum(after) == 4
+    # The same run stopped at step 2 and restarted with the new split must land on
+    # the same bits: repartitioning in place loses nothing a restart would keep.
+    restart = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'r'}")
+
+    shutil.rmtree(restart.checkpoint_dir / "4")
+    resumed = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'r'}",
+                       "train.resume=true", f"parallel.stage_layers={after}")
+    for a, b in zip(jax.tree.leaves(jax.device_get(online.state)),
+                    jax.tree.leaves(jax.device_get(resumed.state)), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.isfinite(online.history[-1]["loss"])
