@@ -129,7 +129,7 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     # 4x the microbatches: 1F1B keeps p slots (inputs grow only by the token ids),
     # GPipe keeps every microbatch's residuals until the flush.
     assert one_f_one_b[1] < 1.25 * one_f_one_b[0], one_f_one_b
-    assert gpipe[1] > 2.5 * gpipe[0], gpipe
+    assert gpipe[1] > 2 * gpipe[0], gpipe
     assert one_f_one_b[1] < gpipe[1] / 2
 
 

@@ -10,6 +10,10 @@ treedef.
 
 Residuals that are the stage's own weights (JAX forwards them straight through)
 are not buffered per microbatch: the backward reads them from the parameters.
+
+The slot buffers never enter the runtime's ``lax.switch``: one slot is read
+before it and written back after it, so each branch handles one microbatch's
+residuals, not copies of every slot.
 """
 
 from __future__ import annotations
@@ -50,23 +54,30 @@ class ResidualStore:
     def empty(self, slots: int, fill: float):
         return [jnp.full((slots, *a.shape), fill, a.dtype) for a in self.buffer_avals]
 
-    def forward(self, params, x, buffers, slot):
-        """Stage output; this microbatch's residuals written into ``slot``."""
+    def forward(self, params, x):
+        """(stage output, this microbatch's residuals to keep): one slot's worth."""
         y, *leaves = jaxpr_as_fun(self._closed)(*jax.tree_util.tree_leaves(params), x)
         kept = [leaf for leaf, (kind, _) in zip(leaves, self._sources, strict=True) if kind == "buffer"]
-        buffers = [lax.dynamic_update_index_in_dim(buf, leaf.astype(buf.dtype), slot, 0)
-                   for buf, leaf in zip(buffers, kept, strict=True)]
-        return y, buffers
+        return y, kept
 
-    def backward(self, params, buffers, slot, dy):
-        """(parameter gradient, input gradient) of the microbatch held in ``slot``."""
+    def backward(self, params, kept, dy):
+        """(parameter gradient, input gradient) from one microbatch's kept residuals."""
         flat = jax.tree_util.tree_leaves(params)
         leaves = []
         for kind, where in self._sources:
             if kind == "param":
                 leaves.append(flat[where])
             elif kind == "buffer":
-                leaves.append(lax.dynamic_index_in_dim(buffers[where], slot, 0, keepdims=False))
+                leaves.append(kept[where])
             else:
                 leaves.append(where)
         return jax.tree_util.tree_unflatten(self._treedef, leaves)(dy)
+
+    @staticmethod
+    def read(buffers, slot):
+        return [lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buffers]
+
+    @staticmethod
+    def write(buffers, slot, kept):
+        return [lax.dynamic_update_index_in_dim(b, k.astype(b.dtype), slot, 0)
+                for b, k in zip(buffers, kept, strict=True)]

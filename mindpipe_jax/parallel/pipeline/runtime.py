@@ -11,17 +11,25 @@ one branch only would hang the others), every device executes the same two
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers whose size is the schedule's peak number of live
 microbatches on a device, not ``m``: slots are assigned in Python by interval
-colouring of each (microbatch, chunk)'s lifetime, so any schedule works. This
-runtime keeps the *stage input* in a slot and recomputes the stage's forward in
-its backward (per-stage rematerialisation), so a slot holds one activation of
-``[microbatch, length, d_model]`` whatever the stage depth.
+colouring of each (microbatch, chunk)'s lifetime, so any schedule works. Two
+modes: ``remat=False`` keeps the forward's residuals (``residuals.py``) and
+recomputes nothing; ``remat=True`` keeps only the stage input (one
+``[microbatch, length, d_model]`` activation per slot) and recomputes the
+stage's forward in its backward. Only the task's own slot enters the switch.
+The last stage's forward is folded into its backward (the loss and its gradient
+are one vjp), so its F tick computes nothing.
 
-The model enters through three functions (the pipeline model contract):
-``embed(embed_params, tokens) -> h``, ``stage(chunk_params, h) -> h`` applied to
-a chunk's slice of the stacked blocks, and ``head_loss(head_params, h,
-targets) -> mean loss``. Gradients of the first (embed) and last (head) stages
-are formed on the devices that own them and summed over ``pipe`` once, at the
-end, outside every branch.
+The model enters through three functions (the pipeline model contract, see
+``contract.py``): ``embed(embed_params, tokens) -> h``, ``layer(layer_params, h)
+-> h`` scanned over a chunk's slice of the stacked blocks (``StageLayout`` says
+which layers each chunk runs; uneven stages are padded and the padding skipped
+by ``lax.cond``), and ``head_loss(head_params, h, targets) -> mean loss``.
+Gradients of the first (embed) and last (head) stages are formed on the devices
+that own them and summed over ``pipe`` once, at the end, outside every branch.
+
+Known cost: with a split backward (ZB-H1) both the B and the W task form the
+whole vjp of the stage and keep half of it; XLA drops the unused weight half of
+a B but a W still costs about a full backward (see benchmarks/pipeline.py).
 """
 
 from __future__ import annotations
@@ -352,7 +360,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                 return (first_fwd(embed_p, c_params, tokens) if pos == FIRST
                         else stage_fwd(c_params, x)), res
             h = fns.embed(embed_p, tokens) if pos == FIRST else x
-            return store.forward(c_params, h, res, op["task"]["x_slot"])
+            return store.forward(c_params, h)
 
         def backward(op, c_params, tokens, pos):
             """(embed grad or None, chunk grad, input grad) of a first or middle stage."""
@@ -364,7 +372,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                     return d_e, d_c, zero_h
                 d_c, d_x = jax.vjp(stage_fwd, c_params, x)[1](dy)
                 return None, d_c, d_x
-            d_c, d_x = store.backward(c_params, op["res"], op["task"]["x_slot"], dy)
+            d_c, d_x = store.backward(c_params, op["res"], dy)
             if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
                 _, vjp = jax.vjp(fns.embed, embed_p, tokens)
                 return vjp(d_x.astype(zero_h.dtype))[0], d_c, zero_h
@@ -421,9 +429,14 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
             acc, x_buf_c, g_buf_c, res_c = carry
             task = {k: table[k][t, stage_idx] for k in table}
             task["x_slot"] = jnp.maximum(task["x_slot"], 0)
+            # Only this task's slot goes into the switch (not whole buffers, which every
+            # branch would otherwise copy); a forward's new residuals are written back
+            # after it, every other branch hands the slot back unchanged.
             operand = {"acc": acc, "task": task, "x": _take(x_buf_c, task["x_slot"]),
-                       "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0)), "res": res_c}
-            acc, send_f, send_b, res_c = lax.switch(task["branch"], branch_fns, operand)
+                       "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0)),
+                       "res": ResidualStore.read(res_c, task["x_slot"])}
+            acc, send_f, send_b, res_slot = lax.switch(task["branch"], branch_fns, operand)
+            res_c = ResidualStore.write(res_c, task["x_slot"], res_slot)
             # Every device takes part in both transfers every tick (outside the branches).
             recv_f = lax.ppermute(send_f, AXIS, fwd_perm)
             recv_b = lax.ppermute(send_b, AXIS, bwd_perm)
