@@ -8,15 +8,12 @@ import itertools
 import random
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
+from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
 
 from mindpipe_jax.cli import main
-from mindpipe_jax.config import ModelConfig, ParallelConfig
+from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.models.gpt import GPT
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline import partition as partition_mod
@@ -219,28 +216,15 @@ def test_plan_layout_gives_unpipelined_gradients():
     plan = partition(prof, p=2, m=4)
     assert plan.counts == (3, 1)
     p, m = plan.p, plan.m
-    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=4, n_heads=2)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tokens = np.random.default_rng(0).integers(0, 64, (m, 4, 9)).astype(np.int32)
-    inputs, targets = tokens[..., :-1], tokens[..., 1:]
-
-    def reference(prm):
-        merged = nnx.merge(nnx.graphdef(model), prm)
-        return jnp.mean(jnp.stack([merged.loss(inputs[i], targets[i]) for i in range(m)]))
-
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
+    model, params = tiny_gpt(4)
+    inputs, targets = microbatches(0, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
     run = pipeline_grads(stage_fns(model), get_schedule(plan.schedule, p, m), mesh,
                          remat=plan.runtime_remat, layout=plan.layout(), nan_bubbles=True)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for path, got in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        want = ref_grads
-        for key in path:
-            want = want[key.key]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert_matches(loss, grads, ref_loss, ref_grads)
 
 
 # --- mindpipe plan (the one real measurement) -------------------------------------------------

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
 
 import mindpipe_jax as mp
 from mindpipe_jax.config import ModelConfig, ParallelConfig
@@ -44,31 +45,16 @@ def test_uneven_stages(counts, remat):
 
 
 def check_pipeline_grads(name, p, m, v, parallel, *, remat, layout=None):
-    n_layers = sum(layout.counts) if layout else p * v
-    cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=n_layers, n_heads=2)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tokens = np.random.default_rng(p * m).integers(0, 64, (m, 4, 9)).astype(np.int32)
-    inputs, targets = tokens[..., :-1], tokens[..., 1:]
-
-    def reference(prm):
-        merged = nnx.merge(nnx.graphdef(model), prm)
-        return jnp.mean(jnp.stack([merged.loss(inputs[i], targets[i]) for i in range(m)]))
-
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
+    model, params = tiny_gpt(sum(layout.counts) if layout else p * v)
+    inputs, targets = microbatches(p * m, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(parallel)
     # NaN in every buffer slot before use: an idle slot reaching a result would show.
     run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat,
                          layout=layout, nan_bubbles=True)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for path, got in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        want = ref_grads
-        for key in path:
-            want = want[key.key]
-        assert np.all(np.isfinite(got)), path
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+    assert_matches(loss, grads, ref_loss, ref_grads)
 
 
 def test_slot_buffers_follow_the_schedule_not_m():
