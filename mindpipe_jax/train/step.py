@@ -167,7 +167,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.contract import stage_fns
-    from mindpipe_jax.parallel.pipeline.runtime import StageLayout, pipeline_grads
+    from mindpipe_jax.parallel.pipeline.layout import StageLayout
+    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
 
     groups = set(spec.abstract_params)
     if groups != {"embed", "blocks", "head"}:

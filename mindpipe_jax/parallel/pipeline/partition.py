@@ -358,7 +358,7 @@ class PipelinePlan:
 
     def layout(self):
         """The ``StageLayout`` for ``pipeline_grads(..., layout=plan.layout())``."""
-        from mindpipe_jax.parallel.pipeline.runtime import StageLayout
+        from mindpipe_jax.parallel.pipeline.layout import StageLayout
 
         return StageLayout(self.counts, self.p, self.v)
 

@@ -40,12 +40,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.pipeline.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
+from mindpipe_jax.parallel.pipeline.tickplan import FIRST, KINDS, LAST, MID, Plan, branch_index, make_plan
+
+__all__ = ["AXIS", "BATCH", "MANUAL", "StageFns", "StageLayout", "Plan", "make_plan", "branch_index",
+           "pipeline_grads"]
 
 AXIS = "pipe"
 # The batch axes are manual too: each data shard runs the schedule on its own rows
@@ -63,191 +67,6 @@ class StageFns:
     embed: Callable[[Any, jax.Array], jax.Array]
     layer: Callable[[Any, jax.Array], jax.Array]  # one block: (its params, h) -> h
     head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageLayout:
-    """Which layers each (device, chunk) runs. Global stage ``g = c·p + s`` runs the
-    next ``counts[g]`` layers; uneven stages are padded to the longest with slots
-    that ``lax.cond`` skips (never computed)."""
-
-    counts: tuple[int, ...]
-    p: int
-    v: int
-
-    @classmethod
-    def even(cls, num_layers: int, p: int, v: int) -> StageLayout:
-        if num_layers % (p * v):
-            raise ValueError(f"{num_layers} layers do not split evenly into {p * v} stages")
-        return cls((num_layers // (p * v),) * (p * v), p, v)
-
-    def __post_init__(self):
-        if len(self.counts) != self.p * self.v or min(self.counts) < 0:
-            raise ValueError(f"stage layer counts {self.counts} must be {self.p * self.v} values >= 0")
-
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.counts)) == 1
-
-    @property
-    def width(self) -> int:
-        return max(self.counts)
-
-    def _slots(self) -> np.ndarray:
-        """[p, v, width] layer index per slot, -1 where padded."""
-        out = np.full((self.p, self.v, self.width), -1, np.int64)
-        start = np.concatenate([[0], np.cumsum(self.counts)])
-        for g, n in enumerate(self.counts):
-            c, s = divmod(g, self.p)
-            out[s, c, :n] = np.arange(start[g], start[g] + n)
-        return out
-
-    def counts_array(self) -> np.ndarray:
-        return np.asarray(self.counts, np.int32).reshape(self.v, self.p).T  # [p, v]
-
-    def to_stages(self, blocks):
-        """[L, ...] -> [p, v, width, ...]."""
-        if self.uniform:  # a free reshape (no gather), layer axis already split over pipe
-            def one(x):
-                x = x.reshape(self.v, self.p, self.width, *x.shape[1:])
-                return jnp.swapaxes(x, 0, 1)
-        else:
-            index = np.maximum(self._slots(), 0).reshape(-1)
-
-            def one(x):
-                return jnp.take(x, index, axis=0).reshape(self.p, self.v, self.width, *x.shape[1:])
-        return jax.tree.map(one, blocks)
-
-    def from_stages(self, blocks):
-        """[p, v, width, ...] -> [L, ...] (padded slots dropped)."""
-        if self.uniform:
-            def one(x):
-                return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
-        else:
-            flat = self._slots().reshape(-1)
-            order = np.argsort(np.where(flat >= 0, flat, np.iinfo(np.int64).max))[: sum(self.counts)]
-
-            def one(x):
-                return jnp.take(x.reshape(-1, *x.shape[3:]), order, axis=0)
-        return jax.tree.map(one, blocks)
-
-
-# ----------------------------------------------------------------------------
-# Plan: the table turned into per-tick integer arrays (pure Python / numpy).
-# ----------------------------------------------------------------------------
-
-_KINDS = (Kind.F, Kind.BW, Kind.B, Kind.W)
-MID, FIRST, LAST = 0, 1, 2
-
-
-def branch_index(kind: Kind, position: int) -> int:
-    """0 is idle; then one branch per (kind, position)."""
-    return 1 + _KINDS.index(kind) * 3 + position
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Per-tick arrays ``[ticks, p]`` the devices index with their own stage."""
-
-    branch: np.ndarray
-    microbatch: np.ndarray
-    chunk: np.ndarray
-    x_slot: np.ndarray  # slot holding this task's stage input (-1: none needed)
-    g_slot: np.ndarray  # slot holding this task's output gradient (-1: none)
-    recv_x: np.ndarray  # slot to store the activation arriving at the end of the tick
-    recv_g: np.ndarray  # slot to store the gradient arriving at the end of the tick
-    x_slots: int
-    g_slots: int
-
-    def arrays(self) -> dict[str, jax.Array]:
-        names = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "recv_x", "recv_g")
-        return {n: jnp.asarray(getattr(self, n), jnp.int32) for n in names}
-
-
-def _colour(intervals: dict) -> tuple[dict, int]:
-    """Interval colouring: a slot is reused once its previous tenant's last use
-    has happened (a new value is written at the end of a tick, after reads)."""
-    free_at: list[int] = []
-    slots = {}
-    for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
-        for slot, free in enumerate(free_at):
-            if free <= start:
-                free_at[slot] = end
-                break
-        else:
-            slot = len(free_at)
-            free_at.append(end)
-        slots[key] = slot
-    return slots, len(free_at)
-
-
-def make_plan(schedule: Schedule) -> Plan:
-    p, ticks = schedule.num_stages, schedule.num_ticks
-    last_global = schedule.num_global_stages - 1
-    where = {}  # (kind, mb, global stage) -> (tick, stage)
-    for t, row in enumerate(schedule.table):
-        for s, task in enumerate(row):
-            if task is not None:
-                where[(Kind(task.kind), task.microbatch, schedule.global_stage(s, task.chunk))] = (t, s)
-
-    def backward_tick(mb, g):
-        return where.get((Kind.BW, mb, g), where.get((Kind.B, mb, g)))[0]
-
-    def last_use(mb, g):
-        return where[(Kind.W, mb, g)][0] if (Kind.W, mb, g) in where else backward_tick(mb, g)
-
-    # Lifetimes per device: stage inputs from arrival (end of the producer's F tick)
-    # to the last backward use; output gradients from arrival to the last use.
-    x_life = [dict() for _ in range(p)]
-    g_life = [dict() for _ in range(p)]
-    for (kind, mb, g), (t, s) in where.items():
-        if kind is not Kind.F:
-            continue
-        # Stage inputs arrive at the end of the producer's F tick; the first stage's
-        # slot (residuals only) is taken by its own F.
-        t_in = where[(Kind.F, mb, g - 1)][0] if g > 0 else t
-        x_life[s][(mb, g)] = (t_in, last_use(mb, g))
-        if g < last_global:
-            t_back = backward_tick(mb, g + 1)
-            g_life[s][(mb, g)] = (t_back, last_use(mb, g))
-    x_slot_of, g_slot_of, x_slots, g_slots = [], [], 1, 1
-    for s in range(p):
-        xs, nx = _colour(x_life[s])
-        gs, ng = _colour(g_life[s])
-        x_slot_of.append(xs)
-        g_slot_of.append(gs)
-        x_slots, g_slots = max(x_slots, nx), max(g_slots, ng)
-
-    shape = (ticks, p)
-    arr = {n: np.full(shape, -1, np.int32) for n in
-           ("microbatch", "chunk", "x_slot", "g_slot", "recv_x", "recv_g")}
-    branch = np.zeros(shape, np.int32)
-    arr["microbatch"][:] = 0
-    arr["chunk"][:] = 0
-    for (kind, mb, g), (t, s) in where.items():
-        position = FIRST if g == 0 else (LAST if g == last_global else MID)
-        branch[t, s] = branch_index(kind, position)
-        arr["microbatch"][t, s] = mb
-        arr["chunk"][t, s] = schedule.owner(g)[1]
-        arr["x_slot"][t, s] = x_slot_of[s].get((mb, g), -1)
-        arr["g_slot"][t, s] = g_slot_of[s].get((mb, g), -1)
-        if kind is Kind.F and g < last_global:
-            dest = schedule.owner(g + 1)[0]
-            _expect_neighbour(s, dest, p, "forward")
-            arr["recv_x"][t, dest] = x_slot_of[dest][(mb, g + 1)]
-        if kind in (Kind.BW, Kind.B) and g > 0:
-            dest = schedule.owner(g - 1)[0]
-            _expect_neighbour(dest, s, p, "backward")
-            arr["recv_g"][t, dest] = g_slot_of[dest][(mb, g - 1)]
-    return Plan(branch, arr["microbatch"], arr["chunk"], arr["x_slot"], arr["g_slot"],
-                arr["recv_x"], arr["recv_g"], x_slots, g_slots)
-
-
-def _expect_neighbour(src: int, dst: int, p: int, what: str) -> None:
-    if dst != (src + 1) % p:
-        raise ValueError(f"{what} transfer from stage {src} to {dst}: this runtime moves values "
-                         f"one device along the ring per tick; use a placement where consecutive "
-                         f"global stages sit on consecutive devices")
 
 
 # ----------------------------------------------------------------------------
@@ -415,7 +234,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                 return lambda op: _vary(run(op))
 
             out = [lambda op: _vary(idle(op))]
-            for kind in _KINDS:
+            for kind in KINDS:
                 for pos in (MID, FIRST, LAST):
                     out.append(make(kind, pos))
             return out
