@@ -1,0 +1,252 @@
+"""Measured costs of a model's layers, the partitioner's input.
+
+``measure_layer_costs(model_cfg, microbatch=...)`` builds the reference GPT and
+times, on one device, one block's forward (F), its backward split into B (input
+gradient only), W (weight gradient only) and the fused BW, and the same for the
+embedding and the head (+ loss); it reads FLOPs from the compiled programs
+(``cost_analysis``) and sizes the hidden state, the residuals a forward keeps for
+its backward and the parameters. The GPT's blocks are identical, so one block is
+measured and its costs are replicated over ``n_layers``. A model whose layers
+differ is described directly: ``ProfiledModel(layers=[LayerCost(...), ...], ...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.simulate import LayerCost
+
+_ZERO = LayerCost(0.0, 0.0, 0.0)
+
+
+def _per_layer(value, n: int, name: str) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        values = (float(value),) * n
+    else:
+        values = tuple(float(x) for x in value)
+    if len(values) != n:
+        raise ConfigError(f"ProfiledModel.{name}: {len(values)} values for {n} layers")
+    if any(not math.isfinite(x) or x < 0 for x in values):
+        raise ConfigError(f"ProfiledModel.{name} must be finite and >= 0, got {values}")
+    return values
+
+
+@dataclass(frozen=True)
+class ProfiledModel:
+    """Per-layer costs of a model (seconds and bytes, per microbatch).
+
+    ``layers``: one ``LayerCost`` per block (F, B, W, BW durations, output
+    activation bytes, parameter bytes). ``embed``/``head``: the same for the
+    embedding (its output is the first hidden state) and the head with its loss.
+    ``residual_bytes``: per layer, what its forward keeps for its backward (one
+    number for all layers or one per layer); ``embed_residual_bytes``,
+    ``head_residual_bytes`` likewise. ``dots_residual_bytes`` and
+    ``dots_recompute_s`` (per layer) describe remat "dots" and are needed only
+    to offer that policy. ``flops``: forward/backward FLOPs of the measured parts
+    (information only). ``note``: where the numbers came from."""
+
+    layers: Sequence[LayerCost]
+    embed: LayerCost = _ZERO
+    head: LayerCost = _ZERO
+    residual_bytes: float | Sequence[float] = 0.0
+    embed_residual_bytes: float = 0.0
+    head_residual_bytes: float = 0.0
+    dots_residual_bytes: float | Sequence[float] | None = None
+    dots_recompute_s: float | Sequence[float] | None = None
+    flops: dict[str, float] = field(default_factory=dict)
+    microbatch: int = 0
+    note: str = "injected costs"
+
+    def __post_init__(self):
+        layers = tuple(self.layers)
+        if not layers or not all(isinstance(x, LayerCost) for x in layers):
+            raise ConfigError("ProfiledModel.layers must be a non-empty sequence of LayerCost")
+        for name in ("embed", "head"):
+            if not isinstance(getattr(self, name), LayerCost):
+                raise ConfigError(f"ProfiledModel.{name} must be a LayerCost")
+        n = len(layers)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "residual_bytes", _per_layer(self.residual_bytes, n, "residual_bytes"))
+        for name in ("dots_residual_bytes", "dots_recompute_s"):
+            object.__setattr__(self, name, _per_layer(getattr(self, name), n, name))
+        if (self.dots_residual_bytes is None) != (self.dots_recompute_s is None):
+            raise ConfigError("ProfiledModel: give both dots_residual_bytes and dots_recompute_s, or neither")
+        for name in ("embed_residual_bytes", "head_residual_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ConfigError(f"ProfiledModel.{name} must be a number >= 0, got {value!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def has_dots(self) -> bool:
+        return self.dots_residual_bytes is not None
+
+
+def _median_time(fn: Callable, *args, repeats: int) -> float:
+    """Median seconds per call over ``repeats`` samples, after a warm-up (compile).
+    A sample runs the call enough times back to back to last about 2 ms, so
+    sub-millisecond programs are not timed at the clock's resolution."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    number = max(1, min(200, int(2e-3 / max(once, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def _compile(fn, *args):
+    """``fn`` compiled once for ``args``: the program that is timed and whose FLOPs are read."""
+    import jax
+
+    return jax.jit(fn).lower(*args).compile()
+
+
+def _flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, Sequence):  # older JAX: one dict per computation
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def _nbytes(tree) -> float:
+    import jax
+
+    return float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _residual_bytes(fn, params, x) -> float:
+    """Bytes the runtime's residual buffer keeps per microbatch for ``fn(params, x)``:
+    the vjp closure's leaves that are not the parameters themselves."""
+    from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
+
+    avals = ResidualStore(fn, params, x).buffer_avals
+    return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
+
+
+def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
+                  extra: dict[str, Callable] | None = None) -> dict[str, float]:
+    """Forward, B (w.r.t. ``x``), W (w.r.t. ``params``) and BW of ``fn(params, x)``,
+    plus one backward per ``extra`` function of the same signature. Backward times
+    are of the backward alone: one compiled forward returns every ``jax.vjp``
+    closure (its residuals), which are then passed into compiled backwards."""
+    import jax
+
+    out: dict[str, float] = {}
+    forward = _compile(fn, params, x)
+    out["F"] = _median_time(forward, params, x, repeats=repeats)
+    out["flops_F"] = _flops(forward)
+
+    def closures(w, h):
+        made = {"W": jax.vjp(lambda ww: fn(ww, h), w)[1]}
+        if input_grad:
+            made["B"] = jax.vjp(lambda hh: fn(w, hh), h)[1]
+            made["BW"] = jax.vjp(fn, w, h)[1]
+        for name, other in (extra or {}).items():
+            made[name] = jax.vjp(other, w, h)[1]
+        return made
+
+    for kind, vjp_fn in jax.jit(closures)(params, x).items():
+        backward = _compile(lambda f, ct: f(ct), vjp_fn, cotangent)
+        out[kind] = _median_time(backward, vjp_fn, cotangent, repeats=repeats)
+        out[f"flops_{kind}"] = _flops(backward)
+    if not input_grad:
+        out["B"], out["BW"], out["flops_B"], out["flops_BW"] = 0.0, out["W"], 0.0, out["flops_W"]
+    return out
+
+
+def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True) -> ProfiledModel:
+    """Measure the reference GPT (``GPT(model_cfg, rngs=nnx.Rngs(0))``) on the current
+    default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens.
+
+    Every time is the median of ``repeats`` samples after a warm-up run, each
+    program ``jax.jit``-compiled and waited for with ``block_until_ready``. One
+    block is measured and replicated over ``n_layers`` (the GPT's blocks are
+    identical). ``dots=True`` also measures remat "dots" (residual bytes under
+    ``dots_with_no_batch_dims_saveable`` and the recompute it adds to the backward).
+    """
+    import jax
+
+    for name, value in (("microbatch", microbatch), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"measure_layer_costs: {name} must be an integer >= 1, got {value!r}")
+    # One device whatever the caller's context: under an ambient mesh (e.g. train's
+    # repartition) the model's sharding constraints would compile a sharded program.
+    with jax.set_mesh(None):
+        return _measure_gpt(model_cfg, microbatch, repeats, dots)
+
+
+def _measure_gpt(model_cfg, microbatch: int, repeats: int, dots: bool) -> ProfiledModel:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mindpipe_jax.models.gpt import GPT
+    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+
+    model = GPT(model_cfg, rngs=nnx.Rngs(0))
+    fns = stage_fns(model)
+    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jax.devices()[0])
+    block = jax.tree.map(lambda x: x[0], params["blocks"])
+    rng = np.random.default_rng(0)
+    shape = (microbatch, model_cfg.seq_len)
+    tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
+    hidden = fns.embed(params["embed"], tokens)
+    d_hidden = jnp.asarray(rng.standard_normal(hidden.shape) * 1e-3, hidden.dtype)
+
+    def head(w, h):
+        return fns.head_loss(w, h, targets)
+
+    saved = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    lay = _measure_part(fns.layer, block, hidden, d_hidden, repeats=repeats, input_grad=True,
+                        extra={"BW_dots": saved} if dots else None)
+    emb = _measure_part(fns.embed, params["embed"], tokens, d_hidden, repeats=repeats, input_grad=False)
+    hd = _measure_part(head, params["head"], hidden, jnp.ones((), jnp.float32), repeats=repeats,
+                       input_grad=True)
+    act = float(hidden.size * hidden.dtype.itemsize)
+    layer = LayerCost(lay["F"], lay["B"], lay["W"], lay["BW"], act, _nbytes(block))
+    embed = LayerCost(emb["F"], 0.0, emb["W"], emb["W"], act, _nbytes(params["embed"]))
+    head_cost = LayerCost(hd["F"], hd["B"], hd["W"], hd["BW"], 0.0, _nbytes(params["head"]))
+    flops = {f"{part}_{k[6:]}": v for part, d in (("layer", lay), ("embed", emb), ("head", hd))
+             for k, v in d.items() if k.startswith("flops_")}
+    extra: dict[str, Any] = {}
+    if dots:
+        extra = {"dots_residual_bytes": _residual_bytes(saved, block, hidden),
+                 "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
+    n = model_cfg.n_layers
+    device = jax.devices()[0]
+    where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
+    note = (f"measured on {where}: one block of GPT(d_model="
+            f"{model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
+            f"vocab={model_cfg.vocab_size}, {model_cfg.dtype}) at microbatch {microbatch}, "
+            f"median of {repeats}; blocks are identical, so its costs are replicated over {n} layers")
+    return ProfiledModel(
+        layers=(layer,) * n, embed=embed, head=head_cost,
+        residual_bytes=_residual_bytes(fns.layer, block, hidden),
+        embed_residual_bytes=_residual_bytes(fns.embed, params["embed"], tokens),
+        head_residual_bytes=_residual_bytes(head, params["head"], hidden),
+        flops=flops, microbatch=microbatch, note=note, **extra)
+
+
+# -------------------------------------------------------------------------- plan
