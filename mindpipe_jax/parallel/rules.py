@@ -113,28 +113,17 @@ def state_shardings(state: nnx.State, mesh, kind: Kind = "storage"):
 
 
 def constrain(x, names):
-    """Activation sharding constraint from logical names; a no-op without a mesh.
+    """Activation sharding constraint from logical names.
 
-    Axes that are manual in an enclosing ``shard_map`` (e.g. ``pipe``) are left out,
-    so the same model code runs inside and outside the pipeline runtime.
+    A no-op without a mesh, and inside a ``shard_map`` with manual axes (the
+    pipeline runtime): there the batch axes are already manual, and constraints
+    on the remaining automatic axes made XLA 0.10's SPMD partitioner abort, so
+    the compiler propagates the parameters' shardings instead.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or getattr(mesh, "manual_axes", ()):
         return x
-    manual = set(getattr(mesh, "manual_axes", ()))
-    if manual:
-        return x
-    spec = spec_for(names, "compute", mesh)
-    spec = P(*[_drop(entry, manual) for entry in spec])
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _drop(entry, manual):
-    if entry is None:
-        return None
-    entry = (entry,) if isinstance(entry, str) else tuple(entry)
-    kept = tuple(a for a in entry if a not in manual)
-    return kept[0] if len(kept) == 1 else (kept or None)
+    return jax.lax.with_sharding_constraint(x, spec_for(names, "compute", mesh))
 
 
 def check_sharded_as_rules(state: nnx.State, mesh, kind: Kind = "storage") -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError
@@ -92,7 +91,3 @@ def _first_difference(theirs: dict, ours: dict) -> str:
         if a != b:
             return f"{key}: checkpoint {a}, model {b}"
     return "same"
-
-
-def is_primary() -> bool:
-    return jax.process_index() == 0

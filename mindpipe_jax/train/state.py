@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config, OptimConfig
+from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.rules import state_shardings
 
@@ -163,11 +163,3 @@ def init_train_state(spec: ModelSpec, create, tx, mesh, seed: int, shardings=Non
                 "rng": jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32)}
 
     return jax.jit(init, out_shardings=shardings)()
-
-
-def check_compatible(cfg: Config) -> None:
-    """Divisibility checks that need no devices."""
-    tr = cfg.train
-    if tr.global_batch % tr.grad_accum:
-        raise ConfigError(f"train.global_batch={tr.global_batch} is not divisible by "
-                          f"train.grad_accum={tr.grad_accum}")
