@@ -1,0 +1,309 @@
+"""The simulator's engine: replays of a schedule table in the async and lockstep
+modes, the per-device network lanes, and what a replay returns (``Event``,
+``SimResult``). The model and the modes are described in ``simulate.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, Task, Timeline
+from mindpipe_jax.parallel.pipeline.simcosts import StageCosts, _is_number, _number, _Resolved
+from mindpipe_jax.parallel.pipeline.simnetwork import DPSync, Link
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one device's lane, for plotting.
+
+    ``lane`` is ``"compute"`` (kind ``F``/``B``/``W``/``BW``) or ``"network"``
+    (kind ``"send"``: a point-to-point transfer to ``peer``, ``end`` = arrival;
+    ``"exchange"``: a lockstep tick-end ppermute; ``"sync"``: a gradient sync slice).
+    """
+
+    device: int
+    lane: str
+    kind: str
+    start: float
+    end: float
+    tick: int | None = None
+    microbatch: int | None = None
+    chunk: int | None = None
+    global_stage: int | None = None
+    peer: int | None = None
+    nbytes: float = 0.0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What ``simulate`` measured. ``utilization[d] = busy[d] / step_time`` (compute
+    only: time spent in an exposed sync counts as idle); ``bubble_fraction = 1 -
+    sum(busy) / (p * step_time)``."""
+
+    schedule: str
+    mode: str
+    step_time: float
+    compute_time: float                  # when the last compute task ends
+    busy: tuple[float, ...]              # per device: sum of its task durations
+    network_busy: tuple[float, ...]      # per device: time its network lane was occupied
+    events: tuple[Event, ...] = field(repr=False)
+    start: tuple[tuple[float | None, ...], ...] = field(repr=False)   # [tick][stage]
+    end: tuple[tuple[float | None, ...], ...] = field(repr=False)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.busy)
+
+    @property
+    def utilization(self) -> tuple[float, ...]:
+        return tuple(b / self.step_time if self.step_time > 0 else 0.0 for b in self.busy)
+
+    @property
+    def mean_utilization(self) -> float:
+        if self.step_time <= 0:
+            return 0.0
+        return sum(self.busy) / (len(self.busy) * self.step_time)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.mean_utilization if self.step_time > 0 else 0.0
+
+    @property
+    def exposed_communication(self) -> float:
+        """Step time after the last compute (syncs that nothing hid)."""
+        return self.step_time - self.compute_time
+
+    def events_of(self, device: int, lane: str | None = None) -> list[Event]:
+        return [e for e in self.events if e.device == device and (lane is None or e.lane == lane)]
+
+    def to_timeline(self) -> Timeline:
+        """The compute part as a ``schedules.Timeline`` (makespan = step time)."""
+        return Timeline(self.start, self.end, self.step_time, self.busy)
+
+    def summary(self) -> str:
+        per = " ".join(f"{u:.2f}" for u in self.utilization)
+        return (f"{self.schedule} ({self.mode}): step {self.step_time:.6g} s, compute "
+                f"{self.compute_time:.6g} s, utilization {self.mean_utilization:.3f} "
+                f"(per device {per}), bubble {self.bubble_fraction:.3f}")
+
+
+# ---------------------------------------------------------------- simulator
+def _inputs(kind: Kind, mb: int, g: int, num_global: int) -> list[tuple[str, int, int]]:
+    """What a task consumes, keyed (``"F"`` | ``"B"``, mb, global stage); a ``B``
+    key is produced by a ``B`` or a ``BW``."""
+    if kind is Kind.F:
+        return [("F", mb, g - 1)] if g > 0 else []
+    if kind is Kind.W:
+        return [("B", mb, g)]
+    return [("F", mb, g)] + ([("B", mb, g + 1)] if g < num_global - 1 else [])
+
+
+class _Lanes:
+    """Per-device network lanes. Sync slices wait in a per-device queue and are
+    started lazily: ``claim(s, at)`` first runs every queued slice that can start
+    before ``at`` (a running slice is never interrupted), then hands the lane to
+    the caller, so a send overtakes the slices that have not started yet."""
+
+    def __init__(self, p: int, events: list[Event]):
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.events = events
+        self.pending: list[deque] = [deque() for _ in range(p)]
+        self.last = 0.0
+
+    def request_sync(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync) -> None:
+        coll = dp.collective
+        for n in dp.slices(nbytes):
+            self.pending[s].append((at, n, coll.time(n), chunk, g))
+
+    def drain(self, s: int, before: float = math.inf) -> None:
+        queue = self.pending[s]
+        while queue:
+            at, n, d, chunk, g = queue[0]
+            start = max(at, self.free[s])
+            if start >= before:
+                break
+            queue.popleft()
+            self.free[s] = start + d
+            self.busy[s] += d
+            self.last = max(self.last, start + d)
+            self.events.append(Event(s, "network", "sync", start, start + d, chunk=chunk,
+                                     global_stage=g, nbytes=n))
+
+    def claim(self, s: int, at: float) -> float:
+        """When a send issued at ``at`` gets device ``s``'s lane."""
+        self.drain(s, before=at)
+        return max(at, self.free[s])
+
+    def finish(self) -> None:
+        for s in range(len(self.pending)):
+            self.drain(s)
+
+
+def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None = None, *,
+             link: Link | float | None = None, dp_sync: DPSync | None = None, mode: str = "async",
+             contention: bool = True) -> SimResult:
+    """Replay ``schedule`` with ``costs`` on ``link`` (see the module docstring).
+
+    ``costs``: ``StageCosts`` (per-stage durations and bytes), a mapping kind ->
+    seconds (as ``Schedule.timeline``: missing kinds from ``DEFAULT_COST``) or a
+    function ``(stage, task) -> seconds``; ``None`` is ``StageCosts()`` (F = B = W
+    = 1, BW = 2). ``link``: a ``Link``, a float (every transfer takes that many
+    seconds) or ``None`` (free). ``dp_sync``: gradient sync over data ranks, or
+    ``None``. ``mode``: ``"async"`` or ``"lockstep"``. ``contention``: sends share
+    the sender's network lane with each other and with its syncs (``False``:
+    infinite link capacity; syncs still run one at a time per device)."""
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"simulate needs a Schedule, got {type(schedule).__name__}")
+    if mode not in ("async", "lockstep"):
+        raise ConfigError(f"simulate mode must be 'async' or 'lockstep', got {mode!r}")
+    if link is None:
+        link = Link()
+    elif _is_number(link):
+        link = Link.fixed(_number(link, "link (seconds per transfer)"))
+    elif not isinstance(link, Link):
+        raise ConfigError(f"link must be a Link, a number of seconds or None, got {link!r}")
+    if dp_sync is not None and not isinstance(dp_sync, DPSync):
+        raise ConfigError(f"dp_sync must be a DPSync or None, got {dp_sync!r}")
+    cc = _Resolved(costs, schedule)
+    run = _run_lockstep if mode == "lockstep" else _run_async
+    return run(schedule, cc, link, dp_sync, contention)
+
+
+def _last_grad_ticks(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """(device, chunk) -> tick of the chunk's last weight-gradient task (BW or W)."""
+    last: dict[tuple[int, int], int] = {}
+    for t, row in enumerate(schedule.table):
+        for s, task in enumerate(row):
+            if task is not None and task.kind in (Kind.BW, Kind.W):
+                last[(s, task.chunk)] = t
+    return last
+
+
+def _consumer(schedule: Schedule, task: Task, g: int) -> tuple[int, int] | None:
+    """(device, global stage whose output is sent) of the task's cross-stage output."""
+    G = schedule.num_global_stages
+    if task.kind is Kind.F and g < G - 1:
+        return schedule.owner(g + 1)[0], g
+    if task.kind in (Kind.B, Kind.BW) and g > 0:
+        return schedule.owner(g - 1)[0], g - 1
+    return None
+
+
+def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+               contention: bool) -> SimResult:
+    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
+    start = [[None] * p for _ in range(ticks)]
+    end = [[None] * p for _ in range(ticks)]
+    busy = [0.0] * p
+    free = [0.0] * p
+    events: list[Event] = []
+    lanes = _Lanes(p, events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}   # key -> (end, device)
+    arrival: dict[tuple[str, int, int], float] = {}           # key -> arrival at its consumer
+    for t, row in enumerate(schedule.table):
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            g = schedule.global_stage(s, task.chunk)
+            ready = free[s]
+            for key in _inputs(task.kind, task.microbatch, g, G):
+                finish, where = done[key]
+                ready = max(ready, finish if where == s else arrival[key])
+            d = cc.duration(s, task, g)
+            stop = ready + d
+            start[t][s], end[t][s] = ready, stop
+            free[s] = stop
+            busy[s] += d
+            events.append(Event(s, "compute", task.kind.value, ready, stop, t, task.microbatch,
+                                task.chunk, g))
+            if task.kind is Kind.W:
+                key = ("W", task.microbatch, g)
+            else:
+                key = ("F" if task.kind is Kind.F else "B", task.microbatch, g)
+            done[key] = (stop, s)
+            out = _consumer(schedule, task, g)
+            if out is not None and out[0] != s:
+                dest, boundary = out
+                nbytes = cc.act[boundary]
+                occ = link.occupancy(nbytes)
+                leave = lanes.claim(s, stop) if contention else stop
+                if contention:
+                    lanes.free[s] = leave + occ
+                lanes.busy[s] += occ
+                arrival[key] = leave + occ + link.latency_s
+                events.append(Event(s, "network", "send", leave, arrival[key], t, task.microbatch,
+                                    task.chunk, g, dest, nbytes))
+            if dp is not None and dp.when == "overlap" and last_grad.get((s, task.chunk)) == t:
+                lanes.request_sync(s, task.chunk, g, cc.params[g], stop, dp)
+    compute = max(free, default=0.0)
+    if dp is not None and dp.when == "end":
+        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
+            g = schedule.global_stage(s, c)
+            lanes.request_sync(s, c, g, cc.params[g], free[s], dp)
+    lanes.finish()
+    return SimResult(schedule.name, "async", max(compute, lanes.last), compute, tuple(busy),
+                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+
+
+def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+                  contention: bool) -> SimResult:
+    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
+    start = [[None] * p for _ in range(ticks)]
+    end = [[None] * p for _ in range(ticks)]
+    busy = [0.0] * p
+    events: list[Event] = []
+    lanes = _Lanes(p, events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    finished_in: dict[int, list[tuple[int, int]]] = {}
+    for (s, c), t in last_grad.items():
+        finished_in.setdefault(t, []).append((s, c))
+    owner = [schedule.owner(g)[0] for g in range(G)]
+    crossing = [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+    buffer = max(crossing, default=0.0)
+    occ = link.occupancy(buffer)
+    clock = 0.0
+    for t, row in enumerate(schedule.table):
+        longest = 0.0
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            g = schedule.global_stage(s, task.chunk)
+            d = cc.duration(s, task, g)
+            start[t][s], end[t][s] = clock, clock + d
+            busy[s] += d
+            longest = max(longest, d)
+            events.append(Event(s, "compute", task.kind.value, clock, clock + d, t, task.microbatch,
+                                task.chunk, g))
+        compute_end = clock + longest
+        clock = compute_end
+        if t < ticks - 1 and crossing:
+            leave = max(lanes.claim(s, compute_end) for s in range(p)) if contention else compute_end
+            arrive = leave + occ + link.latency_s
+            for s in range(p):
+                if contention:
+                    lanes.free[s] = leave + occ
+                lanes.busy[s] += occ
+                events.append(Event(s, "network", "exchange", leave, arrive, t, nbytes=buffer))
+            clock = arrive
+        if dp is not None and dp.when == "overlap":
+            for s, c in finished_in.get(t, ()):
+                g = schedule.global_stage(s, c)
+                lanes.request_sync(s, c, g, cc.params[g], compute_end, dp)
+    compute = clock
+    if dp is not None and dp.when == "end":
+        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
+            g = schedule.global_stage(s, c)
+            lanes.request_sync(s, c, g, cc.params[g], compute, dp)
+    lanes.finish()
+    return SimResult(schedule.name, "lockstep", max(compute, lanes.last), compute, tuple(busy),
+                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
