@@ -137,6 +137,85 @@ def test_lockstep_costs_of_the_schedules_at_p8_m32():
             assert lk.step_time == a.step_time
 
 
+# ------------------------------------------------------------ neighbour mode
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 8)])
+def test_neighbour_never_slower_than_lockstep_and_equal_at_p2(p, m):
+    # A neighbour-synchronised device waits for a subset of the devices a global
+    # barrier waits for, so (with free transfers) its clock never runs ahead of
+    # lockstep's; with p = 2 the only neighbour is the other device: equal.
+    rng = random.Random(p * 10 + m)
+    for sched in all_schedules(p, m):
+        G = sched.num_global_stages
+        cost = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                          B=[rng.uniform(0.5, 2) for _ in range(G)],
+                          W=[rng.uniform(0.2, 1) for _ in range(G)])
+        overhead = [rng.uniform(0, 0.3) for _ in range(p)]
+        lk = simulate(sched, cost, mode="lockstep", tick_overhead=overhead)
+        nb = simulate(sched, cost, mode="neighbour", tick_overhead=overhead)
+        assert nb.busy == pytest.approx(lk.busy)
+        if p == 2:
+            assert nb.step_time == pytest.approx(lk.step_time), sched.name
+        else:
+            assert nb.step_time <= lk.step_time + 1e-9, sched.name
+
+
+def test_tick_overhead_is_paid_by_every_device_every_tick():
+    # gpipe(2, 1): ticks F|.., ..|F, ..|BW, BW|..; overheads 0.1 and 0.2:
+    # max(1.1, 0.2) + max(0.1, 1.2) + max(0.1, 2.2) + max(2.1, 0.2) = 6.6
+    for mode in ("lockstep", "neighbour"):
+        r = simulate(gpipe(2, 1), UNIT, mode=mode, tick_overhead=[0.1, 0.2])
+        assert r.step_time == pytest.approx(6.6)
+        assert r.busy == (3.0, 3.0)           # overhead is not task work
+    assert simulate(gpipe(2, 1), UNIT, mode="lockstep", tick_overhead=0.0).step_time == 6
+
+
+def test_neighbour_pays_both_ppermutes_in_every_tick():
+    # Zero-cost tasks, symmetric devices: each ppermute costs alpha + n / bw, two per
+    # tick, in all ticks (the last included): 1f1b(2, 2) has 6 ticks.
+    link = Link(latency_s=1e-3, bandwidth_Bps=1e9)
+    free = StageCosts(F=0, B=0, W=0, activation_bytes=2e6)
+    sched = one_f_one_b(2, 2)
+    r = simulate(sched, free, link=link, mode="neighbour", tick_overhead=0.01)
+    assert r.step_time == pytest.approx(6 * (0.01 + 2 * (1e-3 + 2e-3)))
+    assert sum(e.kind == "exchange" for e in r.events) == 6 * 2 * 2     # ticks x ppermutes x devices
+    # lockstep counts one overlapped exchange between ticks: 5 of them
+    lk = simulate(sched, free, link=link, mode="lockstep", tick_overhead=0.01)
+    assert lk.step_time == pytest.approx(6 * 0.01 + 5 * (1e-3 + 2e-3))
+    # without latency the p = 2 devices stay in step: tick = slowest task + 2 n / bw
+    rng = random.Random(7)
+    for sched in all_schedules(2, 4):
+        G = sched.num_global_stages
+        cost = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                          B=[rng.uniform(0.5, 2) for _ in range(G)],
+                          W=[rng.uniform(0.2, 1) for _ in range(G)], activation_bytes=2e6)
+        r = simulate(sched, cost, link=Link(0.0, 1e9), mode="neighbour")
+        lk = simulate(sched, cost, mode="lockstep")              # free link: compute only
+        assert r.step_time == pytest.approx(lk.step_time + sched.num_ticks * 2 * 2e-3)
+
+
+def test_neighbour_delay_travels_one_hop_per_ppermute():
+    # gpipe(4, 1), F of stage 0 takes 10: tick 0 is F0 on device 0 only. Under a
+    # global barrier every device leaves tick 0 at 10. Neighbour-synchronised, the
+    # forward ppermute holds device 1 (0 -> 1), the backward one devices 1 (2 -> 1)
+    # and 3 (0 -> 3, cyclic); device 2 hears of it only in tick 1.
+    def cost(stage, task):
+        return 10.0 if (stage, task.kind) == (0, Kind.F) else 1.0
+
+    def leaves(r, tick):   # when each device's sends of the tick leave its lane
+        return [[e.start for e in r.events if e.kind == "exchange" and e.tick == tick and e.device == s]
+                for s in range(4)]
+
+    nb = simulate(gpipe(4, 1), cost, mode="neighbour")
+    assert leaves(nb, 0) == [[10, 10], [0, 10], [0, 0], [0, 0]]
+    # tick 1 (F0 on device 1 only): device 2 starts it at 0 and is held by device 1's
+    # forward message (11); device 0 by device 1's backward one
+    assert leaves(nb, 1) == [[10, 10], [11, 11], [0, 11], [10, 10]]
+    lk = simulate(gpipe(4, 1), cost, mode="lockstep")
+    assert {e.start for e in lk.events if e.kind == "exchange" and e.tick == 0} == {10}
+    # the chain F0 -> F0 -> ... is the critical path either way
+    assert nb.start[1][1] == lk.start[1][1] == 10
+
+
 # ------------------------------------------------------------------- transfers
 def test_transfer_on_the_critical_path_gpipe_p2_m1():
     # F0 on s0 [0, 1] -> send -> F0 on s1 [1 + tau, 2 + tau] -> BW0 on s1
@@ -373,3 +452,7 @@ def test_bad_input_is_refused():
         Collective(0, Link())
     with pytest.raises(ValueError, match="link"):
         simulate(sched, UNIT, link="fast")
+    with pytest.raises(ValueError, match="tick_overhead"):
+        simulate(sched, UNIT, tick_overhead=0.1)                  # async has no ticks
+    with pytest.raises(ValueError, match="one per device"):
+        simulate(sched, UNIT, mode="neighbour", tick_overhead=[0.1, 0.1, 0.1])

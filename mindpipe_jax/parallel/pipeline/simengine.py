@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mindpipe_jax.errors import ConfigError
@@ -148,9 +148,12 @@ class _Lanes:
             self.drain(s)
 
 
+MODES = ("async", "lockstep", "neighbour")
+
+
 def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None = None, *,
              link: Link | float | None = None, dp_sync: DPSync | None = None, mode: str = "async",
-             contention: bool = True) -> SimResult:
+             contention: bool = True, tick_overhead: float | Sequence[float] = 0.0) -> SimResult:
     """Replay ``schedule`` with ``costs`` on ``link`` (see the module docstring).
 
     ``costs``: ``StageCosts`` (per-stage durations and bytes), a mapping kind ->
@@ -158,13 +161,20 @@ def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None =
     function ``(stage, task) -> seconds``; ``None`` is ``StageCosts()`` (F = B = W
     = 1, BW = 2). ``link``: a ``Link``, a float (every transfer takes that many
     seconds) or ``None`` (free). ``dp_sync``: gradient sync over data ranks, or
-    ``None``. ``mode``: ``"async"`` or ``"lockstep"``. ``contention``: sends share
-    the sender's network lane with each other and with its syncs (``False``:
-    infinite link capacity; syncs still run one at a time per device)."""
+    ``None``. ``mode``: ``"async"``, ``"lockstep"`` or ``"neighbour"``. ``contention``:
+    sends share the sender's network lane with each other and with its syncs
+    (``False``: infinite link capacity; syncs still run one at a time per device).
+    ``tick_overhead``: seconds every device spends in every tick besides its task
+    (a tick-synchronous runtime's per-tick bookkeeping; one number or one per
+    device); the tick modes only."""
     if not isinstance(schedule, Schedule):
         raise ConfigError(f"simulate needs a Schedule, got {type(schedule).__name__}")
-    if mode not in ("async", "lockstep"):
-        raise ConfigError(f"simulate mode must be 'async' or 'lockstep', got {mode!r}")
+    if mode not in MODES:
+        raise ConfigError(f"simulate mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    overhead = _per_device(tick_overhead, "tick_overhead", schedule.num_stages)
+    if mode == "async" and any(overhead):
+        raise ConfigError("tick_overhead is a cost of tick-synchronous runtimes: use mode 'lockstep' "
+                          "or 'neighbour' (mode 'async' has no ticks)")
     if link is None:
         link = Link()
     elif _is_number(link):
@@ -174,8 +184,18 @@ def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None =
     if dp_sync is not None and not isinstance(dp_sync, DPSync):
         raise ConfigError(f"dp_sync must be a DPSync or None, got {dp_sync!r}")
     cc = _Resolved(costs, schedule)
-    run = _run_lockstep if mode == "lockstep" else _run_async
-    return run(schedule, cc, link, dp_sync, contention)
+    if mode == "async":
+        return _run_async(schedule, cc, link, dp_sync, contention)
+    run = _run_lockstep if mode == "lockstep" else _run_neighbour
+    return run(schedule, cc, link, dp_sync, contention, overhead)
+
+
+def _per_device(value, name: str, p: int) -> list[float]:
+    if _is_number(value):
+        return [_number(value, name)] * p
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != p:
+        raise ConfigError(f"{name} must be a number or {p} numbers (one per device), got {value!r}")
+    return [_number(x, f"{name}[{s}]") for s, x in enumerate(value)]
 
 
 def _last_grad_ticks(schedule: Schedule) -> dict[tuple[int, int], int]:
@@ -256,7 +276,7 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
 
 
 def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
-                  contention: bool) -> SimResult:
+                  contention: bool, overhead: Sequence[float]) -> SimResult:
     p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
     start = [[None] * p for _ in range(ticks)]
     end = [[None] * p for _ in range(ticks)]
@@ -273,7 +293,7 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
     occ = link.occupancy(buffer)
     clock = 0.0
     for t, row in enumerate(schedule.table):
-        longest = 0.0
+        longest = max(overhead, default=0.0)
         for s, task in enumerate(row):
             if task is None:
                 continue
@@ -281,7 +301,7 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
             d = cc.duration(s, task, g)
             start[t][s], end[t][s] = clock, clock + d
             busy[s] += d
-            longest = max(longest, d)
+            longest = max(longest, d + overhead[s])
             events.append(Event(s, "compute", task.kind.value, clock, clock + d, t, task.microbatch,
                                 task.chunk, g))
         compute_end = clock + longest
@@ -306,4 +326,71 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
             lanes.request_sync(s, c, g, cc.params[g], compute, dp)
     lanes.finish()
     return SimResult(schedule.name, "lockstep", max(compute, lanes.last), compute, tuple(busy),
+                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+
+
+def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+                   contention: bool, overhead: Sequence[float]) -> SimResult:
+    """The SPMD runtime as it executes: every device keeps its own clock. In tick ``t``
+    it runs its task (if any) and its bookkeeping, then the two ``ppermute``s one
+    after the other, sending to and receiving from its ring neighbours; it leaves a
+    ppermute once its own message has left its lane and its neighbour's has arrived.
+    Nothing waits for devices further away, so a delay travels one hop per
+    ppermute instead of stopping every device at once."""
+    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
+    start = [[None] * p for _ in range(ticks)]
+    end = [[None] * p for _ in range(ticks)]
+    busy = [0.0] * p
+    events: list[Event] = []
+    lanes = _Lanes(p, events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    finished_in: dict[int, list[tuple[int, int]]] = {}
+    for (s, c), t in last_grad.items():
+        finished_in.setdefault(t, []).append((s, c))
+    owner = [schedule.owner(g)[0] for g in range(G)]
+    crossing = [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+    # Every device sends one buffer, sized for the largest activation that crosses
+    # devices, in each of the two ppermutes of every tick, whether or not it carries
+    # anything (the scan body is the same each tick, the last one included).
+    buffer = max(crossing, default=0.0)
+    occ = link.occupancy(buffer)
+    clock = [0.0] * p
+    for t, row in enumerate(schedule.table):
+        ready = []
+        for s, task in enumerate(row):
+            if task is not None:
+                g = schedule.global_stage(s, task.chunk)
+                d = cc.duration(s, task, g)
+                start[t][s], end[t][s] = clock[s], clock[s] + d
+                busy[s] += d
+                events.append(Event(s, "compute", task.kind.value, clock[s], clock[s] + d, t,
+                                    task.microbatch, task.chunk, g))
+            else:
+                d = 0.0
+            ready.append(clock[s] + d + overhead[s])
+        compute_end = list(ready)
+        if crossing:
+            # The forward ppermute sends to s + 1, the backward one to s - 1 (both cyclic).
+            for shift in (1, -1):
+                leave = [lanes.claim(s, ready[s]) if contention else ready[s] for s in range(p)]
+                arrive = [leave[s] + occ + link.latency_s for s in range(p)]
+                for s in range(p):
+                    if contention:
+                        lanes.free[s] = leave[s] + occ
+                    lanes.busy[s] += occ
+                    events.append(Event(s, "network", "exchange", leave[s], arrive[s], t,
+                                        peer=(s + shift) % p, nbytes=buffer))
+                ready = [max(leave[s] + occ, arrive[(s - shift) % p]) for s in range(p)]
+        clock = ready
+        if dp is not None and dp.when == "overlap":
+            for s, c in finished_in.get(t, ()):
+                g = schedule.global_stage(s, c)
+                lanes.request_sync(s, c, g, cc.params[g], compute_end[s], dp)
+    if dp is not None and dp.when == "end":
+        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
+            g = schedule.global_stage(s, c)
+            lanes.request_sync(s, c, g, cc.params[g], clock[s], dp)
+    compute = max(clock, default=0.0)
+    lanes.finish()
+    return SimResult(schedule.name, "neighbour", max(compute, lanes.last), compute, tuple(busy),
                      tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))

@@ -51,17 +51,35 @@ Modes
 task starts when its device is free and its inputs have arrived (producer's end,
 plus the transfer when the producer is another device).
 
-``mode="lockstep"`` (our SPMD runtime: a ``lax.scan`` over ticks with a
-``ppermute`` at the end of each tick): all tasks of tick ``t`` start together, the
-tick's compute lasts as long as its slowest task, then every device joins one
-exchange (the runtime's forward and backward ``ppermute``s, in opposite
-directions on full-duplex links, so they overlap) of a buffer sized for the
-largest activation crossing devices — paid every tick but the last, whether or
-not the buffer carries anything. With ``contention=True`` the exchange is a send
-on every lane at once: it starts when every device's lane is free (waiting for
-running sync slices, overtaking the queued ones). Without any
-cross-device boundary (p = 1) there is no exchange. A sync of a chunk finished in
-tick ``t`` is queued after tick ``t``'s exchange.
+``mode="lockstep"`` (a tick-synchronous SPMD runtime seen as a global barrier per
+tick): all tasks of tick ``t`` start together, the tick's compute lasts as long as
+its slowest task, then every device joins one exchange (a forward and a backward
+transfer in opposite directions on full-duplex links, assumed to overlap) of a
+buffer sized for the largest activation crossing devices — paid every tick but
+the last, whether or not the buffer carries anything. With ``contention=True``
+the exchange is a send on every lane at once: it starts when every device's lane
+is free (waiting for running sync slices, overtaking the queued ones). Without
+any cross-device boundary (p = 1) there is no exchange. A sync of a chunk
+finished in tick ``t`` is queued after tick ``t``'s exchange.
+
+``mode="neighbour"`` (our SPMD runtime as it executes, ``runtime.py``: a
+``lax.scan`` over ticks whose body runs the device's task, then a forward
+``ppermute`` to ``s + 1`` and a backward one to ``s - 1``, both cyclic, one after
+the other, on every device in every tick): there is no global barrier. Each
+device keeps its own clock; in a ppermute it sends the buffer (occupying its lane
+for ``n / bw``) and leaves once its message has left the lane and its neighbour's
+has arrived (``α`` after leaving the neighbour's lane). So a device waits only for
+its two ring neighbours, and a slow task delays a device ``k`` hops away ``k``
+ppermutes later. Every tick, the last included, pays both ppermutes (the scan body
+is the same each tick). For p = 2 both neighbours are the other device, and the
+two tick modes differ only in how the transfers are counted (lockstep: one
+overlapped exchange, none after the last tick; neighbour: two in a row, every
+tick). Syncs are queued as in lockstep, after the tick's ppermutes.
+
+``tick_overhead`` (tick modes only): seconds every device spends in every tick
+besides its task — the runtime reads and writes its buffer slots and runs the
+idle branch even when the table is idle; a lockstep tick lasts ``max`` over
+devices of task + overhead.
 
 Why a loop over ticks is an event simulation: the table orders every producer
 before its consumers and each device's tasks in time; each lane only serves its
@@ -80,7 +98,8 @@ replay with p = 1 pays no per-tick transfer here (there is no neighbour).
 
 The code lives in three modules, all re-exported here: ``simcosts`` (``StageCosts``,
 ``LayerCost``), ``simnetwork`` (``Link``, ``Collective``, ``DPSync``,
-``fit_alpha_beta``) and ``simengine`` (``simulate``, ``Event``, ``SimResult``);
+``fit_alpha_beta``) and ``simengine`` (``simulate`` and its three modes, ``Event``,
+``SimResult``);
 ``predict_utilization`` and ``even_assignment`` are defined here.
 """
 
