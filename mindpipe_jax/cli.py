@@ -10,8 +10,11 @@ Subcommands:
   the model's layer costs on this machine and print the vPipe partition: layers, predicted time,
   memory and remat per stage, and the predicted utilization; draw it with ``--out``.
 
-A user mistake (``ConfigError``) becomes one line on stderr and exit status 2;
-Ctrl-C exits 130; anything else is a bug and keeps its traceback.
+A user mistake (``ConfigError``) becomes one line on stderr and exit status 2; a
+run stopped by a non-finite loss exits 3, a multi-host run whose processes could
+not start or lost one another exits 4, each with one line. SIGTERM or a first
+Ctrl-C during training saves a checkpoint and exits 0; Ctrl-C elsewhere exits
+130. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mindpipe_jax.config import Config, load_config
-from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.errors import (
+    EXIT_CONFIG,
+    EXIT_DISTRIBUTED,
+    EXIT_NONFINITE,
+    ConfigError,
+    DistributedError,
+    NonFiniteError,
+)
 from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
 
 PROG = "mindpipe"
@@ -49,6 +59,7 @@ examples:
   mindpipe train parallel.tensor=2 train.steps=50    # tensor parallel, 50 steps
   mindpipe train --config examples/configs/tiny.toml # a small run in seconds
   mindpipe train --config examples/configs/tiny.toml train.resume=true train.steps=60
+  mindpipe train --config examples/configs/tiny.toml --resume   # same as train.resume=true
   mindpipe config parallel.fsdp=4 > my.toml          # write a full config to edit
   mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
   mindpipe plan parallel.pipe=4 parallel.microbatches=16 --out plan.png
@@ -56,8 +67,13 @@ examples:
 
 _ERRORS = """\
 exit status:
-  0 success; 2 a bad argument or config value (one line on stderr, nothing
-  written); 130 interrupted. Any other failure prints a traceback: a bug.
+  0 success, or stopped by SIGTERM / a first Ctrl-C after saving a checkpoint
+    (continue with --resume); 2 a bad argument or config value (one line on
+    stderr, nothing written); 3 training stopped on a non-finite loss or
+    gradient norm (train.nonfinite=stop; the last checkpoint is untouched);
+    4 a multi-host run whose processes did not all start or lost one another;
+    130 interrupted outside the training loop (or a second Ctrl-C). Any other
+    failure prints a traceback: a bug.
 """
 
 
@@ -180,9 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
             train.eval_every steps and checkpoint into train.out_dir. Every check
             (keys, types, mesh against the devices, batch divisibility, data path,
             an existing run in train.out_dir) happens before any file is written.
-            Continue a run with train.resume=true."""),
+            Continue a run with train.resume=true (or --resume). SIGTERM or Ctrl-C
+            stops after the current step with a checkpoint."""),
         epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES, _ERRORS]))
     _add_config_args(p_train)
+    p_train.add_argument("--resume", action="store_true",
+                         help="continue the run in train.out_dir from its newest complete "
+                              "checkpoint (the same as train.resume=true)")
     p_train.set_defaults(func=_cmd_train, parser=p_train)
 
     p_config = sub.add_parser(
@@ -310,20 +330,51 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
+    cfg = load_config(args.config, overrides)
     import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
 
-    result = mp.train(config=cfg)
+    try:
+        result = mp.train(config=cfg)
+    except Exception as err:
+        _exit_if_peer_lost(err)
+        raise
 
     import jax
 
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and result.stopped is None:
         last_loss = next((h["loss"] for h in reversed(result.history) if "loss" in h), None)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
-        train_loss = "n/a" if last_loss is None else f"{last_loss:.4f}"
+        train_loss = "n/a" if last_loss is None or last_loss != last_loss else f"{last_loss:.4f}"
+        skipped = f" | {result.skipped_steps} non-finite steps skipped" if result.skipped_steps else ""
         print(f"done: {cfg.train.steps} steps | final train loss {train_loss} | "
-              f"final validation loss {val} | out_dir {result.out_dir}", flush=True)
+              f"final validation loss {val}{skipped} | out_dir {result.out_dir}", flush=True)
     return 0
+
+
+# What a collective says when the process at the other end is gone (Gloo on CPUs,
+# NCCL on GPUs, the coordination service's heartbeat).
+_PEER_LOST = ("gloo", "nccl", "connection reset", "connection refused", "broken pipe", "heartbeat",
+              "unavailable", "deadline_exceeded", "socket closed", "task is set to error")
+
+
+def _exit_if_peer_lost(err: Exception) -> None:
+    """In a multi-process run, a runtime error from a collective means another process
+    died: say so in one line and exit 4 now. (Exiting normally would first wait at
+    JAX's shutdown barrier for the dead process and then abort with a C++ trace.)"""
+    import jax
+
+    if jax.process_count() < 2 or not isinstance(err, jax.errors.JaxRuntimeError):
+        return
+    text = str(err)
+    if not any(word in text.lower() for word in _PEER_LOST):
+        return
+    first = (text.strip().splitlines() or [""])[0][:200]
+    print(f"{PROG}: error: process {jax.process_index()} of {jax.process_count()} lost contact with "
+          f"another process ({first}); see the other processes' logs for why one of them stopped",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_DISTRIBUTED)
 
 
 def _positive_int(value: str, option: str) -> int:
@@ -417,7 +468,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_CONFIG
+    except NonFiniteError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    except DistributedError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_DISTRIBUTED
     except KeyboardInterrupt:
         newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
         print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)

@@ -168,7 +168,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The loop: steps, batch, evaluation, logging and checkpoints."""
+    """The loop: steps, batch, evaluation, logging, checkpoints and what to do on a
+    non-finite loss. SIGTERM or Ctrl-C stops after the current step with a checkpoint;
+    ``resume=true`` continues from the newest complete checkpoint."""
 
     steps: int = 300
     global_batch: int = 32
@@ -183,6 +185,10 @@ class TrainConfig:
     resume: bool = False
     deterministic: bool = False
     virtual_shards: int = 8  # deterministic mode: fixed number of gradient shards
+    # A step whose loss or gradient norm is not finite: "stop" ends the run with a
+    # one-line error (the last checkpoint stays as it was); "skip" leaves params and
+    # optimizer state as they were before that step, counts it and goes on.
+    nonfinite: Literal["stop", "skip"] = "stop"
     peak_tflops: float = 0.0  # per device; 0 = look up the device kind
     tensorboard: bool = True
     progress: bool = True

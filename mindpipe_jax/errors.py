@@ -1,15 +1,52 @@
-"""Errors a user can cause, kept apart from bugs.
+"""Errors a user can cause, and the ways a run can stop that are not bugs.
 
-Every mistake a user can make (a bad config key, a mesh that does not fit the
-devices, a missing data path, a foreign checkpoint) raises ``ConfigError`` with a
-one-line message naming the bad value and what would be valid. The CLI turns it
-into that line on stderr and exit status 2; anything else is a bug and keeps its
-traceback.
+* ``ConfigError`` — a user mistake (a bad config key, a mesh that does not fit
+  the devices, a missing data path, a foreign or damaged checkpoint). Raised
+  before any file is written, with a one-line message naming the bad value and
+  what would be valid. The CLI prints that line and exits with status 2.
+* ``NonFiniteError`` — training met a non-finite loss or gradient norm with
+  ``train.nonfinite="stop"``. The last good checkpoint is left as it was. Exit 3.
+* ``DistributedError`` — the processes of a multi-host run could not start or
+  lost one another (a peer that never joined, or died). Exit 4.
+
+Anything else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+EXIT_CONFIG = 2
+EXIT_NONFINITE = 3
+EXIT_DISTRIBUTED = 4
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
 
 
 class ConfigError(ValueError):
     """A user mistake: the message is one line naming the value and what is valid."""
 
     def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
+        super().__init__(_one_line(message))
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a non-finite loss or gradient norm and ``train.nonfinite`` is "stop".
+
+    ``step`` is the 1-based step that went wrong, ``group`` the first parameter
+    whose gradient was not finite (``"loss"`` when only the loss was), and
+    ``last_checkpoint`` the newest complete checkpoint (None if there is none).
+    """
+
+    def __init__(self, message: str, *, step: int, group: str, last_checkpoint=None):
+        super().__init__(_one_line(message))
+        self.step = step
+        self.group = group
+        self.last_checkpoint = last_checkpoint
+
+
+class DistributedError(RuntimeError):
+    """The processes of a multi-host run did not all start, or one of them died."""
+
+    def __init__(self, message: str):
+        super().__init__(_one_line(message))

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
+import threading
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from mindpipe_jax.config import MESH_AXES, DistributedConfig, ParallelConfig
-from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.errors import EXIT_DISTRIBUTED, ConfigError
 
 # Mesh axis order, outermost first: axes whose collectives are rare or can hide
 # behind compute (pipe, data) span the slow links between hosts; tensor, whose
@@ -74,19 +76,30 @@ def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | N
     Precedence: explicit config, then ``MINDPIPE_*`` variables, then SLURM's
     (``SLURM_NTASKS``, ``SLURM_PROCID``, first host of ``SLURM_STEP_NODELIST``).
     """
+    def env_int(name: str, default: int) -> int:
+        raw = environ.get(name, "").strip()
+        try:
+            return int(raw) if raw else default
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None
+
     coordinator = cfg.coordinator or environ.get("MINDPIPE_COORDINATOR", "")
-    count = cfg.num_processes or int(environ.get("MINDPIPE_NUM_PROCESSES", "0") or 0)
-    pid = cfg.process_id if cfg.process_id >= 0 else int(environ.get("MINDPIPE_PROCESS_ID", "-1") or -1)
-    if not coordinator and int(environ.get("SLURM_NTASKS", "1") or 1) > 1:
+    count = cfg.num_processes or env_int("MINDPIPE_NUM_PROCESSES", 0)
+    pid = cfg.process_id if cfg.process_id >= 0 else env_int("MINDPIPE_PROCESS_ID", -1)
+    if not coordinator and env_int("SLURM_NTASKS", 1) > 1:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST", "")
         host = _first_slurm_host(nodelist)
         if host:
             port = environ.get("MINDPIPE_COORDINATOR_PORT", "12355")
             coordinator = f"{host}:{port}"
-            count = count or int(environ["SLURM_NTASKS"])
-            pid = pid if pid >= 0 else int(environ.get("SLURM_PROCID", "0"))
+            count = count or env_int("SLURM_NTASKS", 1)
+            pid = pid if pid >= 0 else env_int("SLURM_PROCID", 0)
     if not coordinator:
         return None
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"distributed coordinator {coordinator!r} must be host:port "
+                          f"(e.g. 10.0.0.1:12355)")
     if count < 1 or not 0 <= pid < count:
         raise ConfigError(
             f"distributed coordinator {coordinator!r} needs num_processes >= 1 and "
@@ -123,4 +136,48 @@ def setup_runtime(parallel: ParallelConfig, distributed: DistributedConfig) -> N
         except RuntimeError:
             pass  # a backend already exists (e.g. a test session set its own count)
     if settings is not None and not jax.distributed.is_initialized():
-        jax.distributed.initialize(**settings)
+        _initialize_distributed(settings)
+
+
+# JAX aborts the process (SIGABRT, a C++ stack trace) when the other processes do not
+# join in time; it cannot be caught. A watchdog that fires first says what happened.
+_STARTUP_GRACE_S = 15
+# How long a silent process may go before the coordinator declares it dead (JAX's
+# default is 100 s); a shorter distributed.timeout_s shortens it too.
+_MAX_HEARTBEAT_S = 100
+
+
+def _initialize_distributed(settings: dict) -> None:
+    """``jax.distributed.initialize`` that ends with one clear line, not an abort, when
+    the processes do not all join within ``distributed.timeout_s``.
+
+    The watchdog thread runs while the connect call blocks (it releases the GIL);
+    JAX's own deadline is set a little later, so the watchdog speaks first.
+    """
+    timeout = settings["initialization_timeout"]
+    address, count, pid = settings["coordinator_address"], settings["num_processes"], settings["process_id"]
+    if pid == 0:
+        what = (f"not all {count} processes joined the coordinator this process (0) runs at {address} "
+                f"within distributed.timeout_s={timeout} s")
+    else:
+        what = (f"process {pid} of {count} could not join the coordinator at {address} within "
+                f"distributed.timeout_s={timeout} s (is process 0 running there?)")
+    message = (f"{what}; start every process with the same coordinator and num_processes, "
+               f"or raise distributed.timeout_s")
+    joined = threading.Event()
+
+    def expire() -> None:
+        if not joined.is_set():
+            sys.stderr.write(f"mindpipe: error: distributed start-up failed: {message}\n")
+            sys.stderr.flush()
+            os._exit(EXIT_DISTRIBUTED)  # the connect call cannot be interrupted from Python
+
+    watchdog = threading.Timer(timeout, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**{**settings, "initialization_timeout": timeout + _STARTUP_GRACE_S},
+                                   heartbeat_timeout_seconds=min(timeout, _MAX_HEARTBEAT_S))
+    finally:
+        joined.set()
+        watchdog.cancel()

@@ -2,33 +2,53 @@
 
 Each checkpoint step holds three items: ``state`` (params, optimizer state, step,
 RNG; sharded arrays), ``data`` (the loader's iterator state) and ``meta`` (the
-config and the model's parameter fingerprint). Saving is asynchronous, keeps the
-last N, and a step is only visible once orbax has committed it, so a run killed
-mid-save resumes from the previous complete step. Restoring takes the target
-shardings of the *current* mesh, so a 2×4 checkpoint restores onto 8×1.
+config, the model's parameter fingerprint, the count of skipped non-finite
+steps). Saving is asynchronous and keeps the last N.
+
+A step counts only once orbax has committed it: orbax writes a step under a
+temporary name, puts ``commit_success.txt`` in it as its last act and then
+renames it. A run killed mid-save leaves a temporary directory (or, on object
+stores, a step directory without the marker); it is never restored, the run
+resumes from the newest committed step, and the leftovers are removed when the
+resumed run starts writing. Restoring takes the target shardings of the
+*current* mesh, so a 2×4 checkpoint restores onto 8×1. Multi-process runs save
+and restore collectively: every process calls the same methods and orbax
+writes each shard once.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError
 
+# orbax's commit marker (orbax.checkpoint._src.path.atomicity_types.COMMIT_SUCCESS_FILE).
+COMMIT_MARKER = "commit_success.txt"
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_ITEMS = ("state", "data", "meta")
+
 
 class Checkpointer:
+    """One orbax ``CheckpointManager`` over ``directory`` (created if missing); it
+    removes orbax's temporary directories left by an interrupted save."""
+
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
-            item_names=("state", "data", "meta"),
+            item_names=_ITEMS,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
+                max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                cleanup_tmp_directories=True),
         )
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        """The newest committed step (see ``committed_steps``)."""
+        steps = committed_steps(self.directory)
+        return steps[-1] if steps else None
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -38,10 +58,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state):
         """(state on the target shardings, data-iterator state, meta)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-        return restored["state"], restored["data"], restored["meta"]
+        return restore(self.directory, step, abstract_state)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -51,26 +68,72 @@ class Checkpointer:
         self._manager.close()
 
 
+def restore(directory: str | Path, step: int, abstract_state):
+    """(state on the target shardings, data-iterator state, meta) of one step.
+
+    Reads only: no manager, so nothing in ``directory`` is created or cleaned up.
+    """
+    restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+        Path(directory).absolute() / str(step),
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"], restored["meta"]
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+    """Steps under ``directory`` that orbax finished writing (commit marker present), ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir()
+                  if p.name.isdigit() and (p / COMMIT_MARKER).is_file())
+
+
+def incomplete_steps(directory: str | Path) -> list[Path]:
+    """What interrupted saves left: orbax temporary directories and step
+    directories without the commit marker."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and (
+        _TMP_SUFFIX in p.name or (p.name.isdigit() and not (p / COMMIT_MARKER).exists())))
+
+
+def remove_incomplete(directory: str | Path) -> list[str]:
+    """Delete the leftovers of interrupted saves; returns their names.
+
+    Orbax's own ``cleanup_tmp_directories`` handles temporary directories; a step
+    directory without the marker (an object store's half-written step) would block
+    saving that step again, so it goes too. Call on one process only.
+    """
+    removed = []
+    for path in incomplete_steps(directory):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
 def read_meta(directory: str | Path) -> tuple[int, dict] | None:
-    """(latest committed step, its meta) without building a manager that could write."""
+    """(newest committed step, its meta) without building a manager that could write."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    # Orbax writes a step under a temporary name and renames it when committed,
-    # so only plain numeric directories are complete checkpoints.
-    committed = [int(p.name) for p in directory.iterdir()
-                 if p.is_dir() and p.name.isdigit() and (p / "meta").exists()]
-    if not committed:
-        if any(directory.iterdir()):
+    steps = committed_steps(directory)
+    if not steps:
+        leftovers = set(incomplete_steps(directory))
+        if any(p not in leftovers for p in directory.iterdir()):
             raise ConfigError(f"checkpoint dir {str(directory)!r} is not empty but holds no mindpipe "
                               f"checkpoint; choose another train.out_dir or empty it")
         return None
-    step = max(committed)
+    step = steps[-1]
     try:
         meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory / str(step) / "meta")
     except Exception as err:  # corrupt or foreign files: a user-facing problem
         raise ConfigError(f"checkpoint {str(directory / str(step))!r} is unreadable "
                           f"({type(err).__name__}); choose another train.out_dir") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint {str(directory / str(step))!r} has no mindpipe metadata; "
+                          f"choose another train.out_dir")
     return step, meta
 
 

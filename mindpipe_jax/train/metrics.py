@@ -2,6 +2,9 @@
 
 Only process 0 writes. Values arrive already on the host (the loop fetches them
 once per logging interval, never per step, so logging adds no device syncs).
+A resumed run first drops the JSONL records past the step it resumes from: the
+steps a killed run logged after its last checkpoint are trained (and logged)
+again, and each step should appear once.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, *, tensorboard: bool, enabled: bool):
+    def __init__(self, out_dir: Path, *, tensorboard: bool, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        path = out_dir / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            _truncate_after(path, resume_step)
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(out_dir / "tensorboard"))
@@ -65,6 +71,22 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the JSONL records up to ``step``; drop later ones and a line cut short by a kill."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) \
+                or record["step"] <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
 
 
 def format_line(step: int, values: dict) -> str:

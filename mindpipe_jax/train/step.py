@@ -118,6 +118,10 @@ def check_step_config(cfg: Config, mesh) -> None:
         raise ConfigError(
             f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages) "
             f"summing to model.n_layers={cfg.model.n_layers}")
+    remat = cfg.parallel.stage_remat
+    if not isinstance(remat, str) and len(remat) != stages:
+        raise ConfigError(f"parallel.stage_remat={list(remat)} must list {stages} policies (pipe x "
+                          f"virtual_stages), one per global stage, or be one policy for all")
     if not layers and cfg.model.n_layers % stages:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
@@ -180,7 +184,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
-    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat == "full", layout=layout)
+    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat, layout=layout)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)
@@ -191,6 +195,30 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     return grad_fn
 
 
+def _norm_and_first_nonfinite(grads):
+    """Global gradient norm, and the index (``jax.tree.leaves`` order) of the first
+    gradient leaf whose sum of squares is not finite, or -1.
+
+    One sum of squares per leaf serves both, as in ``optax.global_norm``: a leaf
+    holding a NaN/Inf, or large enough to overflow the norm, is what makes the
+    norm non-finite, so this costs no extra pass over the gradients.
+    """
+    sums = [jnp.sum(_abs_sq(g)) for g in jax.tree.leaves(grads)]
+    bad = ~jnp.isfinite(jnp.stack(sums))
+    first = jnp.where(bad.any(), jnp.argmax(bad), -1).astype(jnp.int32)
+    return jnp.sqrt(sum(sums)), first  # summed in leaf order, as optax.global_norm does
+
+
+def _abs_sq(x):
+    return (x.conj() * x).real if jnp.iscomplexobj(x) else x * x
+
+
+def nonfinite_leaf_names(abstract_params) -> list[str]:
+    """Dotted names of the parameter leaves, in the order ``nonfinite_leaf`` counts them."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
+
+
 def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
     schedule = lr_schedule(cfg.optim, total_steps)
     tr = cfg.train
@@ -198,6 +226,7 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
     pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
     # Without a pipeline, parallel.microbatches is plain gradient accumulation.
     accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
+    skip_nonfinite = tr.nonfinite == "skip"
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -213,11 +242,19 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
         # is one unsharded reduction rather than fsdp partial sums + an all-reduce.
         layout = spec.compute if tr.deterministic else spec.storage
         grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, layout)
-        grad_norm = optax.global_norm(grads)
+        grad_norm, first_bad = _norm_and_first_nonfinite(grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-                     "opt": opt, "rng": state["rng"]}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        params = optax.apply_updates(state["params"], updates)
+        if skip_nonfinite:
+            # Inside the compiled step: a bad step selects the old params and optimizer
+            # state (the step counter still advances, so the data and LR schedule move on).
+            ok = jnp.isfinite(loss) & (first_bad < 0)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            params = jax.tree.map(keep, params, state["params"])
+            opt = jax.tree.map(keep, opt, state["opt"])
+        new_state = {"step": state["step"] + 1, "params": params, "opt": opt, "rng": state["rng"]}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "nonfinite_leaf": first_bad}
         return new_state, metrics
 
     return train_step

@@ -1,0 +1,226 @@
+"""Reliability: killed and preempted runs resume to the same bits; non-finite steps.
+
+* SIGKILL at a random step after a checkpoint, then ``--resume``: the final
+  parameters and optimizer state are bitwise those of an uninterrupted run (a
+  dense data x tensor mesh with dropout, and a 2-stage 1F1B pipeline). Step
+  directories an interrupted save could leave (orbax's temporary directory, a
+  step without the commit marker) are never loaded, and are cleared.
+* SIGTERM / SIGINT: the loop finishes the step, saves, exits 0 saying where;
+  ``--resume`` continues to the same bits.
+* A non-finite loss stops the run with one line naming the step and the first
+  parameter with a non-finite gradient, leaving the checkpoints as they were;
+  ``train.nonfinite=skip`` leaves bad updates out inside the compiled step.
+
+The children run ``python -m mindpipe_jax`` (see ``cli_procs.py``); they share a
+persistent compilation cache, so only the first run of a layout compiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from cli_procs import Train, cli_env, run_train
+
+import mindpipe_jax as mp
+from mindpipe_jax.cli import main
+from mindpipe_jax.errors import NonFiniteError
+from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore
+from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
+from mindpipe_jax.train.step import nonfinite_leaf_names
+
+STEPS = 40
+EVERY = 4
+BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+        "data.source=synthetic", "data.synthetic_tokens=65536", "train.global_batch=16",
+        f"train.steps={STEPS}", "train.log_every=1", f"train.checkpoint_every={EVERY}",
+        "train.eval_every=0", "train.progress=false", "train.tensorboard=false", "optim.warmup_steps=2"]
+LAYOUTS = {
+    # data=4 x tensor=2 (auto tensor on 8 simulated CPU devices); dropout draws from the restored RNG
+    "dense": ["model.dropout=0.1"],
+    "pipeline": ["parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2",
+                 "parallel.schedule=1f1b"],
+}
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, compile_cache):
+    """layout -> out_dir of an uninterrupted CLI run (run once per session, on demand)."""
+    done: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in done:
+            out = tmp_path_factory.mktemp(f"reference_{layout}")
+            rc, output = run_train([*BASE, *LAYOUTS[layout], f"train.out_dir={out}"],
+                                   env=cli_env(compile_cache), cwd=out, timeout=TIMEOUT_S)
+            assert rc == 0, output[-4000:]
+            assert committed_steps(out / "checkpoints")[-1] == STEPS
+            done[layout] = out
+        return done[layout]
+
+    return get
+
+
+def _final_state(out_dir: Path, layout: str, step: int = STEPS):
+    """A run's checkpointed train state at ``step``, restored here onto the same mesh."""
+    cfg = mp.Config().replace(*BASE, *LAYOUTS[layout])
+    mesh = mp.make_mesh(cfg.parallel)
+    spec, _ = model_spec(lambda rngs: mp.GPT(cfg.model, rngs=rngs), mesh, cfg.train.seed)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
+    state, _, meta = restore(out_dir / "checkpoints", step, abstract_train_state(spec, tx, mesh))
+    assert meta["step"] == step
+    return jax.device_get(state)
+
+
+def _assert_bitwise(a, b, what: str) -> None:
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
+    assert len(flat_a) == len(flat_b) > 10
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, path)
+        assert x.tobytes() == y.tobytes(), \
+            f"{what}: {jax.tree_util.keystr(path)} differs (max |diff| {np.abs(x - y).max():.3g})"
+
+
+def _logged_steps(out_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with a hash of its bytes (directories as such)."""
+    return {str(p.relative_to(root)): (hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, reference, compile_cache,
+                                                                     tmp_path):
+    ref = reference(layout)
+    out = tmp_path / "run"
+    args = [*BASE, *LAYOUTS[layout], f"train.out_dir={out}"]
+    env = cli_env(compile_cache)
+    kill_at = random.randint(EVERY + 1, 4 * EVERY)  # after the first checkpoint, well before the end
+    child = Train(args, env=env, cwd=tmp_path)
+    seen = child.wait_for_step(kill_at, TIMEOUT_S)
+    child.signal(signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    ckpt = out / "checkpoints"
+    committed = committed_steps(ckpt)
+    assert committed and committed[-1] < STEPS, (kill_at, seen, committed, child.output[-2000:])
+    last = committed[-1]
+
+    # What an interrupted save can leave: orbax's temporary directory, and (on object
+    # stores) a step directory without the commit marker. Both hold damaged arrays here,
+    # so restoring either one would fail the run.
+    for name in (str(last + EVERY), f"{last + 2 * EVERY}.orbax-checkpoint-tmp-1234567890"):
+        partial = ckpt / name
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(ckpt / str(last), partial)
+        (partial / COMMIT_MARKER).unlink()
+        for f in (partial / "state").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"\0half-written")
+
+    rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
+    assert rc == 0, output[-4000:]
+    assert f"resuming at step {last}" in output, output[-4000:]
+    assert str(last + EVERY) in output.split("removed what interrupted saves left")[1].splitlines()[0]
+    assert not [p for p in ckpt.iterdir() if "tmp" in p.name], sorted(p.name for p in ckpt.iterdir())
+    _assert_bitwise(_final_state(ref, layout), _final_state(out, layout),
+                    f"{layout}: killed at step {seen} (>= {kill_at}), resumed from {last}")
+    # Steps logged after the last checkpoint were trained again: each appears once.
+    assert _logged_steps(out) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_exits_0_and_resume_continues(sig, reference, compile_cache, tmp_path):
+    ref = reference("dense")
+    out = tmp_path / "run"
+    args = [*BASE, *LAYOUTS["dense"], f"train.out_dir={out}"]
+    env = cli_env(compile_cache)
+    child = Train(args, env=env, cwd=tmp_path)
+    seen = child.wait_for_step(random.randint(2, 3 * EVERY), TIMEOUT_S)
+    child.signal(sig)
+    assert child.wait(60) == 0, child.output[-4000:]
+    name = signal.Signals(sig).name
+    lines = [ln for ln in child.output.splitlines() if ln.startswith(f"stopped by {name} after step ")]
+    assert len(lines) == 1, child.output[-3000:]
+    stopped = int(lines[0].split("after step ")[1].split()[0])
+    assert seen <= stopped < STEPS
+    assert f"checkpoint saved in {out / 'checkpoints' / str(stopped)};" in lines[0]
+    assert "--resume" in lines[0] and "done:" not in child.output
+    assert committed_steps(out / "checkpoints")[-1] == stopped
+
+    rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
+    assert rc == 0, output[-4000:]
+    assert f"resuming at step {stopped}" in output
+    _assert_bitwise(_final_state(ref, "dense"), _final_state(out, "dense"), f"{name} at step {stopped}")
+
+
+# --- non-finite losses (in-process) ----------------------------------------------------------
+
+NAN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+       "data.source=synthetic", "data.synthetic_tokens=65536", "train.global_batch=16",
+       "train.eval_every=0", "train.log_every=1", "train.progress=false", "train.tensorboard=false",
+       "optim.warmup_steps=0", "parallel.simulate_cpu_devices=0"]
+HUGE_LR = "optim.lr=1e30"  # one update makes the weights overflow: the next loss is NaN
+
+
+def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={out}", "train.steps=4",
+             "train.checkpoint_every=2")
+    before = _snapshot(out / "checkpoints")
+    # Resumed with an absurd learning rate: step 5 is finite and ruins the weights,
+    # step 6 is the first non-finite one. Step 6 is also a checkpoint step.
+    with pytest.raises(NonFiniteError) as err:
+        mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={out}", "train.steps=8",
+                 "train.checkpoint_every=2", "train.resume=true", HUGE_LR)
+    e = err.value
+    assert e.step == 6, str(e)
+    cfg = mp.Config().replace(*NAN)
+    names = nonfinite_leaf_names(model_spec(lambda r: mp.GPT(cfg.model, rngs=r), mp.make_mesh(cfg.parallel),
+                                            0)[0].abstract_params)
+    assert e.group in names and f"'{e.group}'" in str(e)
+    assert str(e).startswith("step 6: non-finite loss") and "\n" not in str(e)
+    assert e.last_checkpoint == out / "checkpoints" / "4" and "step 4" in str(e)
+    assert _snapshot(out / "checkpoints") == before  # nothing saved, nothing touched
+
+    # The command line: the same line, exit status 3, no traceback.
+    capsys.readouterr()
+    code = main(["train", *NAN, f"train.out_dir={out}", "train.steps=8", "train.checkpoint_every=2",
+                 "--resume", HUGE_LR])
+    err_text = capsys.readouterr().err
+    assert code == 3, err_text
+    assert err_text.count("\n") == 1 and err_text.startswith("mindpipe: error: step 6: non-finite")
+    assert _snapshot(out / "checkpoints") == before
+
+
+def test_nonfinite_skip_leaves_bad_updates_out_inside_the_step(tmp_path):
+    # With lr 1e30 step 1 is finite and every later step is NaN. Skipping them must
+    # leave params and optimizer state exactly as after step 1.
+    skip = mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={tmp_path / 'skip'}", "train.steps=4",
+                    HUGE_LR, "train.nonfinite=skip")
+    one = mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={tmp_path / 'one'}", "train.steps=1",
+                   HUGE_LR, "train.nonfinite=skip")
+    assert skip.skipped_steps == 3 and one.skipped_steps == 0
+    assert skip.step == 4  # the steps still count: the data and the schedule moved on
+    assert [np.isfinite(h["loss"]) for h in skip.history] == [True, False, False, False]
+    assert [h["skipped_steps"] for h in skip.history] == [0, 1, 2, 3]
+    _assert_bitwise(jax.device_get(one.state["params"]), jax.device_get(skip.state["params"]), "params")
+    _assert_bitwise(jax.device_get(one.state["opt"]), jax.device_get(skip.state["opt"]), "opt")
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(skip.state)))
