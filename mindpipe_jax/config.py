@@ -23,6 +23,7 @@ import dacite
 from mindpipe_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipe", "subnet", "expert")
+STAGE_REMAT_POLICIES = ("none", "dots", "full")  # the pipeline runtime's (tickplan.REMAT_POLICIES)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -113,9 +114,13 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab"] = "1f1b"
     virtual_stages: int = 1
-    # Pipeline memory: "none" keeps each microbatch's forward residuals until its
-    # backward; "full" keeps only the stage input and recomputes the forward.
-    stage_remat: Literal["none", "full"] = "none"
+    # Pipeline memory, one policy for every stage or a list with one per global
+    # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as
+    # `mindpipe plan` prints it): "none" keeps each microbatch's forward residuals
+    # until its backward; "dots" keeps only the projection outputs and recomputes
+    # attention and elementwise work; "full" keeps only the stage input and
+    # recomputes the forward.
+    stage_remat: str | tuple[str, ...] = "none"
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
@@ -133,6 +138,10 @@ class ParallelConfig:
             _check(auto or n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)"
                    + (" or 0 (auto)" if axis == "tensor" else ""))
         _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        policies = (self.stage_remat,) if isinstance(self.stage_remat, str) else self.stage_remat
+        _check(bool(policies) and all(r in STAGE_REMAT_POLICIES for r in policies),
+               f"parallel.stage_remat={self.stage_remat!r} must be one of "
+               f"{', '.join(STAGE_REMAT_POLICIES)} or a list of them, one per global stage")
         _check(self.repartition_after >= 0,
                f"parallel.repartition_after={self.repartition_after} must be >= 0 (0 = never)")
         _check(self.simulate_cpu_devices >= 0,
@@ -224,6 +233,54 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class SupernetConfig:
+    """SPara (``mindpipe_jax.supernet``): the search space, how subnets are sampled and
+    trained together over shared weights, and the search afterwards.
+
+    ``semantics``: ``sync`` (the K subnets of a step read the same weights, their
+    gradients are averaged) or ``causal`` (equal to training them one after
+    another; shared layers take one averaged update per step). ``vmap_width``
+    subnets are vectorized per device: it changes the bits of a subnet's gradient,
+    the device count never does, so keep it fixed to compare runs. The ``subnet``
+    mesh axis (``parallel.subnet``) splits the K subnets of a step.
+    """
+
+    semantics: Literal["sync", "causal"] = "sync"
+    subnets_per_step: int = 4  # K
+    strategy: Literal["uniform", "sandwich"] = "sandwich"
+    vmap_width: int = 1
+    ops: tuple[str, ...] = ("gelu", "relu", "silu")  # FFN candidates (their activations)
+    ffn_ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # hidden widths, fractions of d_ff
+    heads: tuple[int, ...] = ()  # attention head counts; empty = 1..model.n_heads
+    min_depth: int = 1  # blocks: min_depth..model.n_layers
+    search_population: int = 16
+    search_generations: int = 4
+    search_top_k: int = 5
+    search_max_params: int = 0  # only subnets with at most this many parameters; 0 = no limit
+    search_eval_batches: int = 2  # validation batches of train.global_batch rows per subnet
+
+    def __post_init__(self):
+        _check(self.semantics in ("sync", "causal"),
+               f"supernet.semantics={self.semantics!r} is not valid; valid: 'sync', 'causal'")
+        _check(self.strategy in ("uniform", "sandwich"),
+               f"supernet.strategy={self.strategy!r} is not valid; valid: 'uniform', 'sandwich'")
+        _positive("supernet", subnets_per_step=self.subnets_per_step, vmap_width=self.vmap_width,
+                  min_depth=self.min_depth, search_population=self.search_population,
+                  search_top_k=self.search_top_k, search_eval_batches=self.search_eval_batches)
+        _check(self.search_generations >= 0,
+               f"supernet.search_generations={self.search_generations} must be >= 0")
+        _check(self.search_max_params >= 0,
+               f"supernet.search_max_params={self.search_max_params} must be >= 0 (0 = no limit)")
+        _check(self.strategy != "sandwich" or self.subnets_per_step >= 2,
+               f"supernet.subnets_per_step={self.subnets_per_step}: the sandwich strategy needs >= 2 "
+               f"(largest + smallest [+ random]); use strategy='uniform' for 1")
+        _check(bool(self.ops), "supernet.ops must name at least one FFN candidate")
+        _check(bool(self.ffn_ratios) and all(0 < r <= 1 for r in self.ffn_ratios),
+               f"supernet.ffn_ratios={list(self.ffn_ratios)} must be non-empty fractions in (0, 1]")
+        _check(all(h >= 1 for h in self.heads), f"supernet.heads={list(self.heads)} must be >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -231,6 +288,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    supernet: SupernetConfig = field(default_factory=SupernetConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,34 @@
-"""SPara: supernet parallelism (many weight-sharing subnets trained at once).
+"""SPara: supernet parallelism — many weight-sharing subnets trained at once, bitwise reproducible.
 
-Not built yet: this subpackage is reserved for the search space, the deterministic
-subnet sampler, the vectorized multi-subnet step and the search (issue "SPara").
+* ``space.py``   — genes, search spaces, ``Candidate`` parameters, one-hot selection and masks;
+* ``model.py``   — ``SuperGPT``, the reference supernet (the GPT with searchable blocks);
+* ``sampler.py`` — the subnets of step t as a pure function of (seed, t): uniform, sandwich;
+* ``spara.py``   — the vectorized multi-subnet step on the ``subnet`` × ``data`` mesh, its
+  ``sync`` and ``causal`` semantics, and the sequential reference both are tested against;
+* ``search.py``  — validation scores with inherited weights and the evolutionary search;
+* ``trainer.py`` — ``train_supernet(config=...)``: the whole run from a config.
 """
+
+from mindpipe_jax.supernet.model import SuperGPT
+from mindpipe_jax.supernet.sampler import STRATEGIES, Sampler, sample_subnets
+from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
+from mindpipe_jax.supernet.space import Candidate, Gene, SearchSpace, prefix_mask, select
+from mindpipe_jax.supernet.spara import (
+    SEMANTICS,
+    StepPlan,
+    causal_waves,
+    init_state,
+    jit_step,
+    make_spara_step,
+    plan_step,
+    reference_step,
+    supernet_spec,
+)
+from mindpipe_jax.supernet.trainer import SupernetResult, supernet_factory, train_supernet
+
+__all__ = [
+    "SuperGPT", "STRATEGIES", "Sampler", "sample_subnets", "SearchResult", "evolutionary_search",
+    "make_evaluator", "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
+    "StepPlan", "causal_waves", "init_state", "jit_step", "make_spara_step", "plan_step",
+    "reference_step", "supernet_spec", "SupernetResult", "supernet_factory", "train_supernet",
+]

@@ -1,0 +1,573 @@
+"""SPara: K subnets per step in one jitted program, bitwise equal on any device count.
+
+The step
+--------
+A step trains K subnets (``int32[K, genes]``, from ``sampler.py``) on one global
+batch. Two mesh axes split the work: ``subnet`` (S device groups, each takes its
+share of the K subnets) and ``data`` (D devices per group split the batch). The
+work is cut into fixed **cells**: (subnet, virtual data shard), with
+``train.virtual_shards`` = V shards of the batch. A device computes, per
+*round*, ``vmap_width`` = W subnets (``jax.vmap``, parameters shared, not
+batched) on each of its V/D shards (``lax.map``). Rounds hold R = S·W slots.
+
+The gradient of each cell is gathered **unreduced**: over ``data`` to
+``[V, W, ...]`` (summed in a fixed pairwise tree: one subnet's gradient), then
+over ``subnet`` to ``[R, ...]`` (one gradient per slot). Every later operation
+sees the same arrays in the same order on 1, 2, 4 or 8 devices, and each cell
+is computed by the same per-device program (the vmap width W and the shard
+shape are fixed by the config, not by the mesh; ``vmap`` of a different width
+*does* change the bits, measured), so the parameters after N steps are
+bitwise identical for every split of the devices between ``subnet`` and
+``data``. The cost is memory: each device holds a round's ``[R, ...]``
+gradients and a ``[K, ...]`` buffer.
+
+Selecting a subnet never scatters: candidate weights are chosen by a one-hot
+contraction and widths/depth by masks (``space.py``), so each candidate's
+gradient is a dense array, exactly zero where the subnet did not read it.
+
+Optimizer: lazy AdamW
+---------------------
+Every parameter has AdamW moments; **Candidate** parameters (the searchable
+operators) have one step count per unit (``[layers, candidates]``) and are
+updated only where a subnet used the unit: an operator no subnet chose keeps
+its weights and moments (no weight decay or momentum drift while unsampled).
+Shared parameters (embedding, attention, norms, head) are updated every step.
+Each subnet's gradient is clipped to ``optim.clip_norm`` on its own (per-subnet
+global norm) before it is combined.
+
+Two semantics
+-------------
+``sync``
+    All K subnets read the weights of the step start. Gradients (each clipped)
+    are averaged over the K subnets in a fixed pairwise order; one lazy AdamW
+    update (units: those any subnet used).
+    *Reference*: compute each subnet's gradient one by one, combine, update.
+
+``causal``
+    The result of training the K subnets one after another, in sampling order,
+    where subnet k's **searchable** weights (operator candidates) include the
+    updates of subnets 0..k-1, while the **shared** weights are those of the
+    step start for all K and take one update at the end of the step from the
+    average of the K subnets' gradients (fixed pairwise order).
+    *Reference*: for k = 0..K-1: gradient of subnet k at the current weights,
+    clip, apply a lazy AdamW update to the units it used (a full step with its
+    own gradient), keep its shared gradient; then average the K shared
+    gradients and update the shared weights.
+
+    Executed in **waves**: subnet k goes into wave 1 + max(wave of an earlier
+    subnet sharing a unit with it), or wave 0. Subnets of a wave use disjoint
+    units, so computing them together at the wave's start weights and updating
+    each unit from its one user equals the sequential loop. The unit gradients
+    of a wave are summed over its slots: every element has at most one nonzero
+    term, so that sum is exact in any order.
+
+    Why shared layers are handled this way: every subnet reads the embedding,
+    attention, norms and head, so if they defined conflicts, every pair of
+    subnets would conflict and causal would mean fully sequential (NASPipe
+    separates them for the same reason). Only the operator choices define
+    conflicts; the shared weights follow the sync rule inside a step, and the
+    steps themselves are sequential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mindpipe_jax.config import OptimConfig
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet.space import Candidate
+from mindpipe_jax.train.state import lr_schedule
+
+SEMANTICS = ("sync", "causal")
+AXES = ("subnet", "data")
+
+__all__ = ["SEMANTICS", "SupernetSpec", "supernet_spec", "init_state", "StepPlan", "plan_step",
+           "causal_waves", "make_spara_step", "reference_step", "check_layout"]
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (caches key on it)
+class SupernetSpec:
+    """Static facts about a supernet: structure, params, which are searchable, the unit grid."""
+
+    graphdef: Any
+    module: Any  # the abstract module: space, unit_grid, units()
+    abstract_params: Any  # pure dict of ShapeDtypeStruct
+    searchable: Any  # pure dict of bool: Candidate parameters
+    decay: Any  # pure dict of bool: weight decay (matrices only)
+    units_batch: Callable  # jitted int32[N, genes] -> bool[N, *unit_grid]
+
+    @property
+    def space(self):
+        return self.module.space
+
+    @property
+    def unit_grid(self) -> tuple[int, ...]:
+        return tuple(self.module.unit_grid)
+
+    def merge(self, params):
+        return nnx.merge(self.graphdef, params)
+
+    def loss(self, params, inputs, targets, subnet):
+        return self.merge(params).loss(inputs, targets, subnet)
+
+    def units(self, subnets) -> np.ndarray:
+        """``bool[N, *unit_grid]``: the units each subnet reads (host NumPy)."""
+        return np.asarray(self.units_batch(jnp.asarray(subnets, jnp.int32)))
+
+
+def _decays(variable) -> bool:
+    names = (variable.get_metadata() or {}).get("out_sharding")
+    if names is None:
+        return variable.get_value().ndim >= 2
+    return sum(1 for n in names if n not in (None, "layers", "stages")) >= 2
+
+
+def supernet_spec(model_or_factory, seed: int = 0):
+    """A supernet module (or factory ``rngs -> module``) → (SupernetSpec, create).
+
+    The module needs ``space`` (a SearchSpace), ``unit_grid``, ``units(subnet)``
+    and ``loss(inputs, targets, subnet)``; its searchable parameters are
+    :class:`Candidate` variables whose leading axes are the unit grid.
+    ``create()`` returns the initial params as a pure dict (call it under jit).
+    """
+    if isinstance(model_or_factory, nnx.Module):
+        module = model_or_factory
+        graphdef, state = nnx.split(module, nnx.Param)
+        concrete = nnx.to_pure_dict(state)
+        create = lambda: concrete  # noqa: E731
+        abstract_state = nnx.eval_shape(lambda: state)
+    elif callable(model_or_factory):
+        def build():
+            with nnx.use_eager_sharding(False):
+                return model_or_factory(nnx.Rngs(seed))
+
+        module = nnx.eval_shape(build)
+        graphdef, abstract_state = nnx.split(module, nnx.Param)
+
+        def create():
+            return nnx.to_pure_dict(nnx.split(build(), nnx.Param)[1])
+    else:
+        raise ConfigError(f"the supernet must be an nnx.Module or a callable rngs -> nnx.Module, "
+                          f"got {type(model_or_factory).__name__}")
+    missing = [a for a in ("space", "unit_grid", "units", "loss") if not hasattr(module, a)]
+    if missing:
+        raise ConfigError(f"{type(module).__name__} is not a supernet: it lacks {', '.join(missing)} "
+                          f"(see mindpipe_jax.supernet.model.SuperGPT)")
+    grid = tuple(module.unit_grid)
+    searchable = nnx.to_pure_dict(nnx.map_state(lambda _, v: isinstance(v, Candidate), abstract_state))
+    decay = nnx.to_pure_dict(nnx.map_state(lambda _, v: _decays(v), abstract_state))
+    shapes = nnx.to_pure_dict(abstract_state)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    marks = jax.tree.leaves(searchable)
+    if not any(marks):
+        raise ConfigError(f"{type(module).__name__} has no Candidate parameters: nothing is searchable")
+    for (path, leaf), is_unit in zip(flat, marks, strict=True):
+        if is_unit and tuple(leaf.shape[:len(grid)]) != grid:
+            raise ConfigError(f"Candidate parameter {jax.tree_util.keystr(path)} has shape {leaf.shape}; "
+                              f"its leading axes must be the unit grid {grid}")
+    units_batch = jax.jit(jax.vmap(module.units))
+    return SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch), create
+
+
+# --- lazy AdamW -----------------------------------------------------------------------------------
+
+
+def init_state(spec: SupernetSpec, params) -> dict:
+    """``{"step", "params", "opt": {"mu", "nu", "count"}}``: per-unit counts for Candidate params."""
+    grid = spec.unit_grid
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    count = jax.tree.map(lambda s: jnp.zeros(grid if s else (), jnp.int32), spec.searchable)
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt": {"mu": zeros, "nu": jax.tree.map(jnp.copy, zeros), "count": count}}
+
+
+def _expand(mask, ndim: int):
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+def adamw_leaf(p, g, mu, nu, count, mask, lr, optim: OptimConfig, decay: bool):
+    """One lazy AdamW update of a leaf where ``mask`` (count-shaped) is True; unchanged elsewhere.
+
+    The arithmetic is optax's ``adamw`` (moments, bias correction with the
+    incremented count, ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled decay).
+    """
+    c1 = count + 1
+    mu1 = (1 - optim.b1) * g + optim.b1 * mu
+    nu1 = (1 - optim.b2) * jnp.square(g) + optim.b2 * nu
+    cf = _expand(c1.astype(jnp.float32), p.ndim)
+    mu_hat = mu1 / (1 - optim.b1 ** cf)
+    nu_hat = nu1 / (1 - optim.b2 ** cf)
+    update = mu_hat / (jnp.sqrt(nu_hat) + optim.eps)
+    if decay and optim.weight_decay:
+        update = update + optim.weight_decay * p
+    p1 = (p + (-lr) * update).astype(p.dtype)
+    m = _expand(mask, p.ndim)
+    return (jnp.where(m, p1, p), jnp.where(m, mu1, mu), jnp.where(m, nu1, nu),
+            jnp.where(mask, c1, count))
+
+
+def _adamw(params: list, grads: list, opt: tuple, masks: list, lr, optim, decay: list):
+    mu, nu, count = opt
+    out = [adamw_leaf(*args, lr, optim, d) for *args, d in zip(params, grads, mu, nu, count, masks, decay,
+                                                                strict=True)]
+    return [o[0] for o in out], ([o[1] for o in out], [o[2] for o in out], [o[3] for o in out])
+
+
+def global_norm(grads) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+
+
+def clip(grads, norm, max_norm: float):
+    """optax.clip_by_global_norm's rule (scale by max_norm / norm when above) given the norm; 0 disables."""
+    if not max_norm:
+        return grads
+    # One scalar scale, then a multiply: a vector division here rounded differently in
+    # different fusions (seen: 1 vs 2 data devices), a multiply by one scalar never does.
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+
+def pairwise_sum(stacked):
+    """Sum the leading axis in one fixed balanced order (any length)."""
+    def one(x):
+        while x.shape[0] > 1:
+            n = x.shape[0]
+            pairs = x[0:n - n % 2:2] + x[1:n - n % 2:2]
+            x = jnp.concatenate([pairs, x[n - 1:]]) if n % 2 else pairs
+        return x[0]
+    return jax.tree.map(one, stacked)
+
+
+# --- the plan of a step (host, NumPy) -------------------------------------------------------------
+
+
+def causal_waves(units: np.ndarray) -> np.ndarray:
+    """Wave of each subnet: 1 + the latest wave of an earlier subnet sharing a unit, else 0.
+
+    ``units``: ``bool[K, ...]``. This is the earliest wave every subnet can run in
+    without changing what the sequential order gives (longest path in the
+    conflict order), so it is also the fewest waves.
+    """
+    flat = np.asarray(units, bool).reshape(len(units), -1)
+    waves = np.zeros(len(flat), np.int32)
+    for k in range(len(flat)):
+        earlier = [waves[j] for j in range(k) if (flat[j] & flat[k]).any()]
+        waves[k] = 1 + max(earlier) if earlier else 0
+    return waves
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step runs, in fixed-shape arrays (the same compiled program every step).
+
+    ``subnets``: ``int32[K + 1, genes]`` (row K: padding, a copy of row 0);
+    ``slot_subnet``: ``int32[rounds_max, R]``, the subnet of each slot of each
+    round (K = padding); ``slot_valid``; ``wave_end``: after this round the
+    wave's units are updated (causal); ``n_rounds``; ``waves``: per subnet.
+    """
+
+    subnets: np.ndarray
+    slot_subnet: np.ndarray
+    slot_valid: np.ndarray
+    wave_end: np.ndarray
+    n_rounds: np.ndarray
+    waves: np.ndarray
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"subnets": self.subnets, "slot_subnet": self.slot_subnet, "slot_valid": self.slot_valid,
+                "wave_end": self.wave_end, "n_rounds": self.n_rounds}
+
+    @property
+    def num_waves(self) -> int:
+        return int(self.waves.max()) + 1
+
+
+def plan_step(spec: SupernetSpec, subnets, semantics: str, round_slots: int) -> StepPlan:
+    """Rounds of ``round_slots`` (= subnet axis × vmap width) slots for this step's subnets."""
+    _check_semantics(semantics)
+    subnets = spec.space.validate(subnets)
+    k = len(subnets)
+    if semantics == "sync":
+        waves = np.zeros(k, np.int32)
+        rows = [list(range(i, min(i + round_slots, k))) for i in range(0, k, round_slots)]
+        ends = [False] * len(rows)
+        max_rounds = -(-k // round_slots)
+    else:
+        waves = causal_waves(spec.units(subnets))
+        rows, ends = [], []
+        for w in range(int(waves.max()) + 1):
+            members = [int(i) for i in np.flatnonzero(waves == w)]
+            for start in range(0, len(members), round_slots):
+                rows.append(members[start:start + round_slots])
+                ends.append(start + round_slots >= len(members))
+        max_rounds = k  # every wave may hold one subnet
+    slot = np.full((max_rounds, round_slots), k, np.int32)
+    for r, row in enumerate(rows):
+        slot[r, :len(row)] = row
+    wave_end = np.zeros(max_rounds, bool)
+    wave_end[:len(ends)] = ends
+    return StepPlan(np.concatenate([subnets, subnets[:1]]).astype(np.int32), slot, slot < k, wave_end,
+                    np.asarray(len(rows), np.int32), waves)
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+
+def _check_semantics(semantics: str) -> None:
+    if semantics not in SEMANTICS:
+        raise ConfigError(f"supernet.semantics={semantics!r} is not valid; valid: "
+                          f"{', '.join(repr(s) for s in SEMANTICS)}")
+
+
+def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
+                 global_batch: int) -> None:
+    """The mesh and sizes the SPara step supports; ConfigError naming the value otherwise."""
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    if others:
+        raise ConfigError(f"supernet training splits devices over parallel.subnet and parallel.data only; "
+                          f"got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    s, d = mesh.shape["subnet"], mesh.shape["data"]
+    if subnets_per_step % (s * vmap_width):
+        raise ConfigError(
+            f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
+            f"supernet.vmap_width = {s} x {vmap_width} = {s * vmap_width}")
+    if virtual_shards % d or global_batch % virtual_shards:
+        raise ConfigError(
+            f"train.virtual_shards={virtual_shards} must be divisible by parallel.data={d}, and "
+            f"train.global_batch={global_batch} by train.virtual_shards")
+
+
+# --- the step -------------------------------------------------------------------------------------
+
+
+def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_step: int,
+                    vmap_width: int, virtual_shards: int, global_batch: int, optim: OptimConfig,
+                    total_steps: int):
+    """``step(state, plan_arrays, batch) -> (state, metrics)``, to be jitted once.
+
+    ``batch`` is ``{"inputs", "targets"}`` of ``int32[global_batch, T]`` (every
+    subnet of the step trains on it); ``plan_arrays`` is ``StepPlan.arrays()``.
+    Metrics: per-subnet ``loss`` and ``grad_norm`` (``[K]``), ``lr``.
+    """
+    _check_semantics(semantics)
+    check_layout(mesh, subnets_per_step=subnets_per_step, vmap_width=vmap_width,
+                 virtual_shards=virtual_shards, global_batch=global_batch)
+    k, w, v = subnets_per_step, vmap_width, virtual_shards
+    r_slots = mesh.shape["subnet"] * w
+    schedule = lr_schedule(optim, total_steps)
+    treedef = jax.tree.structure(spec.abstract_params)
+    is_unit = jax.tree.leaves(spec.searchable)
+    decay = jax.tree.leaves(spec.decay)
+    unit_ix = [i for i, u in enumerate(is_unit) if u]
+    shared_ix = [i for i, u in enumerate(is_unit) if not u]
+    units_of = jax.vmap(spec.module.units)
+
+    def grad_one(params, subnet, shard):
+        def loss(p):
+            return spec.loss(jax.tree.unflatten(treedef, p), shard["inputs"], shard["targets"], subnet)
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, [g.astype(jnp.float32) for g in grads]
+
+    def per_device(state, plan, vbatch):
+        params = jax.tree.leaves(state["params"])
+        opt = tuple(jax.tree.leaves(state["opt"][n]) for n in ("mu", "nu", "count"))
+        lr = schedule(state["step"])
+        group = lax.axis_index("subnet")
+        subnets = plan["subnets"]
+
+        def round_grads(params, r):
+            """Loss, norm and clipped gradient of every slot of round r: ``[R]``, ``[R]``, ``[R, ...]``."""
+            local = [lax.pcast(p, AXES, to="varying") for p in params]
+            ids = lax.dynamic_slice_in_dim(plan["slot_subnet"][r], group * w, w)
+            subs = jnp.take(subnets, ids, axis=0)
+            losses, grads = lax.map(
+                lambda shard: jax.vmap(grad_one, in_axes=(None, 0, None))(local, subs, shard), vbatch)
+            losses, grads = lax.all_gather((losses, grads), "data", tiled=True, to="invarying")
+            losses, grads = jax.tree.map(lambda x: x * (1.0 / v), pairwise_sum((losses, grads)))
+            losses, grads = lax.all_gather((losses, grads), "subnet", tiled=True, to="invarying")
+            norms = lax.map(global_norm, grads)
+            grads = jax.vmap(lambda g, n: clip(g, n, optim.clip_norm))(grads, norms)
+            return losses, norms, grads
+
+        def store(buffers, values, slot_ids):
+            # Each slot's row goes to its subnet's index (K: padding). Indices are unique
+            # per step, so these are plain writes in a fixed order, never an add.
+            out = []
+            for buf, val in zip(buffers, values, strict=True):
+                for i in range(r_slots):
+                    buf = lax.dynamic_update_index_in_dim(buf, val[i], slot_ids[i], 0)
+                out.append(buf)
+            return out
+
+        def stack_of(leaves):
+            return [jnp.zeros((k + 1, *x.shape), jnp.float32) for x in leaves]
+
+        metrics0 = [jnp.zeros((k + 1,), jnp.float32)] * 2
+        if semantics == "sync":
+            def body(r, carry):
+                bufs, mets = carry
+                losses, norms, grads = round_grads(params, r)
+                ids = plan["slot_subnet"][r]
+                return store(bufs, grads, ids), store(mets, [losses, norms], ids)
+
+            bufs, mets = lax.fori_loop(0, plan["n_rounds"], body, (stack_of(params), metrics0))
+            mean = [g * (1.0 / k) for g in pairwise_sum([b[:k] for b in bufs])]
+            used = jnp.any(units_of(subnets[:k]), axis=0)
+            masks = [used if u else jnp.bool_(True) for u in is_unit]
+            new_params, new_opt = _adamw(params, mean, opt, masks, lr, optim, decay)
+        else:
+            def pick(seq, ix):
+                return [seq[i] for i in ix]
+
+            def body(r, carry):
+                params, opt, acc, wave_used, shared_buf, mets = carry
+                losses, norms, grads = round_grads(params, r)
+                ids, valid = plan["slot_subnet"][r], plan["slot_valid"][r]
+                # At most one slot of a wave has a nonzero gradient for any unit element:
+                # this sum is exact in any order.
+                acc = [a + jnp.sum(jnp.where(_expand(valid, g.ndim), g, 0), axis=0)
+                       for a, g in zip(acc, pick(grads, unit_ix), strict=True)]
+                used = units_of(jnp.take(subnets, ids, axis=0)) & _expand(valid, 1 + len(spec.unit_grid))
+                wave_used = wave_used | jnp.any(used, axis=0)
+                shared_buf = store(shared_buf, pick(grads, shared_ix), ids)
+                mets = store(mets, [losses, norms], ids)
+
+                def update(c):
+                    params, opt, acc, wave_used = c
+                    p_u, o_u = _adamw(pick(params, unit_ix), acc, tuple(pick(o, unit_ix) for o in opt),
+                                      [wave_used] * len(unit_ix), lr, optim, pick(decay, unit_ix))
+                    params, opt = list(params), tuple(list(o) for o in opt)
+                    for j, i in enumerate(unit_ix):
+                        params[i] = p_u[j]
+                        for o, ou in zip(opt, o_u, strict=True):
+                            o[i] = ou[j]
+                    return (params, opt, [jnp.zeros_like(a) for a in acc], jnp.zeros_like(wave_used))
+
+                params, opt, acc, wave_used = lax.cond(plan["wave_end"][r], update, lambda c: c,
+                                                       (params, opt, acc, wave_used))
+                return params, opt, acc, wave_used, shared_buf, mets
+
+            carry = (params, opt, [jnp.zeros(params[i].shape, jnp.float32) for i in unit_ix],
+                     jnp.zeros(spec.unit_grid, bool), stack_of(pick(params, shared_ix)), metrics0)
+            params, opt, _, _, shared_buf, mets = lax.fori_loop(0, plan["n_rounds"], body, carry)
+            mean = [g * (1.0 / k) for g in pairwise_sum([b[:k] for b in shared_buf])]
+            p_s, o_s = _adamw(pick(params, shared_ix), mean, tuple(pick(o, shared_ix) for o in opt),
+                              [jnp.bool_(True)] * len(shared_ix), lr, optim, pick(decay, shared_ix))
+            new_params, new_opt = list(params), tuple(list(o) for o in opt)
+            for j, i in enumerate(shared_ix):
+                new_params[i] = p_s[j]
+                for o, os_ in zip(new_opt, o_s, strict=True):
+                    o[i] = os_[j]
+        new_state = {"step": state["step"] + 1, "params": jax.tree.unflatten(treedef, new_params),
+                     "opt": {n: jax.tree.unflatten(treedef, o) for n, o in zip(("mu", "nu", "count"), new_opt,
+                                                                              strict=True)}}
+        return new_state, {"loss": mets[0][:k], "grad_norm": mets[1][:k], "lr": lr}
+
+    def step(state, plan, batch):
+        vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
+        fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
+                           in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+        return fn(state, plan, vbatch)
+
+    return step
+
+
+def jit_step(step, mesh, donate: bool = True):
+    """The step jitted with replicated state and plan, the batch split over ``data``."""
+    rep = NamedSharding(mesh, P())
+    batch = NamedSharding(mesh, P("data"))
+    return jax.jit(step, in_shardings=(rep, rep, batch), out_shardings=(rep, rep),
+                   donate_argnums=(0,) if donate else ())
+
+
+# --- the oracle -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_fns(spec: SupernetSpec, optim: OptimConfig, total_steps: int):
+    treedef = jax.tree.structure(spec.abstract_params)
+    decay = jax.tree.leaves(spec.decay)
+    schedule = lr_schedule(optim, total_steps)
+
+    @jax.jit
+    def grad(params, subnet, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: spec.loss(p, batch["inputs"], batch["targets"], subnet))(params)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        norm = global_norm(grads)
+        return loss, norm, clip(grads, norm, optim.clip_norm)
+
+    @jax.jit
+    def update(params, grads, opt, masks, step):
+        leaves = jax.tree.leaves(params)
+        o = tuple(jax.tree.leaves(opt[n]) for n in ("mu", "nu", "count"))
+        new_p, new_o = _adamw(leaves, jax.tree.leaves(grads), o, jax.tree.leaves(masks),
+                              schedule(step), optim, decay)
+        names = ("mu", "nu", "count")
+        return (jax.tree.unflatten(treedef, new_p),
+                {n: jax.tree.unflatten(treedef, x) for n, x in zip(names, new_o, strict=True)})
+
+    return grad, update
+
+
+def reference_step(spec: SupernetSpec, state, subnets, batch, *, semantics: str, optim: OptimConfig,
+                   total_steps: int):
+    """The definition of both semantics as a plain Python loop over the K subnets.
+
+    No sharding, no vmap, no virtual shards: each subnet's gradient is
+    ``jax.grad`` of its mean loss over the whole batch, one subnet at a time.
+    Returns ``(state, metrics)`` like the SPara step.
+    """
+    _check_semantics(semantics)
+    grad, update = _reference_fns(spec, optim, total_steps)
+    subnets = spec.space.validate(subnets)
+    used = spec.units(subnets)
+    params, opt = state["params"], state["opt"]
+    grid = spec.unit_grid
+    k = len(subnets)
+
+    def masks(unit_mask):
+        return jax.tree.map(lambda u: jnp.asarray(unit_mask) if u else jnp.bool_(True), spec.searchable)
+
+    def only(grads, searchable: bool):
+        return jax.tree.map(lambda g, u: g if u == searchable else jnp.zeros_like(g), grads, spec.searchable)
+
+    losses, norms, shared = [], [], []
+    if semantics == "sync":
+        grads = []
+        for s in subnets:
+            loss, norm, g = grad(params, s, batch)
+            losses.append(loss), norms.append(norm), grads.append(g)
+        total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), grads)
+        mean = jax.tree.map(lambda x: x / k, total)
+        params, opt = update(params, mean, opt, masks(used.any(0)), state["step"])
+    else:
+        for i, s in enumerate(subnets):
+            loss, norm, g = grad(params, s, batch)
+            losses.append(loss), norms.append(norm), shared.append(only(g, False))
+            # A full update of the units this subnet used; shared leaves untouched (mask False).
+            unit_masks = jax.tree.map(lambda u, mine=used[i]: jnp.asarray(mine) if u else jnp.bool_(False),
+                                      spec.searchable)
+            params, opt = update(params, only(g, True), opt, unit_masks, state["step"])
+        total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), shared)
+        mean = jax.tree.map(lambda x: x / k, total)
+        shared_masks = jax.tree.map(lambda u: jnp.zeros(grid, bool) if u else jnp.bool_(True),
+                                    spec.searchable)
+        params, opt = update(params, mean, opt, shared_masks, state["step"])
+    new_state = {"step": state["step"] + 1, "params": params, "opt": opt}
+    return new_state, {"loss": jnp.stack(losses), "grad_norm": jnp.stack(norms)}
