@@ -23,6 +23,7 @@ import dacite
 from mindpipe_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipe", "subnet", "expert")
+STAGE_REMAT_POLICIES = ("none", "dots", "full")  # the pipeline runtime's (tickplan.REMAT_POLICIES)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -113,9 +114,13 @@ class ParallelConfig:
     microbatches: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab"] = "1f1b"
     virtual_stages: int = 1
-    # Pipeline memory: "none" keeps each microbatch's forward residuals until its
-    # backward; "full" keeps only the stage input and recomputes the forward.
-    stage_remat: Literal["none", "full"] = "none"
+    # Pipeline memory, one policy for every stage or a list with one per global
+    # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as
+    # `mindpipe plan` prints it): "none" keeps each microbatch's forward residuals
+    # until its backward; "dots" keeps only the projection outputs and recomputes
+    # attention and elementwise work; "full" keeps only the stage input and
+    # recomputes the forward.
+    stage_remat: str | tuple[str, ...] = "none"
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
@@ -133,6 +138,10 @@ class ParallelConfig:
             _check(auto or n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)"
                    + (" or 0 (auto)" if axis == "tensor" else ""))
         _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        policies = (self.stage_remat,) if isinstance(self.stage_remat, str) else self.stage_remat
+        _check(bool(policies) and all(r in STAGE_REMAT_POLICIES for r in policies),
+               f"parallel.stage_remat={self.stage_remat!r} must be one of "
+               f"{', '.join(STAGE_REMAT_POLICIES)} or a list of them, one per global stage")
         _check(self.repartition_after >= 0,
                f"parallel.repartition_after={self.repartition_after} must be >= 0 (0 = never)")
         _check(self.simulate_cpu_devices >= 0,

@@ -1,7 +1,8 @@
 """The reference supernet: the GPT of ``models/gpt.py`` with searchable blocks.
 
 Same embedding, head, layer norms and attention parameters as the dense GPT
-(those classes are reused), and the same pipeline-shaped layout: ``embed``,
+(those classes are reused; the embedding lookup and the loss use one-hot
+products so that the backward has no scatter), and the same pipeline-shaped layout: ``embed``,
 ``blocks`` stacked with ``nnx.vmap`` (leading ``layers`` axis, run by
 ``lax.scan``), ``head``. Each block declares three genes and the model one:
 
@@ -110,6 +111,20 @@ class ElasticAttention(Attention):
         return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(dt)) + self.out_bias[...].astype(dt)
 
 
+class OneHotEmbed(Embed):
+    """The dense GPT's embedding (same parameters), looked up by a one-hot matmul.
+
+    ``jnp.take``'s backward is a scatter-add with repeated token ids, whose
+    summation order is not fixed on GPUs; a one-hot contraction's backward is a
+    matmul. It costs ``vocab × d_model`` multiply-adds per token, as the LM head.
+    """
+
+    def __call__(self, tokens, key=None):
+        hot = jax.nn.one_hot(tokens, self.tokens.shape[0], dtype=self.dtype)
+        h = hot @ self.tokens[...].astype(self.dtype) + self.positions[: tokens.shape[1]].astype(self.dtype)
+        return constrain(h, ("batch", "length", "embed"))
+
+
 class SuperBlock(nnx.Module):
     """Pre-norm block: elastic-head attention, then a choice of FFN; skipped when inactive."""
 
@@ -146,7 +161,8 @@ class SuperGPT(nnx.Module):
         ops = tuple(ops)
         bad = [o for o in ops if o not in ACTIVATIONS]
         if not ops or bad:
-            raise ConfigError(f"supernet ops {list(ops)}: need at least one of {', '.join(ACTIVATIONS)}")
+            raise ConfigError(f"supernet.ops={list(ops)}: {'unknown ' + str(bad) if bad else 'empty'}; "
+                              f"valid: {', '.join(ACTIVATIONS)}")
         ffn_widths = tuple(sorted(set(ffn_widths))) or (cfg.ff_dim,)
         heads = tuple(sorted(set(heads))) or tuple(range(1, cfg.n_heads + 1))
         depths = tuple(sorted(set(depths))) or (cfg.n_layers,)
@@ -162,7 +178,7 @@ class SuperGPT(nnx.Module):
                       Gene(f"heads{layer}", heads)]
             layer_genes.append((f"op{layer}", f"ffn{layer}", f"heads{layer}"))
         self.space = SearchSpace(tuple(genes), depth_gene="depth", layer_genes=tuple(layer_genes))
-        self.embed = Embed(cfg, rngs)
+        self.embed = OneHotEmbed(cfg, rngs)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -224,8 +240,14 @@ class SuperGPT(nnx.Module):
         return self.head(self.run_blocks(self.embed(tokens), subnet))
 
     def loss(self, inputs, targets, subnet):
-        """Mean next-token cross-entropy of the subnet (fp32, nats per token)."""
-        return self.head.loss(self.run_blocks(self.embed(inputs), subnet), targets)
+        """Mean next-token cross-entropy of the subnet (fp32, nats per token).
+
+        The target's log-probability is picked by a one-hot product, not an index
+        (whose backward would be a scatter): the whole backward is scatter-free.
+        """
+        logits = self(inputs, subnet).astype(jnp.float32)
+        hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+        return -jnp.mean(jnp.sum(hot * jax.nn.log_softmax(logits), axis=-1))
 
 
 def _check_range(what: str, values, lo: int, hi: int, limit: str) -> None:

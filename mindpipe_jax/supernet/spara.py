@@ -33,7 +33,10 @@ updated only where a subnet used the unit: an operator no subnet chose keeps
 its weights and moments (no weight decay or momentum drift while unsampled).
 Shared parameters (embedding, attention, norms, head) are updated every step.
 Each subnet's gradient is clipped to ``optim.clip_norm`` on its own (per-subnet
-global norm) before it is combined.
+global norm) before it is combined. Inside the step every gradient is one
+raveled ``float32[P]`` vector (a few large arrays instead of one per leaf: less
+to compile); the optimizer state is kept the same way (``mu``, ``nu``:
+``float32[P]``; ``count``: ``int32[units + 1]``, the last for shared params).
 
 Two semantics
 -------------
@@ -109,10 +112,33 @@ class SupernetSpec:
     searchable: Any  # pure dict of bool: Candidate parameters
     decay: Any  # pure dict of bool: weight decay (matrices only)
     units_batch: Callable  # jitted int32[N, genes] -> bool[N, *unit_grid]
+    unit_of: np.ndarray  # int32[P]: each raveled parameter's unit (raveled grid index), U if shared
+    decay_flat: np.ndarray  # bool[P]
 
     @property
     def space(self):
         return self.module.space
+
+    @property
+    def num_params(self) -> int:
+        return len(self.unit_of)
+
+    @property
+    def num_units(self) -> int:
+        return int(np.prod(self.unit_grid))
+
+    def ravel(self, tree) -> jax.Array:
+        """All parameters (or gradients) as one ``float32[P]`` vector, in tree order."""
+        return jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+
+    def unravel(self, flat):
+        """The inverse of :meth:`ravel`, in the parameters' own dtypes."""
+        leaves, treedef = jax.tree.flatten(self.abstract_params)
+        out, start = [], 0
+        for leaf in leaves:
+            out.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+            start += leaf.size
+        return jax.tree.unflatten(treedef, out)
 
     @property
     def unit_grid(self) -> tuple[int, ...]:
@@ -181,55 +207,61 @@ def supernet_spec(model_or_factory, seed: int = 0):
             raise ConfigError(f"Candidate parameter {jax.tree_util.keystr(path)} has shape {leaf.shape}; "
                               f"its leading axes must be the unit grid {grid}")
     units_batch = jax.jit(jax.vmap(module.units))
-    return SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch), create
+    n_units = int(np.prod(grid))
+    unit_of, decay_flat = [], []
+    for leaf, is_unit, decays in zip(jax.tree.leaves(abstract), marks, jax.tree.leaves(decay), strict=True):
+        per_unit = leaf.size // n_units
+        unit_of.append(np.repeat(np.arange(n_units, dtype=np.int32), per_unit) if is_unit
+                       else np.full(leaf.size, n_units, np.int32))
+        decay_flat.append(np.full(leaf.size, decays, bool))
+    spec = SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch,
+                        np.concatenate(unit_of), np.concatenate(decay_flat))
+    return spec, create
 
 
-# --- lazy AdamW -----------------------------------------------------------------------------------
+# --- lazy AdamW on one flat vector ----------------------------------------------------------------
 
 
 def init_state(spec: SupernetSpec, params) -> dict:
-    """``{"step", "params", "opt": {"mu", "nu", "count"}}``: per-unit counts for Candidate params."""
-    grid = spec.unit_grid
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    count = jax.tree.map(lambda s: jnp.zeros(grid if s else (), jnp.int32), spec.searchable)
-    return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt": {"mu": zeros, "nu": jax.tree.map(jnp.copy, zeros), "count": count}}
+    """``{"step", "params", "opt": {"mu", "nu", "count"}}``.
 
-
-def _expand(mask, ndim: int):
-    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
-
-
-def adamw_leaf(p, g, mu, nu, count, mask, lr, optim: OptimConfig, decay: bool):
-    """One lazy AdamW update of a leaf where ``mask`` (count-shaped) is True; unchanged elsewhere.
-
-    The arithmetic is optax's ``adamw`` (moments, bias correction with the
-    incremented count, ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled decay).
+    ``mu``/``nu`` are ``float32[P]`` over all parameters raveled in tree order;
+    ``count`` is ``int32[U + 1]``: one AdamW step count per unit of the grid
+    (raveled) and, last, the count of the shared parameters.
     """
-    c1 = count + 1
-    mu1 = (1 - optim.b1) * g + optim.b1 * mu
-    nu1 = (1 - optim.b2) * jnp.square(g) + optim.b2 * nu
-    cf = _expand(c1.astype(jnp.float32), p.ndim)
-    mu_hat = mu1 / (1 - optim.b1 ** cf)
-    nu_hat = nu1 / (1 - optim.b2 ** cf)
-    update = mu_hat / (jnp.sqrt(nu_hat) + optim.eps)
-    if decay and optim.weight_decay:
-        update = update + optim.weight_decay * p
-    p1 = (p + (-lr) * update).astype(p.dtype)
-    m = _expand(mask, p.ndim)
-    return (jnp.where(m, p1, p), jnp.where(m, mu1, mu), jnp.where(m, nu1, nu),
-            jnp.where(mask, c1, count))
+    zeros = jnp.zeros((spec.num_params,), jnp.float32)
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt": {"mu": zeros, "nu": jnp.zeros_like(zeros),
+                    "count": jnp.zeros((spec.num_units + 1,), jnp.int32)}}
 
 
-def _adamw(params: list, grads: list, opt: tuple, masks: list, lr, optim, decay: list):
-    mu, nu, count = opt
-    out = [adamw_leaf(*args, lr, optim, d) for *args, d in zip(params, grads, mu, nu, count, masks, decay,
-                                                                strict=True)]
-    return [o[0] for o in out], ([o[1] for o in out], [o[2] for o in out], [o[3] for o in out])
+def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, optim: OptimConfig):
+    """One lazy AdamW update of the flat params ``p`` with gradient ``g``.
+
+    Updates the elements of the units where ``unit_mask`` (``bool[*unit_grid]``)
+    is True, and the shared elements if ``shared``; every other element, its
+    moments and its unit's count stay exactly as they were. The arithmetic is
+    optax's ``adamw`` (moments, bias correction with the incremented count,
+    ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled weight decay on matrices).
+    """
+    sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])
+    unit_of = jnp.asarray(spec.unit_of)
+    count = opt["count"] + sel.astype(jnp.int32)
+    mask = sel[unit_of]
+    cf = count.astype(jnp.float32)
+    bc1, bc2 = (1 - optim.b1 ** cf)[unit_of], (1 - optim.b2 ** cf)[unit_of]
+    mu = (1 - optim.b1) * g + optim.b1 * opt["mu"]
+    nu = (1 - optim.b2) * jnp.square(g) + optim.b2 * opt["nu"]
+    update = (mu / bc1) / (jnp.sqrt(nu / bc2) + optim.eps)
+    if optim.weight_decay:
+        update = update + jnp.where(jnp.asarray(spec.decay_flat), optim.weight_decay * p, 0)
+    new_p = p + (-lr) * update
+    return (jnp.where(mask, new_p, p),
+            {"mu": jnp.where(mask, mu, opt["mu"]), "nu": jnp.where(mask, nu, opt["nu"]), "count": count})
 
 
-def global_norm(grads) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+def global_norm(flat) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(flat)))
 
 
 def clip(grads, norm, max_norm: float):
@@ -370,29 +402,22 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     k, w, v = subnets_per_step, vmap_width, virtual_shards
     r_slots = mesh.shape["subnet"] * w
     schedule = lr_schedule(optim, total_steps)
-    treedef = jax.tree.structure(spec.abstract_params)
-    is_unit = jax.tree.leaves(spec.searchable)
-    decay = jax.tree.leaves(spec.decay)
-    unit_ix = [i for i, u in enumerate(is_unit) if u]
-    shared_ix = [i for i, u in enumerate(is_unit) if not u]
     units_of = jax.vmap(spec.module.units)
+    no_units = jnp.zeros(spec.unit_grid, bool)
 
     def grad_one(params, subnet, shard):
-        def loss(p):
-            return spec.loss(jax.tree.unflatten(treedef, p), shard["inputs"], shard["targets"], subnet)
-        value, grads = jax.value_and_grad(loss)(params)
-        return value, [g.astype(jnp.float32) for g in grads]
+        value, grads = jax.value_and_grad(
+            lambda p: spec.loss(p, shard["inputs"], shard["targets"], subnet))(params)
+        return value, spec.ravel(grads)
 
     def per_device(state, plan, vbatch):
-        params = jax.tree.leaves(state["params"])
-        opt = tuple(jax.tree.leaves(state["opt"][n]) for n in ("mu", "nu", "count"))
         lr = schedule(state["step"])
         group = lax.axis_index("subnet")
         subnets = plan["subnets"]
 
         def round_grads(params, r):
-            """Loss, norm and clipped gradient of every slot of round r: ``[R]``, ``[R]``, ``[R, ...]``."""
-            local = [lax.pcast(p, AXES, to="varying") for p in params]
+            """Loss, norm and clipped flat gradient of every slot of round r: [R], [R], [R, P]."""
+            local = jax.tree.map(lambda p: lax.pcast(p, AXES, to="varying"), params)
             ids = lax.dynamic_slice_in_dim(plan["slot_subnet"][r], group * w, w)
             subs = jnp.take(subnets, ids, axis=0)
             losses, grads = lax.map(
@@ -406,7 +431,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
         def store(buffers, values, slot_ids):
             # Each slot's row goes to its subnet's index (K: padding). Indices are unique
-            # per step, so these are plain writes in a fixed order, never an add.
+            # per step, so these are plain writes, never an add.
             out = []
             for buf, val in zip(buffers, values, strict=True):
                 for i in range(r_slots):
@@ -414,69 +439,46 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 out.append(buf)
             return out
 
-        def stack_of(leaves):
-            return [jnp.zeros((k + 1, *x.shape), jnp.float32) for x in leaves]
-
-        metrics0 = [jnp.zeros((k + 1,), jnp.float32)] * 2
+        p0, opt0 = spec.ravel(state["params"]), state["opt"]
+        bufs0 = [jnp.zeros((k + 1, spec.num_params), jnp.float32), jnp.zeros((k + 1,), jnp.float32),
+                 jnp.zeros((k + 1,), jnp.float32)]  # per-subnet gradients, losses, norms
         if semantics == "sync":
-            def body(r, carry):
-                bufs, mets = carry
-                losses, norms, grads = round_grads(params, r)
-                ids = plan["slot_subnet"][r]
-                return store(bufs, grads, ids), store(mets, [losses, norms], ids)
+            def body(r, bufs):
+                losses, norms, grads = round_grads(state["params"], r)
+                return store(bufs, [grads, losses, norms], plan["slot_subnet"][r])
 
-            bufs, mets = lax.fori_loop(0, plan["n_rounds"], body, (stack_of(params), metrics0))
-            mean = [g * (1.0 / k) for g in pairwise_sum([b[:k] for b in bufs])]
+            bufs = lax.fori_loop(0, plan["n_rounds"], body, bufs0)
+            mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
             used = jnp.any(units_of(subnets[:k]), axis=0)
-            masks = [used if u else jnp.bool_(True) for u in is_unit]
-            new_params, new_opt = _adamw(params, mean, opt, masks, lr, optim, decay)
+            p, opt = adamw(spec, p0, mean, opt0, used, True, lr, optim)
         else:
-            def pick(seq, ix):
-                return [seq[i] for i in ix]
-
             def body(r, carry):
-                params, opt, acc, wave_used, shared_buf, mets = carry
-                losses, norms, grads = round_grads(params, r)
+                p, opt, acc, wave_used, bufs = carry
+                losses, norms, grads = round_grads(spec.unravel(p), r)
                 ids, valid = plan["slot_subnet"][r], plan["slot_valid"][r]
-                # At most one slot of a wave has a nonzero gradient for any unit element:
-                # this sum is exact in any order.
-                acc = [a + jnp.sum(jnp.where(_expand(valid, g.ndim), g, 0), axis=0)
-                       for a, g in zip(acc, pick(grads, unit_ix), strict=True)]
-                used = units_of(jnp.take(subnets, ids, axis=0)) & _expand(valid, 1 + len(spec.unit_grid))
+                # No two subnets of a wave share a unit, so each unit element has at most
+                # one nonzero term here: the sum is exact in any order. (Shared elements of
+                # acc are never applied; they come from the buffer at the end of the step.)
+                acc = acc + jnp.sum(jnp.where(valid[:, None], grads, 0), axis=0)
+                used = units_of(jnp.take(subnets, ids, axis=0)) & valid.reshape((-1,) + (1,) * no_units.ndim)
                 wave_used = wave_used | jnp.any(used, axis=0)
-                shared_buf = store(shared_buf, pick(grads, shared_ix), ids)
-                mets = store(mets, [losses, norms], ids)
+                bufs = store(bufs, [grads, losses, norms], ids)
 
-                def update(c):
-                    params, opt, acc, wave_used = c
-                    p_u, o_u = _adamw(pick(params, unit_ix), acc, tuple(pick(o, unit_ix) for o in opt),
-                                      [wave_used] * len(unit_ix), lr, optim, pick(decay, unit_ix))
-                    params, opt = list(params), tuple(list(o) for o in opt)
-                    for j, i in enumerate(unit_ix):
-                        params[i] = p_u[j]
-                        for o, ou in zip(opt, o_u, strict=True):
-                            o[i] = ou[j]
-                    return (params, opt, [jnp.zeros_like(a) for a in acc], jnp.zeros_like(wave_used))
+                def end_wave(c):
+                    p, opt, acc, wave_used = c
+                    p, opt = adamw(spec, p, acc, opt, wave_used, False, lr, optim)
+                    return p, opt, jnp.zeros_like(acc), jnp.zeros_like(wave_used)
 
-                params, opt, acc, wave_used = lax.cond(plan["wave_end"][r], update, lambda c: c,
-                                                       (params, opt, acc, wave_used))
-                return params, opt, acc, wave_used, shared_buf, mets
+                p, opt, acc, wave_used = lax.cond(plan["wave_end"][r], end_wave, lambda c: c,
+                                                  (p, opt, acc, wave_used))
+                return p, opt, acc, wave_used, bufs
 
-            carry = (params, opt, [jnp.zeros(params[i].shape, jnp.float32) for i in unit_ix],
-                     jnp.zeros(spec.unit_grid, bool), stack_of(pick(params, shared_ix)), metrics0)
-            params, opt, _, _, shared_buf, mets = lax.fori_loop(0, plan["n_rounds"], body, carry)
-            mean = [g * (1.0 / k) for g in pairwise_sum([b[:k] for b in shared_buf])]
-            p_s, o_s = _adamw(pick(params, shared_ix), mean, tuple(pick(o, shared_ix) for o in opt),
-                              [jnp.bool_(True)] * len(shared_ix), lr, optim, pick(decay, shared_ix))
-            new_params, new_opt = list(params), tuple(list(o) for o in opt)
-            for j, i in enumerate(shared_ix):
-                new_params[i] = p_s[j]
-                for o, os_ in zip(new_opt, o_s, strict=True):
-                    o[i] = os_[j]
-        new_state = {"step": state["step"] + 1, "params": jax.tree.unflatten(treedef, new_params),
-                     "opt": {n: jax.tree.unflatten(treedef, o) for n, o in zip(("mu", "nu", "count"), new_opt,
-                                                                              strict=True)}}
-        return new_state, {"loss": mets[0][:k], "grad_norm": mets[1][:k], "lr": lr}
+            carry = (p0, opt0, jnp.zeros_like(p0), no_units, bufs0)
+            p, opt, _, _, bufs = lax.fori_loop(0, plan["n_rounds"], body, carry)
+            mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)  # only its shared elements are applied
+            p, opt = adamw(spec, p, mean, opt, no_units, True, lr, optim)
+        new_state = {"step": state["step"] + 1, "params": spec.unravel(p), "opt": opt}
+        return new_state, {"loss": bufs[1][:k], "grad_norm": bufs[2][:k], "lr": lr}
 
     def step(state, plan, batch):
         vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
@@ -500,27 +502,20 @@ def jit_step(step, mesh, donate: bool = True):
 
 @functools.lru_cache(maxsize=8)
 def _reference_fns(spec: SupernetSpec, optim: OptimConfig, total_steps: int):
-    treedef = jax.tree.structure(spec.abstract_params)
-    decay = jax.tree.leaves(spec.decay)
     schedule = lr_schedule(optim, total_steps)
 
     @jax.jit
     def grad(params, subnet, batch):
         loss, grads = jax.value_and_grad(
             lambda p: spec.loss(p, batch["inputs"], batch["targets"], subnet))(params)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        norm = global_norm(grads)
-        return loss, norm, clip(grads, norm, optim.clip_norm)
+        flat = spec.ravel(grads)
+        norm = global_norm(flat)
+        return loss, norm, clip(flat, norm, optim.clip_norm)
 
-    @jax.jit
-    def update(params, grads, opt, masks, step):
-        leaves = jax.tree.leaves(params)
-        o = tuple(jax.tree.leaves(opt[n]) for n in ("mu", "nu", "count"))
-        new_p, new_o = _adamw(leaves, jax.tree.leaves(grads), o, jax.tree.leaves(masks),
-                              schedule(step), optim, decay)
-        names = ("mu", "nu", "count")
-        return (jax.tree.unflatten(treedef, new_p),
-                {n: jax.tree.unflatten(treedef, x) for n, x in zip(names, new_o, strict=True)})
+    @functools.partial(jax.jit, static_argnums=4)
+    def update(params, grads, opt, unit_mask, shared, step):
+        p, opt = adamw(spec, spec.ravel(params), grads, opt, unit_mask, shared, schedule(step), optim)
+        return spec.unravel(p), opt
 
     return grad, update
 
@@ -529,45 +524,26 @@ def reference_step(spec: SupernetSpec, state, subnets, batch, *, semantics: str,
                    total_steps: int):
     """The definition of both semantics as a plain Python loop over the K subnets.
 
-    No sharding, no vmap, no virtual shards: each subnet's gradient is
-    ``jax.grad`` of its mean loss over the whole batch, one subnet at a time.
+    No mesh, no vmap, no virtual shards: each subnet's gradient is ``jax.grad``
+    of its mean loss over the whole batch, one subnet at a time, in order.
     Returns ``(state, metrics)`` like the SPara step.
     """
     _check_semantics(semantics)
     grad, update = _reference_fns(spec, optim, total_steps)
     subnets = spec.space.validate(subnets)
     used = spec.units(subnets)
-    params, opt = state["params"], state["opt"]
-    grid = spec.unit_grid
-    k = len(subnets)
-
-    def masks(unit_mask):
-        return jax.tree.map(lambda u: jnp.asarray(unit_mask) if u else jnp.bool_(True), spec.searchable)
-
-    def only(grads, searchable: bool):
-        return jax.tree.map(lambda g, u: g if u == searchable else jnp.zeros_like(g), grads, spec.searchable)
-
-    losses, norms, shared = [], [], []
-    if semantics == "sync":
-        grads = []
-        for s in subnets:
-            loss, norm, g = grad(params, s, batch)
-            losses.append(loss), norms.append(norm), grads.append(g)
-        total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), grads)
-        mean = jax.tree.map(lambda x: x / k, total)
-        params, opt = update(params, mean, opt, masks(used.any(0)), state["step"])
-    else:
-        for i, s in enumerate(subnets):
-            loss, norm, g = grad(params, s, batch)
-            losses.append(loss), norms.append(norm), shared.append(only(g, False))
-            # A full update of the units this subnet used; shared leaves untouched (mask False).
-            unit_masks = jax.tree.map(lambda u, mine=used[i]: jnp.asarray(mine) if u else jnp.bool_(False),
-                                      spec.searchable)
-            params, opt = update(params, only(g, True), opt, unit_masks, state["step"])
-        total = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), shared)
-        mean = jax.tree.map(lambda x: x / k, total)
-        shared_masks = jax.tree.map(lambda u: jnp.zeros(grid, bool) if u else jnp.bool_(True),
-                                    spec.searchable)
-        params, opt = update(params, mean, opt, shared_masks, state["step"])
-    new_state = {"step": state["step"] + 1, "params": params, "opt": opt}
-    return new_state, {"loss": jnp.stack(losses), "grad_norm": jnp.stack(norms)}
+    params, opt, step = state["params"], state["opt"], state["step"]
+    none = np.zeros(spec.unit_grid, bool)
+    losses, norms, grads = [], [], []
+    for i, subnet in enumerate(subnets):
+        loss, norm, g = grad(params, subnet, batch)
+        losses.append(loss), norms.append(norm), grads.append(g)
+        if semantics == "causal":  # a full step of its own on the units it used
+            params, opt = update(params, g, opt, used[i], False, step)
+    mean = functools.reduce(jnp.add, grads) / len(grads)
+    if semantics == "sync":  # one step on the mean: the units anyone used, and the shared params
+        params, opt = update(params, mean, opt, used.any(0), True, step)
+    else:  # the shared params: one step on the mean of the K subnets' gradients
+        params, opt = update(params, mean, opt, none, True, step)
+    return ({"step": step + 1, "params": params, "opt": opt},
+            {"loss": jnp.stack(losses), "grad_norm": jnp.stack(norms)})
