@@ -3,7 +3,14 @@
 Each checkpoint step holds three items: ``state`` (params, optimizer state, step,
 RNG; sharded arrays), ``data`` (the loader's iterator state) and ``meta`` (the
 config, the model's parameter fingerprint, the count of skipped non-finite
-steps). Saving is asynchronous and keeps the last N.
+steps, a checksum of every state array). Saving is asynchronous and keeps the
+last N.
+
+Orbax notices a truncated or missing array file but not changed bytes inside
+one (those restore silently as other numbers), hence the checksums: the sum of
+each array's bits as uint32, wrapping. Integer addition is exact, so the sum is
+the same whatever the mesh the state is saved from or restored onto; one
+changed bit changes it.
 
 A step counts only once orbax has committed it: orbax writes a step under a
 temporary name, puts ``commit_success.txt`` in it as its last act and then
@@ -21,6 +28,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError
@@ -28,7 +38,23 @@ from mindpipe_jax.errors import ConfigError
 # orbax's commit marker (orbax.checkpoint._src.path.atomicity_types.COMMIT_SUCCESS_FILE).
 COMMIT_MARKER = "commit_success.txt"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_ITEMS = ("state", "data", "meta")
+
+# Orbax's default "replica-parallel" save splits every replicated shard among its
+# replicas, each writing a slice; slicing compiles one small program per array,
+# which made the first save of a small model cost seconds of compilation. Only
+# arrays whose slices are at least this large are split (where parallel writes
+# pay); smaller ones are written whole by one replica. The bytes on disk are the
+# same format either way. (No array-metadata store: it only records typed PRNG
+# keys, and the state keeps its key as raw uint32 data.)
+_MIN_SLICE_BYTES = 4 << 20
+_STATE_HANDLERS = ocp.type_handlers.create_type_handler_registry(
+    (jax.Array, ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=True, min_slice_bytes_for_replica_parallel=_MIN_SLICE_BYTES)),
+    (np.ndarray, ocp.type_handlers.NumpyHandler()),
+    (np.number, ocp.type_handlers.ScalarHandler()),
+    (int, ocp.type_handlers.ScalarHandler()),
+    (float, ocp.type_handlers.ScalarHandler()),
+)
 
 
 class Checkpointer:
@@ -39,7 +65,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory,
-            item_names=_ITEMS,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_STATE_HANDLERS),
+                           "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                 cleanup_tmp_directories=True),
@@ -51,7 +78,8 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+        meta = {**meta, "checksums": state_checksums(state)}
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         return self._manager.save(step, args=args, force=force)
@@ -78,6 +106,40 @@ def restore(directory: str | Path, step: int, abstract_state):
         args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                 data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["data"], restored["meta"]
+
+
+def _bits_sum(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned)
+    if x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(bits, jnp.uint32)  # [..., 2] halves
+    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_checksums = jax.jit(lambda tree: jax.tree.map(_bits_sum, tree))
+
+
+def state_checksums(state) -> dict[str, int]:
+    """``{path: uint32 sum of the array's bits}`` for every leaf of ``state``."""
+    sums = _checksums(state)
+    flat = jax.tree_util.tree_flatten_with_path(sums)[0]
+    local = [x.addressable_data(0) if not x.is_fully_addressable else x for _, x in flat]
+    return {jax.tree_util.keystr(path): int(v) for (path, _), v in zip(flat, jax.device_get(local),
+                                                                         strict=True)}
+
+
+def verify_checksums(state, meta: dict) -> str | None:
+    """The first leaf whose bits differ from the checksum saved in ``meta``, or None."""
+    saved = meta.get("checksums")
+    if not saved:
+        return None  # written before checksums existed
+    for path, value in state_checksums(state).items():
+        if saved.get(path) != value:
+            return path
+    return None
 
 
 def committed_steps(directory: str | Path) -> list[int]:
@@ -130,7 +192,8 @@ def read_meta(directory: str | Path) -> tuple[int, dict] | None:
         meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory / str(step) / "meta")
     except Exception as err:  # corrupt or foreign files: a user-facing problem
         raise ConfigError(f"checkpoint {str(directory / str(step))!r} is unreadable "
-                          f"({type(err).__name__}); choose another train.out_dir") from None
+                          f"({type(err).__name__}); delete that step directory to resume from an "
+                          f"earlier checkpoint, or choose another train.out_dir") from None
     if not isinstance(meta, dict):
         raise ConfigError(f"checkpoint {str(directory / str(step))!r} has no mindpipe metadata; "
                           f"choose another train.out_dir")

@@ -51,6 +51,7 @@ from mindpipe_jax.train.checkpoint import (
     read_meta,
     remove_incomplete,
     restore,
+    verify_checksums,
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.state import (
@@ -186,14 +187,18 @@ def _prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | 
 
 def _restore(ckpt_dir: Path, step: int, abstract_state):
     """Restore a committed step, reading only; a damaged one is a user-facing error."""
+    where = str(ckpt_dir / str(step))
+    advice = "delete that step directory to resume from an earlier checkpoint, or choose a new train.out_dir"
     try:
-        return restore(ckpt_dir, step, abstract_state)
-    except Exception as err:  # truncated or corrupted array files, missing items
-        detail = (str(err).strip().splitlines() or [""])[0][:160]
-        raise ConfigError(
-            f"checkpoint {str(ckpt_dir / str(step))!r} could not be restored ({type(err).__name__}: "
-            f"{detail}); it is damaged: delete that step directory to resume from an earlier "
-            f"checkpoint, or choose a new train.out_dir") from None
+        state, data_state, meta = restore(ckpt_dir, step, abstract_state)
+    except Exception as err:  # truncated or missing array files, garbled metadata
+        detail = (str(err).strip().splitlines() or [""])[0].split(" See full")[0][:160]
+        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: "
+                          f"{detail}); it is damaged: {advice}") from None
+    if (leaf := verify_checksums(state, meta)) is not None:
+        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
+                          f"match the checksum saved with them; {advice}")
+    return state, data_state, meta
 
 
 def train(model=None, data=None, config: Config | None = None, *overrides: str) -> TrainResult:

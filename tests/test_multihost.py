@@ -1,0 +1,214 @@
+"""Multi-host: ``mindpipe train`` as two processes on 127.0.0.1, one 8-device cluster.
+
+Each child simulates 4 CPU devices and learns the coordinator, its rank and the
+process count the way a launcher tells it: ``MINDPIPE_*`` variables, SLURM's
+variables, or ``distributed.*`` overrides on the command line. The cluster's
+final checkpoint is restored here (8 simulated devices, the same mesh) and
+compared with the same config trained in this single process:
+
+* data=4 x tensor=2, preempted (SIGTERM to process 1 only: JAX's preemption
+  service makes both stop after the same step), then resumed: equal to the
+  uninterrupted single-process run within float32 rounding of the all-reduce;
+* a 2-stage 1F1B pipeline across the processes (stage 0 on process 0's
+  devices, stage 1 on process 1's), the same comparison;
+* deterministic mode on data=8: bitwise equal.
+
+Only process 0 writes logs and metrics; orbax writes the checkpoint from both.
+A peer that never starts, or dies mid-run, ends the other process with an
+error naming the problem within the configured timeout; every wait here is
+bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from cli_procs import Train, cli_env
+
+import mindpipe_jax as mp
+from mindpipe_jax.train.checkpoint import committed_steps, restore
+from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
+
+STEPS = 8
+MH = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+      "data.source=synthetic", "data.synthetic_tokens=65536", "train.global_batch=16",
+      f"train.steps={STEPS}", "train.log_every=1", "train.checkpoint_every=4", "train.eval_every=0",
+      "train.progress=false", "train.tensorboard=false", "optim.warmup_steps=2"]
+DATA_TENSOR = ["parallel.data=4", "parallel.tensor=2"]
+PIPELINE = ["parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2",
+            "parallel.schedule=1f1b"]
+DETERMINISTIC = ["parallel.data=8", "parallel.tensor=1", "train.deterministic=true", "train.steps=3"]
+CHILD = ["parallel.simulate_cpu_devices=4"]
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], how: str, *, cache: Path, cwd: Path, timeout_s: int = 60,
+            port: int | None = None) -> list[Train]:
+    """Processes 0 and 1 of a 2-process run, told the coordinator as ``how`` says."""
+    port = port or _free_port()
+    procs = []
+    for pid in (0, 1):
+        extra_args, env = [], {}
+        if how == "env":
+            env = {"MINDPIPE_COORDINATOR": f"127.0.0.1:{port}", "MINDPIPE_NUM_PROCESSES": "2",
+                   "MINDPIPE_PROCESS_ID": str(pid)}
+        elif how == "slurm":
+            env = {"SLURM_NTASKS": "2", "SLURM_PROCID": str(pid), "SLURM_STEP_NODELIST": "127.0.0.1",
+                   "MINDPIPE_COORDINATOR_PORT": str(port)}
+        else:
+            extra_args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                          f"distributed.process_id={pid}"]
+        procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args],
+                           env=cli_env(cache, **env), cwd=cwd))
+    return procs
+
+
+def _finish(procs: list[Train], timeout: float = TIMEOUT_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outputs = [p.output for p in procs]
+    assert codes == [0, 0], f"exit codes {codes}\n--- process 0:\n{outputs[0][-3000:]}\n" \
+                            f"--- process 1:\n{outputs[1][-3000:]}"
+    return outputs
+
+
+def _state(result_or_dir, overrides: list[str]):
+    """Host copy of a final train state: from a TrainResult, or restored from a run's checkpoint."""
+    if isinstance(result_or_dir, Path):
+        cfg = mp.Config().replace(*MH, *overrides)
+        mesh = mp.make_mesh(cfg.parallel)
+        spec, _ = model_spec(lambda rngs: mp.GPT(cfg.model, rngs=rngs), mesh, cfg.train.seed)
+        tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
+        step = committed_steps(result_or_dir / "checkpoints")[-1]
+        assert step == cfg.train.steps
+        state = restore(result_or_dir / "checkpoints", step, abstract_train_state(spec, tx, mesh))[0]
+        return jax.device_get(state)
+    return jax.device_get(result_or_dir.state)
+
+
+def _single_process(tmp_path: Path, overrides: list[str]):
+    return mp.train(None, None, mp.Config(), *MH, *overrides, "parallel.simulate_cpu_devices=0",
+                    f"train.out_dir={tmp_path / 'single'}")
+
+
+def _compare(single, cluster, *, bitwise: bool) -> None:
+    flat_a = jax.tree_util.tree_flatten_with_path(single["params"])[0]
+    flat_b = jax.tree_util.tree_flatten_with_path(cluster["params"])[0]
+    assert len(flat_a) == len(flat_b) > 10
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if bitwise:
+            assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: max |diff| {np.abs(x - y).max()}"
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _check_one_writer(outputs: list[str], out_dir: Path) -> None:
+    first, second = outputs
+    assert "mesh {'pipe'" in first and "8 devices" in first
+    # Process 1 prints nothing of its own (the runtime's connection lines aside).
+    assert not [ln for ln in second.splitlines() if ln.startswith(("step ", "mesh ", "done:", "stopped"))]
+    steps = [json.loads(ln)["step"] for ln in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS  # one writer: each step once
+    assert (out_dir / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache_multihost")
+
+
+@pytest.mark.slow
+def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cache):
+    out = tmp_path / "cluster"
+    args = [*MH, *DATA_TENSOR, f"train.out_dir={out}"]
+    first, second = _launch(args, "env", cache=cache, cwd=tmp_path)
+    first.wait_for_step(2, TIMEOUT_S)
+    second.signal(signal.SIGTERM)  # a preemption notice to one process only
+    outputs = _finish([first, second])
+    stops = [ln for ln in outputs[0].splitlines() if ln.startswith("stopped by SIGTERM after step ")]
+    assert len(stops) == 1, outputs[0][-3000:]
+    stopped = int(stops[0].split("after step ")[1].split()[0])
+    assert 2 <= stopped < STEPS and committed_steps(out / "checkpoints")[-1] == stopped
+
+    outputs = _finish(_launch([*args, "--resume"], "env", cache=cache, cwd=tmp_path))
+    assert f"resuming at step {stopped}" in outputs[0]
+    _check_one_writer(outputs, out)
+    single = _single_process(tmp_path, DATA_TENSOR)
+    _compare(_state(single, DATA_TENSOR), _state(out, DATA_TENSOR), bitwise=False)
+
+
+@pytest.mark.slow
+def test_pipeline_across_two_processes_with_slurm_variables(tmp_path, cache):
+    out = tmp_path / "cluster"
+    outputs = _finish(_launch([*MH, *PIPELINE, f"train.out_dir={out}"], "slurm", cache=cache, cwd=tmp_path))
+    assert "'pipe': 2" in outputs[0]
+    _check_one_writer(outputs, out)
+    single = _single_process(tmp_path, PIPELINE)
+    _compare(_state(single, PIPELINE), _state(out, PIPELINE), bitwise=False)
+
+
+@pytest.mark.slow
+def test_deterministic_mode_is_bitwise_across_processes(tmp_path, cache):
+    out = tmp_path / "cluster"
+    _finish(_launch([*MH, *DETERMINISTIC, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path))
+    single = _single_process(tmp_path, DETERMINISTIC)
+    _compare(_state(single, DETERMINISTIC), _state(out, DETERMINISTIC), bitwise=True)
+
+
+def test_a_peer_that_never_starts_is_a_clear_error_within_the_timeout(tmp_path, cache):
+    # Each process alone, on its own port: process 0 waits for a peer that never
+    # comes; process 1 finds no coordinator.
+    alone = [
+        Train([*MH, *CHILD, f"train.out_dir={tmp_path / f'out{pid}'}", "distributed.timeout_s=5",
+               f"distributed.coordinator=127.0.0.1:{_free_port()}", "distributed.num_processes=2",
+               f"distributed.process_id={pid}"], env=cli_env(cache), cwd=tmp_path)
+        for pid in (0, 1)]
+    t0 = time.monotonic()
+    codes = [p.wait(90) for p in alone]
+    assert codes == [4, 4], [p.output for p in alone]
+    assert time.monotonic() - t0 < 60
+    for pid, proc in enumerate(alone):
+        lines = proc.output.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.output, proc.output
+        assert lines[0].startswith("mindpipe: error: distributed start-up failed: ")
+        assert "distributed.timeout_s=5 s" in lines[0]
+        assert ("not all 2 processes joined" if pid == 0 else "process 1 of 2 could not join") in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_peer_dying_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_path, cache):
+    # The config of the first test (its compiled programs are in the cache).
+    first, second = _launch([*MH, *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"],
+                            "env", cache=cache, cwd=tmp_path, timeout_s=15)
+    try:
+        first.wait_for_step(1, TIMEOUT_S)
+        second.kill()
+        t0 = time.monotonic()
+        code = first.wait(120)
+    finally:
+        first.kill()
+        second.kill()
+    assert code != 0 and time.monotonic() - t0 < 100, first.output[-3000:]
+    # Either our line (a collective failed) or JAX's (the heartbeat stopped): both say a peer died.
+    assert ("lost contact with another process" in first.output
+            or "another task died" in first.output), first.output[-3000:]
+    assert first.last_step < STEPS
