@@ -50,6 +50,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"
+    # Tensor-parallel overlap (parallel/overlap.py): with parallel.tensor > 1 the
+    # attention and MLP projections become collective matmuls, their all-gather /
+    # reduce-scatter split into ppermute steps that can run under partial matmuls
+    # (seq_len must divide by tensor). False = XLA's blocking all-reduces.
+    collective_matmul: bool = False
 
     def __post_init__(self):
         _positive("model", vocab_size=self.vocab_size, seq_len=self.seq_len,

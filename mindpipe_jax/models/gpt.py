@@ -9,6 +9,12 @@ tensor parallelism needs no model code.
 Dropout draws from an explicit key passed to the call (``dropout_key``) rather
 than from stateful ``Rngs``: the train step stays a pure function of
 (state, batch, step) and a resumed run draws the same masks.
+
+``model.collective_matmul`` (with a ``tensor`` mesh axis > 1) runs each block
+sequence-parallel inside: the block takes and returns the same replicated
+hidden states, but in between its rows are split over ``tensor`` and its four
+projections are collective matmuls (``parallel/overlap.py`` says why). Same
+weights, same logical names, same result up to summation order.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import optax
 from flax import nnx
 
 from mindpipe_jax.config import ModelConfig
+from mindpipe_jax.parallel import overlap
 from mindpipe_jax.parallel.rules import constrain
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -86,6 +93,22 @@ class Attention(nnx.Module):
         y = constrain(y, ("batch", "length", "heads", "kv"))
         return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(dt)) + self.out_bias[...].astype(dt)
 
+    def overlapped(self, xs):
+        """The same attention on rows split over ``tensor``, returning rows split over
+        ``tensor``: qkv is an all-gather matmul, the output projection a matmul
+        reduce-scatter (column- and row-parallel, as the rules split the weights)."""
+        dt = self.dtype
+        qkv = overlap.all_gather_matmul("btd,dcnh->btcnh", xs, self.qkv[...].astype(dt),
+                                        ("embed", None, "heads", "kv"),
+                                        ("batch", "length", None, "heads", "kv"))
+        qkv = qkv + self.qkv_bias[...].astype(dt)
+        q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "kv")) for i in range(3))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = constrain(y, ("batch", "length", "heads", "kv"))
+        out = overlap.matmul_reduce_scatter("btnh,nhd->btd", y, self.out[...].astype(dt),
+                                            ("batch", "length", "heads", "kv"), ("heads", "kv", "embed"))
+        return out + self.out_bias[...].astype(dt)
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -103,6 +126,17 @@ class MLP(nnx.Module):
         h = constrain(h, ("batch", "length", "mlp"))
         return h @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
 
+    def overlapped(self, xs):
+        """The same MLP on rows split over ``tensor`` (see ``Attention.overlapped``)."""
+        dt = self.dtype
+        h = overlap.all_gather_matmul("btd,df->btf", xs, self.w_in[...].astype(dt),
+                                      ("embed", "mlp"), ("batch", "length", "mlp"))
+        h = jax.nn.gelu(h + self.b_in[...].astype(dt))
+        h = constrain(h, ("batch", "length", "mlp"))
+        out = overlap.matmul_reduce_scatter("btf,fd->btd", h, self.w_out[...].astype(dt),
+                                            ("batch", "length", "mlp"), ("mlp", "embed"))
+        return out + self.b_out[...].astype(dt)
+
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
@@ -114,13 +148,31 @@ class Block(nnx.Module):
         self.ln2 = LayerNorm(cfg.d_model, pd)
         self.mlp = MLP(cfg, rngs)
         self.dropout = cfg.dropout
+        self.collective_matmul = cfg.collective_matmul
 
     def __call__(self, x, key=None):
+        if self.collective_matmul and overlap.tensor_size() > 1:
+            overlap.refuse_in_pipeline()
+            return self._overlapped(x, key)
         k1, k2 = jax.random.split(key) if key is not None else (None, None)
         x = x + _dropout(self.attn(self.ln1(x)), self.dropout, k1)
         x = constrain(x, ("batch", "length", "embed"))
         x = x + _dropout(self.mlp(self.ln2(x)), self.dropout, k2)
         return constrain(x, ("batch", "length", "embed"))
+
+    def _overlapped(self, x, key):
+        """The block with its rows split over ``tensor`` between the projections.
+
+        Layer norms, residual adds and dropout act on this device's rows only; the
+        one transfer not hidden behind a matmul is ``gather_rows`` at the end (in
+        the backward, its transpose at the start). Dropout masks are drawn for the
+        whole array, so they are the same as with the option off.
+        """
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        xs = overlap.scatter_rows(x)  # a local slice: x is replicated over tensor
+        xs = xs + _dropout(self.attn.overlapped(self.ln1(xs)), self.dropout, k1)
+        xs = xs + _dropout(self.mlp.overlapped(self.ln2(xs)), self.dropout, k2)
+        return constrain(overlap.gather_rows(xs), ("batch", "length", "embed"))
 
 
 class Embed(nnx.Module):
