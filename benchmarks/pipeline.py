@@ -7,8 +7,11 @@ GPT with 4·k layers, d_model 128, seq 64, microbatch 8 rows, m = 4p = 16):
   m + p - 1 iterations + ``ppermute``, differentiated by ``jax.value_and_grad``;
   remat saves only each iteration's input, MaxText's default), and
 * the vPipe runtime (``runtime.pipeline_grads``) with the schedules gpipe, 1f1b,
-  interleaved (v = 2) and zb-h1 in residual mode (``remat=False``), and 1f1b with
-  stage remat (``remat=True``).
+  interleaved (v = 2) and zb-h1 keeping residuals (remat "none" on every stage),
+  1f1b with remat "dots" and "full" on every stage, and
+* the vPipe plan: the partitioner (``partition.partition``) given measured layer
+  costs and GPipe-autodiff+remat's compiled temp memory as its budget picks the
+  layers and a remat policy per stage; the runtime executes exactly that plan.
 
 Columns:
 
@@ -26,12 +29,14 @@ Columns:
              single-layer / embed / head functions, embed and head included.
              What a branch computes (read from ``runtime.py``): a forward on the
              last global stage is empty (its forward runs inside its backward,
-             which is forward + head + backward); in residual mode every backward
-             branch (BW, and ZB's B and W alike) calls ``ResidualStore.backward``,
-             which forms both the weight and the input gradient (one of them is then
-             unused; the DCE probe printed below says what XLA can drop); in remat
-             mode every backward branch recomputes its chunk's forward first; the
-             first stage's backward re-runs the embedding lookup and its vjp.
+             which is forward + head + backward); every backward branch (BW, and
+             ZB's B and W alike) forms both the weight and the input gradient (one
+             of them is then unused; the DCE probe printed below says what XLA can
+             drop); a "none" backward is the plain vjp from stored residuals, every
+             other backward differentiates the "dots"-checkpointed layers (the
+             ``bw_dots`` probe: it re-runs attention and elementwise work), and a
+             "full" backward re-runs its chunk's forward first; the first stage's
+             backward re-runs the embedding lookup and its vjp.
              GPipe-autodiff computes every stage every iteration, forward and
              backward, plus one more forward per iteration with remat.
 ``step ms``  median wall time of the timed calls after a warm-up call: up to ``--calls``
@@ -40,8 +45,10 @@ Columns:
              times favour schedules that skip bubbles, and are not a cluster claim.
 
 Table 2: simulated utilization (``simulate.predict_utilization``) of a GPT-class
-model (32 layers of the same block) at p = 8, m = 32 for every schedule, async
-(MPMD-like) and lockstep (our tick-synchronous SPMD runtime), from per-layer F, B,
+model (32 layers of the same block) at p = 8, m = 32 for every schedule, in the
+simulator's three modes: async (an MPMD executor), lockstep (a global barrier per
+tick) and neighbour (the SPMD runtime as it executes: per-device clocks, each tick's
+two ring ppermutes wait only for the ring neighbours), from per-layer F, B,
 W, BW times and embed/head times measured on this machine (jit +
 ``block_until_ready``, median of repeats; B = backward of ``jax.vjp`` w.r.t. the
 input only, W = w.r.t. the parameters only, BW = w.r.t. both; backward-only: the
@@ -79,6 +86,7 @@ from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
 from mindpipe_jax.parallel.pipeline import Kind, get_schedule  # noqa: E402
 from mindpipe_jax.parallel.pipeline.contract import stage_fns  # noqa: E402
 from mindpipe_jax.parallel.pipeline.gpipe_autodiff import gpipe_autodiff_grads  # noqa: E402
+from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition  # noqa: E402
 from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads  # noqa: E402
 from mindpipe_jax.parallel.pipeline.simulate import LayerCost, predict_utilization  # noqa: E402
 
@@ -136,6 +144,10 @@ def piece_probes(fns, params, tokens, targets):
     return {
         "f": (layer, (layer_p, h)),
         "bw": _backward_only(layer, (layer_p, h), dy),
+        # remat "dots" (and every recomputing backward in the runtime): the backward
+        # of the checkpointed layer re-runs what the policy did not keep.
+        "bw_dots": _backward_only(jax.checkpoint(
+            layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable), (layer_p, h), dy),
         "b": _backward_only(lambda x: layer(layer_p, x), (h,), dy),
         "w": _backward_only(lambda lp: layer(lp, h), (layer_p,), dy),
         # DCE probes: the fused vjp (as ResidualStore.backward forms it) with one output used.
@@ -154,9 +166,13 @@ def piece_probes(fns, params, tokens, targets):
 
 
 # --------------------------------------------------------------- work model
-def task_work(kind: Kind, pos: str, remat: bool, layers: int, c: dict) -> float:
-    """What one runtime branch computes for one (microbatch, chunk of ``layers`` layers)."""
-    fwd, bwd = layers * c["f"], layers * c["bw"]
+def task_work(kind: Kind, pos: str, policy: str, layers: int, c: dict) -> float:
+    """What one runtime branch computes for one (microbatch, chunk of ``layers`` layers)
+    under the stage's remat ``policy`` (read from ``runtime.py``)."""
+    fwd = layers * c["f"]
+    # A backward from "none" residuals is the plain vjp; every other backward
+    # differentiates the "dots"-checkpointed layers and re-runs what they drop.
+    bwd = layers * (c["bw"] if policy == "none" else c["bw_dots"])
     if kind is Kind.F:
         if pos == "last":
             return 0.0  # folded into the last stage's backward
@@ -164,15 +180,14 @@ def task_work(kind: Kind, pos: str, remat: bool, layers: int, c: dict) -> float:
     # BW, B and W alike: the full vjp (both gradients) of the chunk.
     if pos == "last":
         return fwd + c["H"] + c["Hb"] + bwd  # forward + head + backward, in every backward kind
-    work = bwd + (fwd if remat else 0.0)
+    work = bwd + (fwd if policy == "full" else 0.0)
     if pos == "first":
         work += c["E"] + c["Eb"]  # embedding re-run and its vjp
     return work
 
 
-def runtime_work(schedule, remat: bool, num_layers: int, c: dict) -> float:
+def runtime_work(schedule, policies, counts, c: dict) -> float:
     G = schedule.num_global_stages
-    layers = num_layers // G
     total = 0.0
     for row in schedule.table:
         for s, task in enumerate(row):
@@ -180,7 +195,7 @@ def runtime_work(schedule, remat: bool, num_layers: int, c: dict) -> float:
                 continue
             g = schedule.global_stage(s, task.chunk)
             pos = "first" if g == 0 else ("last" if g == G - 1 else "mid")
-            total += task_work(task.kind, pos, remat, layers, c)
+            total += task_work(task.kind, pos, policies[g], counts[g], c)
     return total
 
 
@@ -194,6 +209,14 @@ def autodiff_work(p: int, m: int, remat: bool, num_layers: int, c: dict) -> floa
 
 def useful_work(m: int, num_layers: int, c: dict) -> float:
     return m * (c["E"] + c["Eb"] + num_layers * (c["f"] + c["bw"]) + c["H"] + c["Hb"])
+
+
+def vpipe_plan(cfg, budget_bytes):
+    """The partitioner's plan for this model: measured layer costs, 1F1B, every remat
+    policy allowed, GPipe-autodiff+remat's compiled temp memory as the budget."""
+    profile = measure_layer_costs(cfg, microbatch=ROWS, dots=True)
+    return partition(profile, p=P, m=M, schedule="1f1b", memory_budget_bytes=float(budget_bytes),
+                     remat_options=("none", "dots", "full"), param_copies=1.0)
 
 
 # ------------------------------------------------------------------- table 1
@@ -211,37 +234,55 @@ def table1(args, out):
     probes = {k: (_compile(fn, *a), a)
               for k, (fn, a) in piece_probes(fns, params, inputs[0], targets[0]).items()}
     flops = {k: float(c.cost_analysis()["flops"]) for k, (c, _) in probes.items()}
-    units = {k: 0.0 for k in flops} | {"f": 1.0, "bw": 2.0}
+    units = {k: 0.0 for k in flops} | {"f": 1.0, "bw": 2.0, "bw_dots": 2.0}
     useful = {"units": useful_work(M, layers, units), "flops": useful_work(M, layers, flops)}
 
-    rows = [("GPipe-autodiff", "-", False, None), ("GPipe-autodiff", "-", True, None)]
+    rows = [("GPipe-autodiff", "-", "no", None), ("GPipe-autodiff", "-", "yes", None)]
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        rows.append(("vPipe runtime", f"{name}" + (f" v={v}" if v > 1 else ""), False, (name, v)))
+        rows.append(("vPipe runtime", f"{name}" + (f" v={v}" if v > 1 else ""), "none", (name, v)))
         if name == "1f1b":
-            rows.append(("vPipe runtime", name, True, (name, v)))
+            rows += [("vPipe runtime", name, "dots", (name, v)), ("vPipe runtime", name, "full", (name, v))]
+    rows.append(("vPipe plan", "1f1b", "plan", ("1f1b", 1)))
+    plan_note = ""
 
     print(f"Table 1: p={P} on {P} of the 8 simulated CPU devices; GPT {layers} layers "
           f"(d_model {D_MODEL}, {HEADS} heads, vocab {VOCAB}), seq {SEQ}, microbatch {ROWS} rows, "
           f"m={M}; fp32", file=out)
-    head = (f"{'pipeline':<15} {'schedule':<15} {'remat':<6} {'bubble':>7} {'temp MB':>8} "
+    head = (f"{'pipeline':<15} {'schedule':<15} {'remat':<22} {'bubble':>7} {'temp MB':>8} "
             f"{'work(units)':>11} {'work(flops)':>11} {'step ms':>9} {'calls':>5}")
     print(head, file=out)
     print("-" * len(head), file=out)
+    baseline_temp = None
     for kind, label, remat, sched in rows:
         if sched is None:
-            run = gpipe_autodiff_grads(fns, P, M, mesh, remat=remat)
+            run = gpipe_autodiff_grads(fns, P, M, mesh, remat=remat == "yes")
             bubble = (P - 1) / (M + P - 1)
-            work = {k: autodiff_work(P, M, remat, layers, c) for k, c in (("units", units),
-                                                                           ("flops", flops))}
+            work = {k: autodiff_work(P, M, remat == "yes", layers, c) for k, c in (("units", units),
+                                                                                   ("flops", flops))}
         else:
             schedule = get_schedule(sched[0], P, M, sched[1])
-            run = pipeline_grads(fns, schedule, mesh, remat=remat)
+            G = schedule.num_global_stages
+            counts, layout = (layers // G,) * G, None
+            if remat == "plan":
+                plan = vpipe_plan(cfg, baseline_temp)
+                counts, layout, remat = plan.counts, plan.layout(), ",".join(plan.remat)
+                plan_note = (f"vPipe plan: partition(measure_layer_costs(...), p={P}, m={M}, 1f1b, "
+                             f"remat_options=none/dots/full, memory budget = GPipe-autodiff+remat's "
+                             f"temp {baseline_temp / 2**20:.1f} MB, param_copies=1 (the step holds "
+                             f"gradients, no optimizer state)) chose layers {list(plan.counts)} and "
+                             f"remat {list(plan.remat)}; it predicted {plan.spmd_memory_bytes / 2**20:.1f} "
+                             f"MB for the SPMD runtime.")
+            policies = tuple(remat.split(",")) if "," in remat else (remat,) * G
+            run = pipeline_grads(fns, schedule, mesh, remat=policies, layout=layout)
             bubble = schedule.bubble_fraction_weighted()
-            work = {k: runtime_work(schedule, remat, layers, c) for k, c in (("units", units),
-                                                                              ("flops", flops))}
+            work = {k: runtime_work(schedule, policies, counts, c) for k, c in (("units", units),
+                                                                                ("flops", flops))}
         with jax.set_mesh(mesh):
             compiled = jax.jit(run).lower(*step_args).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+        temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+        temp = temp_bytes / 2**20
+        if kind == "GPipe-autodiff" and remat == "yes":
+            baseline_temp = temp_bytes
         start = time.perf_counter()
         jax.block_until_ready(compiled(*step_args))  # warm-up
         first = time.perf_counter() - start
@@ -251,10 +292,11 @@ def table1(args, out):
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(*step_args))
             times.append(time.perf_counter() - t0)
-        print(f"{kind:<15} {label:<15} {'yes' if remat else 'no':<6} {bubble:>7.3f} {temp:>8.1f} "
+        print(f"{kind:<15} {label:<15} {remat:<22} {bubble:>7.3f} {temp:>8.1f} "
               f"{work['units'] / useful['units']:>11.2f} {work['flops'] / useful['flops']:>11.2f} "
               f"{1e3 * statistics.median(times):>9.0f} {calls:>5}", file=out)
-    print(f"\nUseful work per step: {useful['flops'] / 1e9:.1f} GFLOP (m·(embed + {layers} layers "
+    print(f"\n{plan_note}", file=out)
+    print(f"Useful work per step: {useful['flops'] / 1e9:.1f} GFLOP (m·(embed + {layers} layers "
           f"F+BW + head), per-task FLOPs from cost_analysis of unrolled pieces).", file=out)
     dropped = flops["bw_keep_x"] < 0.9 * flops["bw"] or flops["bw_keep_w"] < 0.9 * flops["bw"]
     print(f"DCE probe (one block, backward from stored residuals, cost_analysis): fused vjp "
@@ -273,7 +315,7 @@ def table1(args, out):
 
 # ------------------------------------------------------------------- table 2
 def table2(args, out, params, probes):
-    t = _time_all({k: v for k, v in probes.items() if k not in ("bw_keep_x", "bw_keep_w")},
+    t = _time_all({k: v for k, v in probes.items() if k not in ("bw_keep_x", "bw_keep_w", "bw_dots")},
                   args.repeats)
     act = ROWS * SEQ * D_MODEL * 4
     layer_bytes = sum(x[0].size * x.dtype.itemsize for x in jax.tree.leaves(params["blocks"]))
@@ -301,25 +343,26 @@ def table2(args, out, params, probes):
                            param_bytes=head.param_bytes)
     head_as_run = LayerCost(F=t["H"], B=t["Hb"], W=t["Hb"], BW=t["Hb"], param_bytes=head.param_bytes)
     cases = [("gpipe", 1, layer, head, ""), ("1f1b", 1, layer, head, ""),
-             ("interleaved", 2, layer, head, ""), ("zb-h1", 1, layer, head, "W = vjp wrt params"),
+             ("interleaved", 2, layer, head, ""),
+             ("interleaved", 4, layer, head, ""), ("zb-h1", 1, layer, head, "W = vjp wrt params"),
              ("zb-h1", 1, zb_split, head_split, "W = BW - B (W reuses B's grads)"),
              ("zb-h1", 1, as_run, head_as_run, "B = W = BW (this runtime, residual mode)")]
     # Utilization = useful work / (p · step time), useful = each layer's F and fused BW
     # plus embed and head, once per microbatch: a schedule whose B and W together cost
     # more than BW (the recomputing splits below) gets no credit for the extra.
     useful = SIM_M * (SIM_LAYERS * (t["f"] + t["bw"]) + t["E"] + t["Eb"] + t["H"] + t["Hb"])
-    hdr = f"{'schedule':<15} {'costs':<44} {'async':>7} {'lockstep':>9}"
+    hdr = f"{'schedule':<15} {'costs':<44} {'async':>7} {'lockstep':>9} {'neighbour':>9}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for name, v, lc, hc, note in cases:
         util = {}
-        for mode in ("async", "lockstep"):
+        for mode in ("async", "lockstep", "neighbour"):
             res = predict_utilization(lc, schedule=name, p=SIM_P, m=SIM_M, v=v, num_layers=SIM_LAYERS,
                                       embed=embed, head=hc, mode=mode)
             util[mode] = useful / (SIM_P * res.step_time)
         label = name + (f" v={v}" if v > 1 else "")
-        print(f"{label:<15} {note or 'measured F, BW':<44} {util['async']:>7.3f} {util['lockstep']:>9.3f}",
-              file=out)
+        print(f"{label:<15} {note or 'measured F, BW':<44} {util['async']:>7.3f} {util['lockstep']:>9.3f} "
+              f"{util['neighbour']:>9.3f}", file=out)
     # The autodiff GPipe runs every stage every iteration (lockstep by construction):
     # m + p - 1 forward iterations, as many backward ones, the head after the scan.
     per_stage = SIM_LAYERS // SIM_P

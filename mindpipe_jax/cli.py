@@ -297,9 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p_plan)
     p_plan.add_argument("--budget-mb", metavar="N", default=None,
                         help="memory budget per device in MB (1 MB = 2^20 bytes); default: unlimited")
-    p_plan.add_argument("--remat", metavar="LIST", default="none,full",
-                        help="remat policies to choose from, comma-separated, of none, full, dots "
-                             "(default: none,full; dots adds a measurement)")
+    p_plan.add_argument("--remat", metavar="LIST", default="none,dots,full",
+                        help="remat policies to choose from, comma-separated, of none, dots, full "
+                             "(default: all three; dots needs one more measurement)")
     p_plan.add_argument("--repeats", metavar="N", default="5",
                         help="timed runs per measurement, the median is used (default: 5)")
     p_plan.add_argument("--out", metavar="FILE", default=None,

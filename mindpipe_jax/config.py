@@ -126,6 +126,11 @@ class ParallelConfig:
     # attention and elementwise work; "full" keeps only the stage input and
     # recomputes the forward.
     stage_remat: str | tuple[str, ...] = "none"
+    # When each model chunk's data-parallel gradient sync runs: "end" after the
+    # pipeline flush (Megatron), "chunk" right after the chunk's last backward, as a
+    # ring spread over the remaining ticks (AFAPAB); "auto" = "chunk" for afapab.
+    grad_sync: Literal["auto", "end", "chunk"] = "auto"
+    sync_bucket_mb: float = 0.0  # "chunk": ring bucket size in MB (2^20 bytes); 0 = one per chunk
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
@@ -147,6 +152,8 @@ class ParallelConfig:
         _check(bool(policies) and all(r in STAGE_REMAT_POLICIES for r in policies),
                f"parallel.stage_remat={self.stage_remat!r} must be one of "
                f"{', '.join(STAGE_REMAT_POLICIES)} or a list of them, one per global stage")
+        _check(self.sync_bucket_mb >= 0, f"parallel.sync_bucket_mb={self.sync_bucket_mb} must be >= 0 "
+               f"(0 = one bucket per chunk)")
         _check(self.repartition_after >= 0,
                f"parallel.repartition_after={self.repartition_after} must be >= 0 (0 = never)")
         _check(self.simulate_cpu_devices >= 0,

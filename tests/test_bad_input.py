@@ -106,6 +106,8 @@ CASES = [
      None),
     ("dropout in a pipeline", ["parallel.pipe=2", "parallel.data=4", "model.dropout=0.1"],
      "model.dropout=0.1", None),
+    ("negative sync bucket", ["parallel.pipe=2", "parallel.data=4", "parallel.schedule=afapab",
+                              "parallel.sync_bucket_mb=-1"], "sync_bucket_mb=-1", None),
     ("virtual stages", ["parallel.pipe=2", "parallel.data=4", "parallel.virtual_stages=2"], "virtual",
      None),
     ("microbatches", ["parallel.pipe=2", "parallel.data=4", "parallel.microbatches=3"], "microbatches",

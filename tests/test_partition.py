@@ -18,7 +18,13 @@ from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline import partition as partition_mod
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
-from mindpipe_jax.parallel.pipeline.partition import MB, PARAM_COPIES, ProfiledModel, partition
+from mindpipe_jax.parallel.pipeline.partition import (
+    MB,
+    PARAM_COPIES,
+    REMAT_POLICIES,
+    ProfiledModel,
+    partition,
+)
 from mindpipe_jax.parallel.pipeline.runtime import StageLayout, pipeline_grads
 from mindpipe_jax.parallel.pipeline.simulate import LayerCost
 
@@ -109,11 +115,22 @@ def test_split_and_remat_are_optimal_under_a_budget(seed):
             best = worst if best is None else min(best, worst)
         if best == float("inf"):
             with pytest.raises(ConfigError, match="too small"):
-                partition(prof, p=p, m=8, memory_budget_bytes=budget)
+                partition(prof, p=p, m=8, memory_budget_bytes=budget, fit_spmd=False)
             continue
-        plan = partition(prof, p=p, m=8, memory_budget_bytes=budget)
+        plan = partition(prof, p=p, m=8, memory_budget_bytes=budget, fit_spmd=False)
         assert plan.slowest_stage_s == pytest.approx(best, rel=1e-9)
         assert max(plan.memory_bytes) <= budget
+        # The SPMD runtime's buffers are as deep as their deepest stage: fitting them
+        # may cost more remat, never less, and the figure it reports fits.
+        try:
+            spmd = partition(prof, p=p, m=8, memory_budget_bytes=budget)
+        except ConfigError as err:
+            assert "SPMD runtime" in str(err)
+            continue
+        assert spmd.spmd_memory_bytes <= budget
+        assert spmd.slowest_stage_s >= plan.slowest_stage_s - 1e-12
+        assert all(REMAT_POLICIES.index(a) >= REMAT_POLICIES.index(b)
+                   for a, b in zip(spmd.remat, plan.remat, strict=True))
 
 
 def test_embed_and_head_stages_get_fewer_layers():
@@ -160,23 +177,32 @@ def test_interleaved_plan_uses_megatron_order():
 def test_budget_forces_remat_on_stage_0_first_under_1f1b():
     prof = uniform(8)   # 1F1B p=4: 4, 3, 2, 1 microbatches in flight
     free = partition(prof, p=4, m=8)
-    assert free.remat == ("none",) * 4 and not free.runtime_remat
+    assert free.remat == ("none",) * 4
     assert free.in_flight == (4, 3, 2, 1)
     mem = free.memory_bytes
     assert mem[0] > mem[1] > mem[2] > mem[3]
 
-    plan = partition(prof, p=4, m=8, memory_budget_bytes=(mem[0] + mem[1]) / 2)
+    # Per-device buffers (fit_spmd=False): only the stage that does not fit recomputes.
+    budget = (mem[0] + mem[1]) / 2
+    plan = partition(prof, p=4, m=8, memory_budget_bytes=budget, fit_spmd=False)
     assert plan.counts == (2, 2, 2, 2)
-    assert plan.remat == ("full", "none", "none", "none") and plan.runtime_remat
-    assert max(plan.memory_bytes) <= (mem[0] + mem[1]) / 2
+    assert plan.remat == ("full", "none", "none", "none")
+    assert max(plan.memory_bytes) <= budget
     assert plan.recompute_s == (2.0, 0.0, 0.0, 0.0)   # "full" re-runs the two layers' forwards
     assert plan.stage_time_s[0] == free.stage_time_s[0] + 2.0
     assert plan.step_time_s["lockstep"] > free.step_time_s["lockstep"]
-    assert plan.runtime["step_time_lockstep_s"] >= plan.step_time_s["lockstep"]  # one flag for all
-    assert "full" in plan.table() and "stage_remat=full" in plan.table()
-
-    tighter = partition(prof, p=4, m=8, memory_budget_bytes=(mem[1] + mem[2]) / 2)
+    tighter = partition(prof, p=4, m=8, memory_budget_bytes=(mem[1] + mem[2]) / 2, fit_spmd=False)
     assert tighter.remat == ("full", "full", "none", "none")
+
+    # The SPMD runtime: the "none" buffer is as deep as stage 1 needs on every device,
+    # so the same budget moves more stages to "full"; what it reports fits.
+    spmd = partition(prof, p=4, m=8, memory_budget_bytes=budget)
+    assert spmd.spmd_memory_bytes <= budget
+    assert spmd.remat[0] == "full" and spmd.remat.count("full") >= 1
+    assert free.spmd_memory_bytes > budget
+    table = spmd.table()
+    assert "SPMD runtime:" in table
+    assert "parallel.stage_remat='[" + ", ".join(f'"{r}"' for r in spmd.remat) + "]'" in table
 
 
 def test_impossible_budget_names_the_stage_and_the_memory():
@@ -191,9 +217,13 @@ def test_dots_policy_between_none_and_full():
     prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
                          residual_bytes=8e6, dots_residual_bytes=3e6, dots_recompute_s=0.25)
     mem = partition(prof, p=4, m=8).memory_bytes
-    plan = partition(prof, p=4, m=8, memory_budget_bytes=(mem[0] + mem[1]) / 2,
-                     remat_options=("none", "dots", "full"))
+    budget = (mem[0] + mem[1]) / 2
+    plan = partition(prof, p=4, m=8, memory_budget_bytes=budget, remat_options=("none", "dots", "full"),
+                     fit_spmd=False)
     assert plan.remat == ("dots", "none", "none", "none") and plan.recompute_s[0] == 0.5
+    # SPMD: the cheap "dots" moves down the stages before anything pays for "full".
+    spmd = partition(prof, p=4, m=8, memory_budget_bytes=budget, remat_options=("none", "dots", "full"))
+    assert spmd.spmd_memory_bytes <= budget and "full" not in spmd.remat
     with pytest.raises(ConfigError, match="dots"):
         partition(uniform(8), p=4, m=8, remat_options=("none", "dots"))
 
@@ -213,15 +243,18 @@ def test_bad_arguments_raise_config_error(kwargs, words):
 def test_plan_layout_gives_unpipelined_gradients():
     # A heavy head pushes layers to stage 0: an uneven (3, 1) split on p=2.
     prof = uniform(4, head=LayerCost(1.0, 2.0, 2.0))
-    plan = partition(prof, p=2, m=4)
-    assert plan.counts == (3, 1)
+    free = partition(prof, p=2, m=4)
+    # A budget between the two devices' needs: remat on stage 0 only, run as planned.
+    plan = partition(prof, p=2, m=4, memory_budget_bytes=sum(free.memory_bytes) / 2, fit_spmd=False)
+    # (Moving a layer off stage 0 beats recomputing three: the split changes too.)
+    assert plan.counts != free.counts and "full" in plan.remat and "none" in plan.remat, plan
     p, m = plan.p, plan.m
     model, params = tiny_gpt(4)
     inputs, targets = microbatches(0, m)
     ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
     run = pipeline_grads(stage_fns(model), get_schedule(plan.schedule, p, m), mesh,
-                         remat=plan.runtime_remat, layout=plan.layout(), nan_bubbles=True)
+                         remat=plan.remat, layout=plan.layout(), nan_bubbles=True)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     assert_matches(loss, grads, ref_loss, ref_grads)

@@ -44,6 +44,32 @@ def test_uneven_stages(counts, remat):
                          layout=StageLayout(counts, p, 1))
 
 
+@pytest.mark.parametrize("name,p,m,v,remat", [
+    ("1f1b", 4, 8, 1, ("full", "dots", "none", "none")),
+    ("zb-h1", 4, 4, 1, ("dots", "full", "dots", "none")),
+    ("interleaved", 2, 4, 2, ("full", "none", "dots", "full")),
+], ids=["1f1b-full-dots-none", "zbh1-dots-full", "interleaved-mixed"])
+def test_per_stage_remat_policies(name, p, m, v, remat):
+    # Each global stage keeps what its own policy says; every policy's buffer and
+    # every branch must still give the unpipelined gradients.
+    check_pipeline_grads(name, p, m, v, ParallelConfig(pipe=p, data=-1, tensor=1), remat=remat)
+
+
+def test_residual_buffers_are_sized_per_policy():
+    # 1F1B, p=4: stage s holds p-s microbatches. "full" on stages 0-1 keeps inputs
+    # only; the residual buffer serves stage 2 (2 in flight); the last stage
+    # keeps its input (its forward runs inside its backward) and no residuals.
+    plan = make_plan(get_schedule("1f1b", 4, 16), ("full", "full", "none", "none"))
+    assert plan.res_slots == {"none": 2}
+    assert plan.x_slots == 4
+    assert make_plan(get_schedule("1f1b", 4, 16), "none").res_slots == {"none": 4}
+    assert make_plan(get_schedule("1f1b", 4, 16), "full").res_slots == {}
+    with pytest.raises(ValueError, match="one policy each"):
+        make_plan(get_schedule("1f1b", 4, 16), ("full", "none"))
+    with pytest.raises(ValueError, match="'offload' is not one of"):
+        make_plan(get_schedule("1f1b", 2, 4), ("offload", "none"))
+
+
 def check_pipeline_grads(name, p, m, v, parallel, *, remat, layout=None):
     model, params = tiny_gpt(sum(layout.counts) if layout else p * v)
     inputs, targets = microbatches(p * m, m)
@@ -82,7 +108,12 @@ def unpipelined(tmp_path_factory):
     ("parallel.pipe=2", "parallel.fsdp=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
      "parallel.microbatches=2"),
     ("parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2", "parallel.stage_layers=[1, 3]"),
-], ids=["1f1b-pipe2xdata2xtensor2", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4", "uneven-1+3-pipe2xdata4"])
+    ("parallel.pipe=2", "parallel.data=2", "parallel.tensor=2", "parallel.schedule=afapab",
+     "parallel.virtual_stages=2", "parallel.microbatches=2",
+     'parallel.stage_remat=["full", "dots", "dots", "none"]',
+     "parallel.sync_bucket_mb=0.01"),
+], ids=["1f1b-pipe2xdata2xtensor2", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4", "uneven-1+3-pipe2xdata4",
+        "afapab-pipe2xdata2xtensor2"])
 def test_pipelined_training_matches_unpipelined(tmp_path, layout, unpipelined):
     ref = unpipelined
     got = mp.train(None, None, mp.Config(), *TINY, f"train.out_dir={tmp_path / 'pipe'}", *layout)

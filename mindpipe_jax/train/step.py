@@ -184,7 +184,9 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
-    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat, layout=layout)
+    sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
+                         sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)

@@ -10,6 +10,7 @@ from mindpipe_jax.parallel.pipeline.schedules import (
     ScheduleReport,
     Task,
     Timeline,
+    afapab,
     from_orders,
     get_schedule,
     gpipe,
@@ -22,5 +23,5 @@ from mindpipe_jax.parallel.pipeline.schedules import (
 )
 
 __all__ = ["DEFAULT_COST", "SCHEDULES", "Kind", "Schedule", "ScheduleError", "ScheduleReport", "Task",
-           "Timeline", "from_orders", "get_schedule", "gpipe", "interleaved", "interleaved_placement",
-           "one_f_one_b", "register_schedule", "validate", "zb_h1"]
+           "Timeline", "afapab", "from_orders", "get_schedule", "gpipe", "interleaved",
+           "interleaved_placement", "one_f_one_b", "register_schedule", "validate", "zb_h1"]

@@ -37,22 +37,28 @@ The memory model, per device ``s`` (all bytes, per device)::
                     remat "full": stage input only
                     remat "dots": stage input + the matmul outputs kept by
                                   ``dots_with_no_batch_dims_saveable``
-    transient    = one microbatch's residuals rebuilt by a recomputing backward
-                   ("full": all of them; "dots": those the policy did not keep)
+                    the last stage keeps only its input whatever the policy (its
+                    forward runs inside its backward): "none" rebuilds all its
+                    residuals there (transient), the others its "dots" share
+    transient    = what a recomputing backward rebuilds while it runs: the runtime
+                   differentiates every re-run forward with the "dots" checkpoint per
+                   layer, so one layer's residuals that "dots" does not keep, plus,
+                   under "full", the stage's kept matmul outputs
 
 and remat adds its recompute to the stage's backward: "full" re-runs the stage's
-forward (+F), "dots" the measured difference between the policy's backward and
-the plain one. With ``v > 1`` a device's peak is found by walking its task list
-with each chunk's own per-microbatch size.
+forward (+F, + the "dots" recompute when the profile has it), "dots" the measured
+difference between the policy's backward and the plain one. With ``v > 1`` a
+device's peak is found by walking its task list with each chunk's own
+per-microbatch size.
 
-What the current SPMD runtime executes differs in two ways, on purpose reported
-rather than hidden: ``pipeline_grads(remat=...)`` takes ONE flag for every stage,
-so ``plan.runtime_remat`` is True as soon as any stage needs remat (per-stage remat
-in the runtime is future work) and the table also prints the step time with that
-uniform remat; and SPMD buffers have one shape on every device, sized for the
-device with the most microbatches in flight, so the real per-device figure is the
-largest of the plan's. Embed and head parameters are modelled on the devices that
-use them (as an MPMD runtime would hold them); the SPMD runtime replicates them.
+The SPMD runtime runs one program on every device, so each policy's residual
+buffer is as deep as the deepest stage using it needs. ``plan.spmd_memory_bytes``
+is that figure, from the runtime's own slot plan (``tickplan.make_plan``); when a
+budget is given, the plan is also made to fit it: while the SPMD figure is over,
+the stage that sets the biggest buffer's depth moves to the next policy that
+keeps less (none -> dots -> full). Embed and head parameters are modelled on the
+devices that use them (as an MPMD runtime would hold them); the SPMD runtime
+replicates them, which the SPMD figure counts.
 """
 
 from __future__ import annotations
@@ -90,10 +96,10 @@ class PipelinePlan:
     ``memory_transient_bytes`` (see the module docstring) and ``in_flight``.
     Predictions from ``simulate.simulate`` with these stage costs and ``link``:
     ``step_time_s`` and ``utilization`` for ``"async"`` (an MPMD executor) and
-    ``"lockstep"`` (the SPMD runtime's tick loop). ``runtime_remat``: the one flag
-    ``pipeline_grads(remat=...)`` takes today (True if any stage needs remat);
-    ``runtime`` holds the lockstep prediction with that flag applied to every
-    stage. ``even_split``: the same figures for an even split without remat."""
+    ``"lockstep"`` (the SPMD runtime's tick loop). ``remat`` is what
+    ``pipeline_grads(remat=plan.remat)`` and ``parallel.stage_remat`` take;
+    ``spmd_memory_bytes`` the per-device figure of the SPMD runtime (module
+    docstring). ``even_split``: the same figures for an even split without remat."""
 
     schedule: str
     p: int
@@ -113,10 +119,9 @@ class PipelinePlan:
     memory_transient_bytes: tuple[float, ...]
     in_flight: tuple[int, ...]
     memory_budget_bytes: float | None
-    runtime_remat: bool
+    spmd_memory_bytes: float
     step_time_s: dict[str, float]
     utilization: dict[str, float]
-    runtime: dict[str, float]
     even_split: dict[str, Any]
     costs: StageCosts = field(repr=False)
     simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
@@ -186,14 +191,13 @@ class PipelinePlan:
                    f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
                    f"{even['utilization_async']:.3f}, lockstep {even['utilization_lockstep']:.3f}; "
                    f"peak memory {even['peak_memory_bytes'] / MB:.1f} MB")
-        flag = "True" if self.runtime_remat else "False"
-        if self.runtime_remat and any(r != "full" for r in self.remat):
-            out.append(f"SPMD runtime today (one remat flag, 'full' on every stage): lockstep "
-                       f"{ms * self.runtime['step_time_lockstep_s']:.3f} ms (utilization "
-                       f"{self.runtime['utilization_lockstep']:.3f}); per-stage remat is future work")
-        out.append(f"run it: pipeline_grads(..., remat={flag}, layout=StageLayout({self.counts}, {self.p}, "
-                   f"{self.v})); train: parallel.stage_layers={list(self.counts)} "
-                   f"parallel.stage_remat={'full' if self.runtime_remat else 'none'}")
+        out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (every device holds "
+                   f"each remat policy's buffer as deep as its deepest stage needs, and embed + head)")
+        remat = "[" + ", ".join(f'"{r}"' for r in self.remat) + "]"
+        out.append(f"run it: pipeline_grads(..., remat={tuple(self.remat)}, "
+                   f"layout=StageLayout({self.counts}, {self.p}, {self.v})); "
+                   f"train: parallel.stage_layers={list(self.counts)} "
+                   f"parallel.stage_remat='{remat}'")
         return "\n".join(out)
 
 
@@ -218,6 +222,9 @@ class _Model:
         self.params = prefix(x.param_bytes for x in ls)
         self.res = prefix(prof.residual_bytes)
         self.dres = prefix(prof.dots_residual_bytes or (0.0,) * L)
+        # What a per-layer "dots" checkpoint rebuilds of each layer in its backward.
+        self.rest = [r - d for r, d in zip(prof.residual_bytes, prof.dots_residual_bytes or
+                                           prof.residual_bytes, strict=True)]
         self.drec = prefix(prof.dots_recompute_s or (0.0,) * L)
         self.act_in = [prof.embed.activation_bytes] + [x.activation_bytes for x in ls]  # input of layer i
 
@@ -234,15 +241,22 @@ class _Model:
         back = self._sum(self.back, i, j) + first * eb + last * hb
         res = self._sum(self.res, i, j) + first * prof.embed_residual_bytes + last * prof.head_residual_bytes
         act = self.act_in[i]
-        if policy == "none":
+        kept = self._sum(self.dres, i, j) if prof.has_dots else res
+        one_layer = max(self.rest[i:j], default=0.0)
+        if last:  # its forward runs inside its backward: it keeps its input, recomputes no F
+            if policy == "none":
+                recompute, per_mb, transient = 0.0, act, res
+            else:
+                recompute, per_mb, transient = self._sum(self.drec, i, j), act, kept + one_layer
+        elif policy == "none":
             recompute, per_mb, transient = 0.0, act + res, 0.0
-        elif policy == "full":   # the runtime's remat: re-run the stage's forward (embed included)
-            recompute, per_mb, transient = self._sum(self.F, i, j) + first * e.F, act, res
-        else:                    # dots: matmul outputs kept, the rest recomputed
-            kept = self._sum(self.dres, i, j)
+        elif policy == "full":   # re-run the stage's forward (embed included) under "dots"
+            recompute = self._sum(self.F, i, j) + first * e.F + self._sum(self.drec, i, j)
+            per_mb, transient = act, kept + one_layer
+        else:                    # dots: matmul outputs kept, the rest recomputed layer by layer
             recompute = self._sum(self.drec, i, j)
             per_mb, transient = act + kept + first * prof.embed_residual_bytes \
-                + last * prof.head_residual_bytes, max(0.0, self._sum(self.res, i, j) - kept)
+                + last * prof.head_residual_bytes, one_layer
         params = self._sum(self.params, i, j) + first * e.param_bytes + last * h.param_bytes
         return {"F": fwd, "back": back, "recompute": recompute, "time": fwd + back + recompute,
                 "params": params, "per_mb": per_mb, "transient": transient}
@@ -325,7 +339,8 @@ def _check_int(name: str, value, low: int = 1) -> int:
 
 def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: str | Schedule = "1f1b",
               memory_budget_bytes: float | None = None, remat_options: Sequence[str] = ("none", "full"),
-              param_copies: float = PARAM_COPIES, link: Link | float | None = None) -> PipelinePlan:
+              param_copies: float = PARAM_COPIES, link: Link | float | None = None,
+              fit_spmd: bool = True) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
     each stage; see the module docstring for the cost and memory model.
 
@@ -349,8 +364,10 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     Nothing fits -> ``ConfigError`` naming the stage (device), the memory it needs
     and the budget. ``link``: transfer cost for the simulation (None = free).
 
-    The SPMD runtime takes one remat flag today: ``plan.runtime_remat`` is True when
-    any stage needs remat; per-stage remat in the runtime is future work.
+    With ``fit_spmd`` (the default) the SPMD runtime then gets the same budget
+    checked against its own buffers (``_fit_spmd``), which can move a stage to a
+    policy that keeps less; ``fit_spmd=False`` keeps the per-device optimum (what
+    a runtime with per-device buffers would run).
     """
     if not isinstance(profile, ProfiledModel):
         raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
@@ -416,8 +433,6 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         chosen = _choose_remat(model, sched, spans, options, budget, param_copies, inflight)
     else:
         spans, chosen = _interleaved_split(model, sched, options, budget, param_copies, inflight)
-    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
-    memory = _memory(sched, spans, figs, param_copies)
 
     def stage_costs(fig_list) -> StageCosts:
         base = StageCosts.from_layers(list(profile.layers), [g for g in range(G) for _ in spans[g]], G,
@@ -429,16 +444,12 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     def predict(costs: StageCosts) -> dict[str, SimResult]:
         return {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
 
+    chosen, spmd = _fit_spmd(model, sched, spans, chosen, options, budget if fit_spmd else None,
+                             param_copies)
+    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    memory = _memory(sched, spans, figs, param_copies)
     costs = stage_costs(figs)
     sims = predict(costs)
-    runtime_remat = any(c != "none" for c in chosen)
-    if runtime_remat:   # what pipeline_grads(remat=True) runs: "full" on every stage
-        rt_figs = [model.stage(g, spans[g].start, spans[g].stop, "full") for g in range(G)]
-        rt = simulate(sched, stage_costs(rt_figs), link=link, mode="lockstep")
-        runtime = {"step_time_lockstep_s": rt.step_time, "utilization_lockstep": rt.mean_utilization}
-    else:
-        runtime = {"step_time_lockstep_s": sims["lockstep"].step_time,
-                   "utilization_lockstep": sims["lockstep"].mean_utilization}
     even = _even_split(model, sched, profile, G, param_copies, link)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
@@ -447,10 +458,63 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         recompute_s=tuple(f["recompute"] for f in figs), stage_time_s=tuple(f["time"] for f in figs),
         memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
         memory_params_bytes=memory[0], memory_activations_bytes=memory[1], memory_transient_bytes=memory[2],
-        in_flight=tuple(inflight), memory_budget_bytes=budget, runtime_remat=runtime_remat,
+        in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
-        runtime=runtime, even_split=even, costs=costs, simulations=sims, note=profile.note)
+        even_split=even, costs=costs, simulations=sims, note=profile.note)
+
+
+def _spmd_memory(model: _Model, sched: Schedule, spans, chosen, param_copies: float):
+    """(bytes per device, {policy: buffer bytes, and which stage sets its depth}) as
+    the SPMD runtime lays them out: one program, so every buffer is as deep as its
+    deepest stage and as wide as its widest; all parameters of a device's stages
+    plus embed and head (replicated); the largest transient of any stage."""
+    from mindpipe_jax.parallel.pipeline.tickplan import make_plan
+
+    p, G = sched.num_stages, sched.num_global_stages
+    plan = make_plan(sched, tuple(chosen))
+    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    width = max(len(r) for r in spans) or 1
+    # Per-microbatch bytes beyond the stage input, per layer slot of the padded stage.
+    residual = {r: max((f["per_mb"] - model.act_in[spans[g].start]) / max(len(spans[g]), 1)
+                       for g, f in enumerate(figs) if chosen[g] == r and g != G - 1)
+                for r in plan.res_slots}
+    # n slots, plus the slot each tick reads into the branch and the one it writes back.
+    buffers = {r: (n + 2) * width * residual[r] for r, n in plan.res_slots.items()}
+    owner = {}
+    inflight = sched.peak_in_flight()
+    for r in plan.res_slots:
+        stages = [g for g in range(G - 1) if chosen[g] == r]
+        owner[r] = max(stages, key=lambda g: (inflight[g % p], -g))
+    act = max(model.act_in)
+    e, h = model.prof.embed, model.prof.head
+    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in range(s, G, p))
+                 for s in range(p)) + e.param_bytes + h.param_bytes
+    total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
+        + max(f["transient"] for f in figs)
+    return total, {r: (buffers[r], owner[r]) for r in buffers}
+
+
+def _fit_spmd(model: _Model, sched: Schedule, spans, chosen, options, budget, param_copies):
+    """Make the SPMD runtime's figure fit the budget: the stage that sets the biggest
+    residual buffer's depth moves to the next policy in ``options`` that keeps less."""
+    chosen = list(chosen)
+    less = {"none": ("dots", "full"), "dots": ("full",)}
+    while True:
+        total, buffers = _spmd_memory(model, sched, spans, chosen, param_copies)
+        if budget is None or total <= budget:
+            return chosen, total
+        for _, g in sorted(buffers.values(), reverse=True):
+            nxt = [o for o in less.get(chosen[g], ()) if o in options]
+            if nxt:
+                chosen[g] = nxt[0]
+                break
+        else:
+            raise ConfigError(
+                f"memory budget {budget / MB:.1f} MB per device is too small for the SPMD runtime: "
+                f"remat {'/'.join(chosen)} needs {total / MB:.1f} MB (each policy's buffer as deep as "
+                f"its deepest stage); raise the budget, allow remat {', '.join(REMAT_POLICIES)}, add "
+                f"stages or use fewer microbatches")
 
 
 def _memory(sched: Schedule, spans, figs, param_copies: float):

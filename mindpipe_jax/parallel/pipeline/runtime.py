@@ -11,11 +11,18 @@ one branch only would hang the others), every device executes the same two
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers whose size is the schedule's peak number of live
 microbatches on a device, not ``m``: slots are assigned in Python by interval
-colouring of each (microbatch, chunk)'s lifetime, so any schedule works. Two
-modes: ``remat=False`` keeps the forward's residuals (``residuals.py``) and
-recomputes nothing; ``remat=True`` keeps only the stage input (one
-``[microbatch, length, d_model]`` activation per slot) and recomputes the
-stage's forward in its backward. Only the task's own slot enters the switch.
+colouring of each (microbatch, chunk)'s lifetime, so any schedule works. Each
+global stage has its own remat policy (``tickplan.REMAT_POLICIES``): "none"
+keeps the forward's residuals (``residuals.py``) and recomputes nothing; "dots"
+keeps the residuals of the stage's forward under ``jax.checkpoint`` with
+``dots_with_no_batch_dims_saveable`` (the projection outputs; attention and
+elementwise work are recomputed); "full" keeps only the stage input (one
+``[microbatch, length, d_model]`` activation per slot) and re-runs the stage's
+forward in its backward. Every device runs the same program, so each policy's
+buffer is as deep as the deepest stage using that policy needs: a plan that
+puts "full" on the early stages (many microbatches in flight under 1F1B) and
+"none" on the late ones (few) keeps little and recomputes little. Only the
+task's own slot enters the switch.
 The last stage's forward is folded into its backward (the loss and its gradient
 are one vjp), so its F tick computes nothing.
 
@@ -35,7 +42,9 @@ a B but a W still costs about a full backward (see benchmarks/pipeline.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -43,12 +52,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.pipeline.gradsync import sync_points
 from mindpipe_jax.parallel.pipeline.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
+from mindpipe_jax.parallel.pipeline.ringsync import RingSync, flatten
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
-from mindpipe_jax.parallel.pipeline.tickplan import FIRST, KINDS, LAST, MID, Plan, branch_index, make_plan
+from mindpipe_jax.parallel.pipeline.tickplan import FIRST, LAST, REMAT_POLICIES, Plan, make_plan
 
-__all__ = ["AXIS", "BATCH", "MANUAL", "StageFns", "StageLayout", "Plan", "make_plan", "branch_index",
+__all__ = ["AXIS", "BATCH", "MANUAL", "REMAT_POLICIES", "StageFns", "StageLayout", "Plan", "make_plan",
            "pipeline_grads"]
 
 AXIS = "pipe"
@@ -102,8 +113,9 @@ def _put(buf, index, value):
     return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), index, 0)
 
 
-def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = True,
-                   layout: StageLayout | None = None, nan_bubbles: bool = False):
+def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
+                   layout: StageLayout | None = None, nan_bubbles: bool = False,
+                   grad_sync: str = "end", sync_bucket_bytes: int | None = None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -111,13 +123,24 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
     and targets are ``[m, microbatch, length]``. Returns the mean loss over the m
     microbatches and the gradients of all three parameter groups, with the same
     structure and layer order as the inputs.
-    ``remat=True`` keeps only each microbatch's stage input and recomputes the
-    stage's forward in its backward; ``remat=False`` keeps the forward's residuals
-    (traced once, see ``residuals.py``) and recomputes nothing.
+    ``remat``: one policy per global stage ("none", "dots" or "full", see the
+    module docstring), one name for all, or a bool (True = "full" everywhere,
+    False = "none" everywhere).
     ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
     proves idle slots never reach the results.
+    ``grad_sync``: when each chunk's gradient is averaged over the batch axes.
+    ``"end"`` (Megatron-style): all of them after the last tick. ``"chunk"``
+    (AFAPAB): after each chunk's last backward (``gradsync.sync_points``) its
+    gradient's sync starts and runs one ring step per tick beside the ticks still
+    to come (``ringsync.py``); what the remaining ticks cannot hide, and a chunk
+    that finishes at the last tick, is synced after them. Embedding and head
+    gradients (small, owned by one stage each) are synced at the end.
+    ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
+    (None: one bucket), i.e. at most bucket/d bytes per tick and device.
     """
-    plan = make_plan(schedule)
+    points = sync_points(schedule, grad_sync)
+    n_batch = math.prod(mesh.shape[a] for a in BATCH)
+    plan = make_plan(schedule, remat)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     ticks = schedule.num_ticks
     if layout is not None and (layout.p, layout.v) != (p, v):
@@ -125,15 +148,24 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
 
     counts = None if layout is None or layout.uniform else jnp.asarray(layout.counts_array())
 
-    def run_layers(c, x):
-        """A chunk's layers; with uneven stages ``c`` carries the real layer count."""
-        if counts is None:
-            return lax.scan(lambda h, lp: (fns.layer(lp, h), None), x, c)[0]
+    def layers_runner(layer):
+        def run_layers(c, x):
+            """A chunk's layers; with uneven stages ``c`` carries the real layer count."""
+            if counts is None:
+                return lax.scan(lambda h, lp: (layer(lp, h), None), x, c)[0]
 
-        def one(h, xs):
-            lp, i = xs
-            return lax.cond(i < c["n"], fns.layer, lambda _, hh: hh, lp, h), None
-        return lax.scan(one, x, (c["w"], jnp.arange(layout.width)))[0]
+            def one(h, xs):
+                lp, i = xs
+                return lax.cond(i < c["n"], layer, lambda _, hh: hh, lp, h), None
+            return lax.scan(one, x, (c["w"], jnp.arange(layout.width)))[0]
+        return run_layers
+
+    run_layers = layers_runner(fns.layer)
+    # What a stage under each residual policy differentiates (per layer, so the
+    # policy applies inside the scan over the chunk's layers).
+    residual_fns = {"none": run_layers,
+                    "dots": layers_runner(jax.checkpoint(
+                        fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable))}
 
     def body(embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
@@ -160,38 +192,46 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
         def weights(d_c):  # drop the (float0) cotangent of the layer count
             return d_c if counts is None else d_c["w"]
 
-        store = None if remat else ResidualStore(run_layers, chunk_params(0), zero_h)
-        res_buf = _vary(store.empty(plan.x_slots, fill)) if store else []
+        stores = {r: ResidualStore(residual_fns[r], chunk_params(0), zero_h) for r in plan.res_slots}
+        res_buf = _vary({r: stores[r].empty(n, fill) for r, n in plan.res_slots.items()})
 
-        def stage_fwd(c_params, x):
-            return run_layers(c_params, x)
+        # A backward that re-runs a stage's forward differentiates it with the "dots"
+        # checkpoint per layer: the vjp then holds one layer's full residuals at a
+        # time instead of the whole chunk's (measured: 32 -> 20 MB per device for
+        # 1F1B p=4 with two GPT blocks per stage) for the price of re-running the
+        # attention and elementwise work, a few percent of a layer's FLOPs.
+        recompute_layers = residual_fns["dots"]
 
-        def first_fwd(e_params, c_params, tokens):
-            return run_layers(c_params, fns.embed(e_params, tokens))
+        def stage_fwd(c_params, x, layers=run_layers):
+            return layers(c_params, x)
 
-        def last_loss(c_params, h_params, x, tgt):
-            return fns.head_loss(h_params, run_layers(c_params, x), tgt)
+        def first_fwd(e_params, c_params, tokens, layers=run_layers):
+            return layers(c_params, fns.embed(e_params, tokens))
 
-        def forward(op, c_params, tokens, pos):
+        def last_loss(c_params, h_params, x, tgt, layers):
+            return fns.head_loss(h_params, layers(c_params, x), tgt)
+
+        def forward(op, c_params, tokens, pos, policy):
             """F of a first or middle stage: the activation to send on, residuals kept."""
             x, res = op["x"], op["res"]
-            if store is None:  # remat: the stage input is already in its slot
+            if policy == "full":  # the stage input stays in its slot until the backward
                 return (first_fwd(embed_p, c_params, tokens) if pos == FIRST
                         else stage_fwd(c_params, x)), res
             h = fns.embed(embed_p, tokens) if pos == FIRST else x
-            return store.forward(c_params, h)
+            y, kept = stores[policy].forward(c_params, h)
+            return y, {**res, policy: kept}
 
-        def backward(op, c_params, tokens, pos):
+        def backward(op, c_params, tokens, pos, policy):
             """(embed grad or None, chunk grad, input grad) of a first or middle stage."""
             x, dy = op["x"], op["dy"]
-            if store is None:
+            if policy == "full":
                 if pos == FIRST:
-                    _, vjp = jax.vjp(first_fwd, embed_p, c_params, tokens)
+                    _, vjp = jax.vjp(partial(first_fwd, layers=recompute_layers), embed_p, c_params, tokens)
                     d_e, d_c, _ = vjp(dy)
                     return d_e, d_c, zero_h
-                d_c, d_x = jax.vjp(stage_fwd, c_params, x)[1](dy)
+                d_c, d_x = jax.vjp(partial(stage_fwd, layers=recompute_layers), c_params, x)[1](dy)
                 return None, d_c, d_x
-            d_c, d_x = store.backward(c_params, op["res"], dy)
+            d_c, d_x = stores[policy].backward(c_params, op["res"][policy], dy)
             if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
                 _, vjp = jax.vjp(fns.embed, embed_p, tokens)
                 return vjp(d_x.astype(zero_h.dtype))[0], d_c, zero_h
@@ -201,7 +241,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
             def idle(op):
                 return op["acc"], zero_h, zero_h, op["res"]
 
-            def make(kind, pos):
+            def make(kind, pos, policy):
                 def run(op):
                     acc, task, x, res = op["acc"], op["task"], op["x"], op["res"]
                     c_params = chunk_params(task["chunk"])
@@ -212,10 +252,13 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                     if kind is Kind.F:
                         if pos == LAST:  # the last stage's forward runs inside its backward
                             return acc, zero_h, zero_h, res
-                        send_f, res = forward(op, c_params, tokens, pos)
+                        send_f, res = forward(op, c_params, tokens, pos, policy)
                         return acc, send_f, zero_h, res
                     if pos == LAST:
-                        fn = lambda c, h, xx: last_loss(c, h, xx, tgt)  # noqa: E731
+                        # The last stage's forward runs here, inside its vjp: its policy
+                        # only decides whether that vjp holds plain or "dots" residuals.
+                        layers = run_layers if policy == "none" else recompute_layers
+                        fn = lambda c, h, xx: last_loss(c, h, xx, tgt, layers)  # noqa: E731
                         loss, vjp = jax.vjp(fn, c_params, head_p, x)
                         d_c, d_h, d_x = vjp(seed)
                         if want_x:  # B or BW: counted once per microbatch
@@ -224,7 +267,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
                             acc = {**acc, "head": jax.tree.map(jnp.add, acc["head"], d_h),
                                    "blocks": _add_at(acc["blocks"], task["chunk"], weights(d_c))}
                         return acc, zero_h, (d_x if want_x else zero_h), res
-                    d_e, d_c, d_x = backward(op, c_params, tokens, pos)
+                    d_e, d_c, d_x = backward(op, c_params, tokens, pos, policy)
                     if want_w:
                         acc = {**acc, "blocks": _add_at(acc["blocks"], task["chunk"], weights(d_c))}
                         if d_e is not None:
@@ -233,11 +276,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
 
                 return lambda op: _vary(run(op))
 
-            out = [lambda op: _vary(idle(op))]
-            for kind in KINDS:
-                for pos in (MID, FIRST, LAST):
-                    out.append(make(kind, pos))
-            return out
+            return [lambda op: _vary(idle(op))] + [make(*key) for key in plan.keys]
 
         table = plan.arrays()
         fwd_perm = [(i, (i + 1) % p) for i in range(p)]
@@ -251,11 +290,14 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
             # Only this task's slot goes into the switch (not whole buffers, which every
             # branch would otherwise copy); a forward's new residuals are written back
             # after it, every other branch hands the slot back unchanged.
+            # Residual slots: the task's own policy's slot; the other buffers lend their
+            # slot 0, handed back unchanged.
+            res_at = {r: jnp.clip(task["res_slot"], 0, n - 1) for r, n in plan.res_slots.items()}
             operand = {"acc": acc, "task": task, "x": _take(x_buf_c, task["x_slot"]),
                        "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0)),
-                       "res": ResidualStore.read(res_c, task["x_slot"])}
+                       "res": {r: ResidualStore.read(res_c[r], res_at[r]) for r in res_c}}
             acc, send_f, send_b, res_slot = lax.switch(task["branch"], branch_fns, operand)
-            res_c = ResidualStore.write(res_c, task["x_slot"], res_slot)
+            res_c = {r: ResidualStore.write(res_c[r], res_at[r], res_slot[r]) for r in res_c}
             # Every device takes part in both transfers every tick (outside the branches).
             recv_f = lax.ppermute(send_f, AXIS, fwd_perm)
             recv_b = lax.ppermute(send_b, AXIS, bwd_perm)
@@ -266,17 +308,61 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat: bool = Tru
             g_buf_c = _put(g_buf_c, jnp.maximum(rg, 0), g_new)
             return (acc, x_buf_c, g_buf_c, res_c), None
 
-        (acc, _, _, _), _ = lax.scan(tick, (acc, x_buf, g_buf, res_buf), jnp.arange(ticks))
-        # Embed/head gradients live on their owners only (zeros elsewhere): one psum.
-        # Shards hold equal row counts, so the global mean is the mean of shard means.
+        # Embed/head gradients live on their owners only (zeros elsewhere): one psum
+        # over pipe. Shards hold equal row counts, so the global mean over the batch
+        # axes is the mean of the shard means.
+        def run_ticks(carry, first, last, ring=None, phase=None, offset=0):
+            """Ticks [first, last); with a ring, one of its steps beside each tick."""
+            if last <= first:
+                return carry
+            if ring is None:
+                return lax.scan(tick, carry, jnp.arange(first, last))[0]
+            step = ring.scatter_step if phase == "scatter" else ring.gather_step
+
+            def tick_and_step(c, t):
+                inner, state = c
+                inner, _ = tick(inner, t)
+                return (inner, step(state, t - first + offset)), None
+            return lax.scan(tick_and_step, carry, jnp.arange(first, last))[0]
+
+        carry, t0, synced, pending = (acc, x_buf, g_buf, res_buf), 0, {}, None
+        for end in sorted({sp.after_tick + 1 for sp in points} | {ticks}):
+            if pending is not None:
+                # The previous chunks' ring runs beside the next ticks, one step each:
+                # its reduce-scatter steps, then its all-gathers.
+                ring, state, done, unflatten, cs = pending
+                for phase, first_k, last_k in (("scatter", 0, ring.scatter_steps),
+                                               ("gather", ring.scatter_steps, ring.num_steps)):
+                    n = min(end - t0, last_k - done) if first_k <= done < last_k else 0
+                    if n > 0:
+                        carry, state = run_ticks((carry, state), t0, t0 + n, ring, phase, done - first_k)
+                        t0, done = t0 + n, done + n
+                pending = (ring, state, done, unflatten, cs)
+            carry = run_ticks(carry, t0, end)
+            t0 = end
+            here = [sp.chunk for sp in points if sp.after_tick + 1 == end]
+            if pending is not None:  # not finished behind the ticks: finish it now
+                ring, state, done, unflatten, cs = pending
+                for k in range(done, ring.num_steps):
+                    state = ring.step(state, k)
+                synced.update(zip(cs, unflatten(ring.finish(state)), strict=True))
+                pending = None
+            grads = [_take(carry[0]["blocks"], c) for c in here]
+            if end < ticks and n_batch > 1:  # ticks remain: hide the sync behind them
+                flat, unflatten = flatten(grads)
+                ring = RingSync(flat.size, BATCH, n_batch, sync_bucket_bytes)
+                pending = (ring, ring.start(flat, (AXIS,)), 0, unflatten, here)
+            else:
+                synced.update(zip(here, [jax.tree.map(lambda g: lax.pmean(g, BATCH), g) for g in grads],
+                                  strict=True))
+        acc = carry[0]
         loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
-        d_embed = jax.tree.map(lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype),
-                               acc["embed"], embed_p)
-        d_head = jax.tree.map(lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype),
-                              acc["head"], head_p)
-        d_blocks = jax.tree.map(lambda g, x: lax.pmean(g, BATCH).astype(x.dtype)[None],
-                                acc["blocks"], chunks)
-        return loss, d_embed, d_blocks, d_head
+        owned = lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype)  # noqa: E731
+        synced["embed"] = jax.tree.map(owned, acc["embed"], embed_p)
+        synced["head"] = jax.tree.map(owned, acc["head"], head_p)
+        d_blocks = jax.tree.map(lambda x, *cs: jnp.stack(cs).astype(x.dtype)[None], chunks,
+                                *(synced[c] for c in range(v)))
+        return loss, synced["embed"], d_blocks, synced["head"]
 
     def run(embed_p, blocks_p, head_p, inputs, targets):
         num_layers = jax.tree.leaves(blocks_p)[0].shape[0]

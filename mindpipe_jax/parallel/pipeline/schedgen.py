@@ -1,4 +1,4 @@
-"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1), ``from_orders`` for
+"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, ZB-H1, AFAPAB), ``from_orders`` for
 new ones, and the name -> generator registry.
 
 Each generator gives every device its ordered task list; ``from_orders`` packs
@@ -145,6 +145,24 @@ def zb_h1(p: int, m: int) -> Schedule:
     return from_orders(orders, num_microbatches=m, virtual_stages=1, name="zb-h1")
 
 
+def afapab(p: int, m: int, v: int = 2) -> Schedule:
+    """AFAPAB (All-Forward, All-Parallel, All-Backward; Fold3D, TPDS 2023): the model is
+    cut into ``p * v`` chunks placed round-robin (global stage ``c * p + s`` on device
+    ``s``); every device runs the forwards of all microbatches chunk by chunk
+    (chunk 0 first), then all the backwards chunk by chunk in reverse (chunk
+    ``v - 1`` first, microbatches in reverse). A chunk's last backward therefore
+    comes ``(v - 1 - c)`` chunk-rounds before the end of the step, and the
+    data-parallel gradient sync of that chunk can run behind the backwards still
+    to come (``gradsync.sync_points``). Live activations: every microbatch of every
+    chunk (``v m`` on a device), as in GPipe; pair it with stage remat.
+    Ticks: ``2(v m + p - 1)`` when ``m >= p``."""
+    _check_sizes(p, m, v)
+    forwards = [Task(i, c, Kind.F) for c in range(v) for i in range(m)]
+    backwards = [Task(i, c, Kind.BW) for c in reversed(range(v)) for i in reversed(range(m))]
+    return from_orders([forwards + backwards for _ in range(p)], num_microbatches=m, virtual_stages=v,
+                       name="afapab")
+
+
 # ------------------------------------------------------------------- registry
 Generator = Callable[[int, int, int], Schedule]
 
@@ -165,6 +183,7 @@ SCHEDULES: dict[str, Generator] = {
     "1f1b": _flat(one_f_one_b, "1f1b"),
     "interleaved": interleaved,
     "zb-h1": _flat(zb_h1, "zb-h1"),
+    "afapab": afapab,
 }
 
 

@@ -60,6 +60,7 @@ from mindpipe_jax.parallel.pipeline.schedcheck import interleaved_placement
 from mindpipe_jax.parallel.pipeline.schedgen import (
     SCHEDULES,
     Generator,  # noqa: F401  (public names of the old single module stay importable)
+    afapab,
     from_orders,
     get_schedule,
     gpipe,
@@ -83,5 +84,5 @@ from mindpipe_jax.parallel.pipeline.schedtypes import (
 __all__ = [
     "Kind", "Task", "Schedule", "ScheduleError", "ScheduleReport", "Timeline",
     "validate", "from_orders", "interleaved_placement", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
-    "SCHEDULES", "register_schedule", "get_schedule", "DEFAULT_COST",
+    "afapab", "SCHEDULES", "register_schedule", "get_schedule", "DEFAULT_COST",
 ]
