@@ -5,6 +5,7 @@ The curated public API::
     import mindpipe_jax as mp
     cfg = mp.load_config("examples/configs/default.toml", ["train.steps=100"])
     result = mp.train(config=cfg)
+    supernet = mp.train_supernet(config=cfg.replace("parallel.subnet=4", "parallel.data=2"))
 """
 
 from mindpipe_jax.config import (
@@ -14,6 +15,7 @@ from mindpipe_jax.config import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    SupernetConfig,
     TrainConfig,
     load_config,
 )
@@ -21,6 +23,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import GPT, flops_per_token
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for
+from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
 from mindpipe_jax.train.checkpoint import Checkpointer
 from mindpipe_jax.train.loop import TrainResult, train
 
@@ -28,5 +31,5 @@ __all__ = [
     "Config", "DataConfig", "DistributedConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "TrainConfig", "load_config", "ConfigError", "GPT", "flops_per_token", "make_mesh",
     "setup_runtime", "RULES", "check_sharded_as_rules", "constrain", "spec_for", "Checkpointer",
-    "TrainResult", "train",
+    "TrainResult", "train", "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet",
 ]

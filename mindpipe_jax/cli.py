@@ -9,6 +9,8 @@ Subcommands:
 * ``mindpipe plan [--config FILE] [section.key=value ...] [--budget-mb N] [--out FILE]`` — measure
   the model's layer costs on this machine and print the vPipe partition: layers, predicted time,
   memory and remat per stage, and the predicted utilization; draw it with ``--out``.
+* ``mindpipe supernet [--config FILE] [section.key=value ...]`` — SPara: train the reference
+  supernet (``mindpipe_jax.supernet.train_supernet``), then print the search's best subnets.
 
 A user mistake (``ConfigError``) becomes one line on stderr and exit status 2; a
 run stopped by a non-finite loss exits 3, a multi-host run whose processes could
@@ -306,6 +308,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also draw per-stage time and per-device memory bars to FILE "
                              "(.png, .svg or .pdf); its directory must exist")
     p_plan.set_defaults(func=_cmd_plan, parser=p_plan)
+
+    p_supernet = sub.add_parser(
+        "supernet", formatter_class=fmt,
+        help="SPara: train a weight-sharing supernet (many subnets per step), then search it",
+        description=textwrap.dedent("""\
+            Train the reference supernet (the GPT of the model section with searchable
+            blocks: FFN operator, FFN width, attention heads, depth; see the supernet
+            section) with supernet.subnets_per_step subnets per step, split over
+            parallel.subnet device groups and each subnet's batch over parallel.data.
+            The parameters are bitwise identical for any such split of the devices.
+            Then run the evolutionary search on the validation split and print the best
+            subnets with their validation loss and parameter count."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              mindpipe supernet parallel.subnet=4 parallel.data=2 train.steps=100
+              mindpipe supernet supernet.semantics=causal supernet.search_max_params=500000
+            """) + "\n" + "\n".join([_OVERRIDES_HELP, _sections_help(), _ERRORS]))
+    _add_config_args(p_supernet)
+    p_supernet.set_defaults(func=_cmd_supernet, parser=p_supernet)
     return parser
 
 
@@ -453,6 +474,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
+    return 0
+
+
+def _cmd_supernet(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from mindpipe_jax.supernet import train_supernet  # runs setup_runtime before any other JAX operation
+
+    result = train_supernet(config=cfg)  # prints progress and the search table
+
+    import jax
+
+    best = result.search.top[0] if result.search and result.search.top else None
+    if best is not None and jax.process_index() == 0:
+        print(f"done: {cfg.train.steps} steps | best subnet {best['subnet']} ({best['arch']}) | "
+              f"validation loss {best['loss']:.4f} | {best['params']:,} parameters", flush=True)
     return 0
 
 

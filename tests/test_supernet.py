@@ -406,3 +406,22 @@ def test_train_supernet_then_search_under_a_parameter_budget():
     evaluate = make_evaluator(result.spec, result.mesh, vmap_width=1, virtual_shards=8, pad_to=6)
     again = evaluate(result.state["params"], np.asarray([t["subnet"] for t in top], np.int32), batches)
     assert again.tolist() == [np.float32(t["loss"]).item() for t in top]
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_supernet_help_and_one_line_errors(capsys):
+    from mindpipe_jax.cli import main
+
+    assert main(["supernet", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.subnet" in out and "supernet.semantics=causal" in out and "  supernet:" in out
+    assert main(["supernet", "supernet.semantics=async"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "supernet.semantics='async'" in err and "'sync', 'causal'" in err
+    # Checked against the mesh before anything is compiled or read.
+    assert main(["supernet", "parallel.subnet=8", "parallel.data=1", "supernet.subnets_per_step=4",
+                 'data.source="synthetic"']) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "supernet.subnets_per_step=4 must be divisible by parallel.subnet" in err
