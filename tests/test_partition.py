@@ -324,3 +324,29 @@ def test_plan_command_bad_input_exits_2(argv, words, tmp_path, capsys, monkeypat
     err = captured.err.strip()
     assert err.startswith("mindpipe: error:") and "\n" not in err and words in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_measured_memory_decides_the_fit():
+    # A measurement that finds 60% more than the model: the plan keeps moving stages to
+    # leaner policies until the measurement fits, and reports the measured figure.
+    prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
+                         residual_bytes=8e6, dots_residual_bytes=3e6, dots_recompute_s=0.25)
+    opts = ("none", "dots", "full")
+    modelled = partition(prof, p=4, m=8, remat_options=opts)
+    budget = 0.8 * modelled.spmd_memory_bytes
+    calls = []
+
+    def measure(remat, counts):
+        calls.append((remat, counts))
+        return 1.6 * partition_mod._spmd_memory(
+            partition_mod._Model(prof, 4, False), get_schedule("1f1b", 4, 8),
+            [range(sum(counts[:g]), sum(counts[:g + 1])) for g in range(4)], list(remat), PARAM_COPIES)[0]
+
+    by_model = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=budget)
+    measured = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=budget,
+                         measure_memory=measure)
+    assert measure(by_model.remat, by_model.counts) > budget  # the model's plan does not fit
+    assert calls and measured.spmd_memory_bytes <= budget
+    assert measured.spmd_memory_bytes == pytest.approx(measure(measured.remat, measured.counts))
+    leaner = sum(map(REMAT_POLICIES.index, measured.remat))
+    assert leaner > sum(map(REMAT_POLICIES.index, by_model.remat))

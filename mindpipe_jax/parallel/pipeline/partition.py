@@ -340,7 +340,9 @@ def _check_int(name: str, value, low: int = 1) -> int:
 def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: str | Schedule = "1f1b",
               memory_budget_bytes: float | None = None, remat_options: Sequence[str] = ("none", "full"),
               param_copies: float = PARAM_COPIES, link: Link | float | None = None,
-              fit_spmd: bool = True) -> PipelinePlan:
+              fit_spmd: bool = True,
+              measure_memory: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None
+              ) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
     each stage; see the module docstring for the cost and memory model.
 
@@ -367,7 +369,10 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     With ``fit_spmd`` (the default) the SPMD runtime then gets the same budget
     checked against its own buffers (``_fit_spmd``), which can move a stage to a
     policy that keeps less; ``fit_spmd=False`` keeps the per-device optimum (what
-    a runtime with per-device buffers would run).
+    a runtime with per-device buffers would run). ``measure_memory(remat, counts)``,
+    when given, replaces the model in that check with a measurement (the bytes per
+    device of the compiled step for those policies and layer counts — the
+    ahead-of-time check the tuner uses), and ``spmd_memory_bytes`` is then measured.
     """
     if not isinstance(profile, ProfiledModel):
         raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
@@ -445,7 +450,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         return {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
 
     chosen, spmd = _fit_spmd(model, sched, spans, chosen, options, budget if fit_spmd else None,
-                             param_copies)
+                             param_copies, measure_memory)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     memory = _memory(sched, spans, figs, param_copies)
     costs = stage_costs(figs)
@@ -495,26 +500,52 @@ def _spmd_memory(model: _Model, sched: Schedule, spans, chosen, param_copies: fl
     return total, {r: (buffers[r], owner[r]) for r in buffers}
 
 
-def _fit_spmd(model: _Model, sched: Schedule, spans, chosen, options, budget, param_copies):
-    """Make the SPMD runtime's figure fit the budget: the stage that sets the biggest
-    residual buffer's depth moves to the next policy in ``options`` that keeps less."""
+def _fit_spmd(model: _Model, sched: Schedule, spans, chosen, options, budget, param_copies,
+              measure: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None):
+    """Make the SPMD runtime fit the budget: while it does not, move the stage whose
+    next leaner policy in ``options`` saves the most modelled bytes per second of
+    recompute added. "Fits" is judged by ``measure(remat, counts)`` (e.g. the compiled
+    program's temp bytes) when given, else by the model (``_spmd_memory``).
+    Returns (policies, the figure that was judged)."""
     chosen = list(chosen)
+    counts = tuple(len(r) for r in spans)
     less = {"none": ("dots", "full"), "dots": ("full",)}
     while True:
-        total, buffers = _spmd_memory(model, sched, spans, chosen, param_copies)
+        modelled, _ = _spmd_memory(model, sched, spans, chosen, param_copies)
+        total = float(measure(tuple(chosen), counts)) if measure is not None else modelled
         if budget is None or total <= budget:
             return chosen, total
-        for _, g in sorted(buffers.values(), reverse=True):
-            nxt = [o for o in less.get(chosen[g], ()) if o in options]
-            if nxt:
-                chosen[g] = nxt[0]
-                break
-        else:
+        # A move: stage g, with every stage of the same policy holding at least as many
+        # microbatches in flight, goes to its next leaner policy (moving only the
+        # stage that sets a buffer's depth may save nothing while the next sets it).
+        inflight = sched.peak_in_flight()
+        p = sched.num_stages
+        best = None
+        for g in range(len(spans)):
+            nxt = next((o for o in less.get(chosen[g], ()) if o in options), None)
+            if nxt is None:
+                continue
+            group = [k for k in range(len(spans)) if chosen[k] == chosen[g]
+                     and inflight[k % p] >= inflight[g % p]]
+            trial = chosen.copy()
+            for k in group:
+                trial[k] = nxt
+            saved = modelled - _spmd_memory(model, sched, spans, trial, param_copies)[0]
+            if saved <= 0:
+                continue
+            added = sum(model.stage(k, spans[k].start, spans[k].stop, nxt)["time"]
+                        - model.stage(k, spans[k].start, spans[k].stop, chosen[k])["time"] for k in group)
+            key = max(added, 0.0) / saved
+            if best is None or key < best[0]:
+                best = (key, group, nxt)
+        if best is None:
             raise ConfigError(
                 f"memory budget {budget / MB:.1f} MB per device is too small for the SPMD runtime: "
-                f"remat {'/'.join(chosen)} needs {total / MB:.1f} MB (each policy's buffer as deep as "
-                f"its deepest stage); raise the budget, allow remat {', '.join(REMAT_POLICIES)}, add "
-                f"stages or use fewer microbatches")
+                f"remat {'/'.join(chosen)} needs {total / MB:.1f} MB ({'compiled' if measure else 'model'}"
+                f"; each policy's buffer as deep as its deepest stage); raise the budget, allow remat "
+                f"{', '.join(REMAT_POLICIES)}, add stages or use fewer microbatches")
+        for k in best[1]:
+            chosen[k] = best[2]
 
 
 def _memory(sched: Schedule, spans, figs, param_copies: float):
