@@ -54,11 +54,11 @@ inside a conditional that only some devices take cannot be matched on XLA:CPU
 for the same reason.
 
 Why ``custom_vjp`` around each ``shard_map``, and ``check_vma=False``. The
-primitives must run both in the plain data x tensor step (``tensor`` automatic
-in a ``jit``) and inside the pipeline runtime's ``shard_map``, which is already
-manual over ``pipe``/``data``/``fsdp`` with ``tensor`` left automatic; so each is
-a ``shard_map`` manual over ``tensor`` only (``axis_names={'tensor'}``), nested
-there. In JAX 0.10, differentiating a nested ``shard_map`` with ``check_vma=True``
+primitives run in the plain data x tensor step (``tensor`` automatic in a
+``jit``) and must also nest inside a ``shard_map`` that is already manual over
+the batch axes with ``tensor`` left automatic (the pipeline runtime's shape, or a
+user's own step); so each is a ``shard_map`` manual over ``tensor`` only
+(``axis_names={'tensor'}``). In JAX 0.10, differentiating a nested ``shard_map`` with ``check_vma=True``
 gives its residuals a spec that names the *outer* manual axes (``nospec`` takes
 the value's whole varying set), which Shardy then rejects ("operates on axis
 'data' which is already bound by a parent"); with ``check_vma=False`` the
@@ -72,7 +72,8 @@ because that is where the overlap of the backward comes from.
 XLA overlaps the ``ppermute`` of a step with that step's matmul only where
 collectives are asynchronous (GPU with the latency-hiding scheduler; see
 ``benchmarks/gpu/xla_flags.sh``). XLA:CPU runs them one after another, so on the
-CPU the option costs p small matmuls and p-1 transfers instead of one of each.
+CPU the option costs p small matmuls and p-1 transfers instead of one of each,
+and saves the norms and adds that every device otherwise repeats on all rows.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ __all__ = ["TENSOR", "tensor_size", "refuse_in_pipeline", "tensor_spec", "rows_s
 
 TENSOR = "tensor"
 ROWS = 1  # activations are [batch, length, ...]: rows are sequence positions
+
 
 def tensor_size() -> int:
     """Size of the ``tensor`` axis that a collective matmul may split over here: 1
@@ -118,9 +120,10 @@ def refuse_in_pipeline() -> None:
     device. On XLA:CPU a ``collective-permute`` inside a branch rendezvouses with
     *all* devices of the program, and every ring step carries the same channel id:
     with stages on different branches the ppermutes hang, or pair up with another
-    stage's and compute wrong values (seen: loss off by 6e-3 with 1F1B). The
-    primitives themselves nest in the pipeline's ``shard_map`` (tests check that);
-    the conditional is what they cannot live in, so the combination is refused."""
+    stage's and compute wrong values (seen with 1F1B: losses off by 1e-3 to 2e-2;
+    with stage_remat="full": a hang). The primitives themselves nest in a
+    ``shard_map`` like the pipeline's (tests check that); the conditional is what
+    they cannot live in, so the combination is refused."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and "pipe" in getattr(mesh, "manual_axes", ()) and mesh.shape["pipe"] > 1:
         raise ConfigError(
