@@ -275,3 +275,5 @@ def test_pipeline_with_collective_matmul_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.collective_matmul=true .*parallel\.pipe=2"):
         _train(tmp_path, "pipe", "model.collective_matmul=true", "parallel.pipe=2", "parallel.tensor=2",
                "parallel.data=2", "parallel.microbatches=2", "parallel.schedule=1f1b")
+    # Refused before anything is written.
+    assert not any(tmp_path.rglob("config.json"))

@@ -118,6 +118,12 @@ def check_step_config(cfg: Config, mesh) -> None:
         raise ConfigError(
             f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages) "
             f"summing to model.n_layers={cfg.model.n_layers}")
+    if cfg.model.collective_matmul and mesh.shape["pipe"] > 1 and mesh.shape["tensor"] > 1:
+        # The rings' collective-permutes would sit inside the pipeline's per-device
+        # branches, where XLA:CPU pairs them across all devices (wrong sums or a hang).
+        raise ConfigError(f"model.collective_matmul=true does not compose with a pipeline "
+                          f"(parallel.pipe={mesh.shape['pipe']} with parallel.tensor={mesh.shape['tensor']}); "
+                          f"set model.collective_matmul=false or parallel.pipe=1")
     remat = cfg.parallel.stage_remat
     if not isinstance(remat, str) and len(remat) != stages:
         raise ConfigError(f"parallel.stage_remat={list(remat)} must list {stages} policies (pipe x "
