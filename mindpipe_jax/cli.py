@@ -35,7 +35,6 @@ from mindpipe_jax.errors import (
     EXIT_DISTRIBUTED,
     EXIT_NONFINITE,
     ConfigError,
-    DistributedError,
     NonFiniteError,
 )
 from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
@@ -508,9 +507,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
-    except DistributedError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
-        return EXIT_DISTRIBUTED
     except KeyboardInterrupt:
         newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
         print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)

@@ -6,8 +6,10 @@
   what would be valid. The CLI prints that line and exits with status 2.
 * ``NonFiniteError`` — training met a non-finite loss or gradient norm with
   ``train.nonfinite="stop"``. The last good checkpoint is left as it was. Exit 3.
-* ``DistributedError`` — the processes of a multi-host run could not start or
-  lost one another (a peer that never joined, or died). Exit 4.
+* ``EXIT_DISTRIBUTED`` (4) — the processes of a multi-host run could not start
+  or lost one another. That is reported where it is found (a watchdog during
+  start-up, the CLI after a failed collective) and the process exits at once:
+  JAX's exit path would otherwise wait for the missing process and abort.
 
 Anything else is a bug and keeps its traceback.
 """
@@ -43,10 +45,3 @@ class NonFiniteError(RuntimeError):
         self.step = step
         self.group = group
         self.last_checkpoint = last_checkpoint
-
-
-class DistributedError(RuntimeError):
-    """The processes of a multi-host run did not all start, or one of them died."""
-
-    def __init__(self, message: str):
-        super().__init__(_one_line(message))

@@ -44,7 +44,7 @@ MH = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=
 DATA_TENSOR = ["parallel.data=4", "parallel.tensor=2"]
 PIPELINE = ["parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2",
             "parallel.schedule=1f1b"]
-DETERMINISTIC = ["parallel.data=8", "parallel.tensor=1", "train.deterministic=true", "train.steps=3"]
+DETERMINISTIC = ["parallel.data=8", "parallel.tensor=1", "train.deterministic=true", "train.steps=2"]
 CHILD = ["parallel.simulate_cpu_devices=4"]
 TIMEOUT_S = 300
 
@@ -114,10 +114,14 @@ def _compare(single, cluster, *, bitwise: bool) -> None:
     assert len(flat_a) == len(flat_b) > 10
     for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
         x, y = np.asarray(x), np.asarray(y)
+        name = jax.tree_util.keystr(path)
         if bitwise:
-            assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: max |diff| {np.abs(x - y).max()}"
+            assert x.tobytes() == y.tobytes(), f"{name}: max |diff| {np.abs(x - y).max()}"
         else:
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+            # The all-reduce sums in another order (~1e-7 relative per step); Adam turns
+            # that into ~1e-6 on near-zero weights after a few steps. A wrong row or a
+            # missed update moves weights by ~lr = 3e-3.
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
 def _check_one_writer(outputs: list[str], out_dir: Path) -> None:

@@ -32,7 +32,7 @@ from cli_procs import Train, cli_env, run_train
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
 from mindpipe_jax.errors import NonFiniteError
-from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore
+from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore, verify_checksums
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
@@ -148,7 +148,6 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, ref
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_a_checkpoint_exits_0_and_resume_continues(sig, reference, compile_cache, tmp_path):
-    ref = reference("dense")
     out = tmp_path / "run"
     args = [*BASE, *LAYOUTS["dense"], f"train.out_dir={out}"]
     env = cli_env(compile_cache)
@@ -164,11 +163,14 @@ def test_signal_saves_a_checkpoint_exits_0_and_resume_continues(sig, reference, 
     assert f"checkpoint saved in {out / 'checkpoints' / str(stopped)};" in lines[0]
     assert "--resume" in lines[0] and "done:" not in child.output
     assert committed_steps(out / "checkpoints")[-1] == stopped
+    if sig == signal.SIGINT:
+        return  # the stop is the same as SIGTERM's; resuming it is checked once, below
 
     rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
     assert rc == 0, output[-4000:]
     assert f"resuming at step {stopped}" in output
-    _assert_bitwise(_final_state(ref, "dense"), _final_state(out, "dense"), f"{name} at step {stopped}")
+    _assert_bitwise(_final_state(reference("dense"), "dense"), _final_state(out, "dense"),
+                    f"{name} at step {stopped}")
 
 
 # --- non-finite losses (in-process) ----------------------------------------------------------
@@ -180,47 +182,62 @@ NAN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len
 HUGE_LR = "optim.lr=1e30"  # one update makes the weights overflow: the next loss is NaN
 
 
-def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_checkpoints(tmp_path, capsys):
-    out = tmp_path / "run"
-    mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={out}", "train.steps=4",
-             "train.checkpoint_every=2")
-    before = _snapshot(out / "checkpoints")
-    # Resumed with an absurd learning rate: step 5 is finite and ruins the weights,
-    # step 6 is the first non-finite one. Step 6 is also a checkpoint step.
-    with pytest.raises(NonFiniteError) as err:
-        mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={out}", "train.steps=8",
-                 "train.checkpoint_every=2", "train.resume=true", HUGE_LR)
-    e = err.value
-    assert e.step == 6, str(e)
+def _leaf_names() -> list[str]:
     cfg = mp.Config().replace(*NAN)
-    names = nonfinite_leaf_names(model_spec(lambda r: mp.GPT(cfg.model, rngs=r), mp.make_mesh(cfg.parallel),
-                                            0)[0].abstract_params)
-    assert e.group in names and f"'{e.group}'" in str(e)
-    assert str(e).startswith("step 6: non-finite loss") and "\n" not in str(e)
-    assert e.last_checkpoint == out / "checkpoints" / "4" and "step 4" in str(e)
-    assert _snapshot(out / "checkpoints") == before  # nothing saved, nothing touched
+    spec = model_spec(lambda r: mp.GPT(cfg.model, rngs=r), mp.make_mesh(cfg.parallel), 0)[0]
+    return nonfinite_leaf_names(spec.abstract_params)
 
-    # The command line: the same line, exit status 3, no traceback.
-    capsys.readouterr()
-    code = main(["train", *NAN, f"train.out_dir={out}", "train.steps=8", "train.checkpoint_every=2",
-                 "--resume", HUGE_LR])
-    err_text = capsys.readouterr().err
-    assert code == 3, err_text
-    assert err_text.count("\n") == 1 and err_text.startswith("mindpipe: error: step 6: non-finite")
-    assert _snapshot(out / "checkpoints") == before
+
+def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_the_checkpoint(tmp_path):
+    # With lr 1e30, step 1 is finite (and checkpointed) and ruins the weights: step 2
+    # is the first non-finite step, and a checkpoint step too.
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteError) as err:
+        mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={out}", "train.steps=4",
+                 "train.checkpoint_every=1", HUGE_LR)
+    e, ckpt = err.value, out / "checkpoints"
+    assert e.step == 2 and str(e).startswith("step 2: non-finite loss") and "\n" not in str(e), str(e)
+    assert e.group in _leaf_names() and f"'{e.group}'" in str(e)
+    assert e.last_checkpoint == ckpt / "1" and f"step 1, {ckpt / '1'}" in str(e)
+    # Nothing of step 2 was written; step 1 is complete, and its bytes match its checksums.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1"] and committed_steps(ckpt) == [1]
+    cfg = mp.Config().replace(*NAN, HUGE_LR)
+    mesh = mp.make_mesh(cfg.parallel)
+    spec, _ = model_spec(lambda r: mp.GPT(cfg.model, rngs=r), mesh, 0)
+    tx = make_optimizer(cfg.optim, 4, spec.decay_mask)
+    state, _, meta = restore(ckpt, 1, abstract_train_state(spec, tx, mesh))
+    assert verify_checksums(state, meta) is None and int(state["step"]) == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state)))
+
+
+def test_nonfinite_error_is_one_line_and_exit_3_on_the_command_line(monkeypatch, capsys):
+    def diverged(**_):
+        raise NonFiniteError("step 7: non-finite loss nan; training stopped", step=7, group="loss")
+
+    monkeypatch.setattr(mp, "train", diverged)
+    assert main(["train", "train.steps=9"]) == 3
+    assert capsys.readouterr().err == "mindpipe: error: step 7: non-finite loss nan; training stopped\n"
 
 
 def test_nonfinite_skip_leaves_bad_updates_out_inside_the_step(tmp_path):
     # With lr 1e30 step 1 is finite and every later step is NaN. Skipping them must
-    # leave params and optimizer state exactly as after step 1.
+    # keep params and optimizer state exactly as step 1 left them: the checkpoints of
+    # steps 2..4 hold the bits of step 1's.
     skip = mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={tmp_path / 'skip'}", "train.steps=4",
-                    HUGE_LR, "train.nonfinite=skip")
-    one = mp.train(None, None, mp.Config(), *NAN, f"train.out_dir={tmp_path / 'one'}", "train.steps=1",
-                   HUGE_LR, "train.nonfinite=skip")
-    assert skip.skipped_steps == 3 and one.skipped_steps == 0
-    assert skip.step == 4  # the steps still count: the data and the schedule moved on
+                    "train.checkpoint_every=1", "train.keep_checkpoints=4", HUGE_LR,
+                    "train.nonfinite=skip")
+    assert skip.skipped_steps == 3 and skip.step == 4  # the steps still count: data and schedule move on
     assert [np.isfinite(h["loss"]) for h in skip.history] == [True, False, False, False]
     assert [h["skipped_steps"] for h in skip.history] == [0, 1, 2, 3]
-    _assert_bitwise(jax.device_get(one.state["params"]), jax.device_get(skip.state["params"]), "params")
-    _assert_bitwise(jax.device_get(one.state["opt"]), jax.device_get(skip.state["opt"]), "opt")
+    cfg = mp.Config().replace(*NAN, HUGE_LR)
+    mesh = mp.make_mesh(cfg.parallel)
+    spec, _ = model_spec(lambda r: mp.GPT(cfg.model, rngs=r), mesh, 0)
+    tx = make_optimizer(cfg.optim, 4, spec.decay_mask)
+    ckpt = tmp_path / "skip" / "checkpoints"
+    states = {n: restore(ckpt, n, abstract_train_state(spec, tx, mesh)) for n in (1, 2, 3, 4)}
+    for n in (2, 3, 4):
+        for item in ("params", "opt"):
+            _assert_bitwise(jax.device_get(states[1][0][item]), jax.device_get(states[n][0][item]),
+                            f"{item} after skipped step {n}")
+        assert states[n][2]["skipped_steps"] == n - 1  # the count survives a resume
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(skip.state)))
