@@ -1,0 +1,552 @@
+"""Simulator vs a real 2-process pipeline: measured step time against predicted.
+
+Two worker processes on 127.0.0.1 (``jax.distributed``, one CPU device each,
+``--xla_cpu_multi_thread_eigen=false``, each pinned to its own core when the
+machine has two) form a mesh ``pipe=2`` and run the vPipe runtime
+(``runtime.pipeline_grads``, residual mode) on the reference GPT, split in two
+stages, for several schedules and microbatch counts. The parent process calibrates
+the simulator on some of those runs, predicts the step time of the others with
+``simulate(..., mode="neighbour")`` and prints measured against predicted.
+
+Measurement. Every configuration is compiled once, warmed up, then called once
+per round, round-robin, for ``--rounds`` rounds: the load of other jobs on this
+shared machine drifts, and round-robin makes it hit every configuration alike.
+``measured`` is the median wall time of a call on process 0 (the step ends with
+a ``psum`` over both processes, so both see the same time).
+
+Calibration (only the runs marked ``calibration``, 1 or 2 microbatches):
+
+* Per-task costs, in the runtime form that is predicted. In every round the
+  calibration runs are also called once under ``jax.profiler``; the XLA CPU
+  thunk trace gives, per device and tick, when the tick's two ``ppermute``s
+  started and ended. A device's *busy* time in a tick is everything outside the
+  two ppermutes (its task, slot reads and writes, the idle branch); the ppermute
+  time is waiting for the other device plus the transfer. Medians over ticks
+  >= 1 (tick 0 also pays the loop entry) and rounds, per (device, task kind,
+  global stage): ``tick_overhead[s]`` = busy of an idle tick on device ``s``,
+  task cost = busy - ``tick_overhead[s]``.
+* Transfers: a dedicated probe times a ``ppermute`` of 16 KiB to 4 MiB (both
+  directions at once, as in the runtime) in a loop and fits ``time = α + n / bw``
+  (``simulate.fit_alpha_beta``).
+* What the simulator does not model — dispatch, the set-up before the tick loop
+  (allocating and filling the slot buffers; it grows with the buffers) and the
+  gradient ``psum`` after it — is fitted as ``a_v + b x`` where ``x`` is the
+  step's temp memory (``memory_analysis().temp_size_in_bytes``, mostly slot
+  buffers) and ``a_v`` a constant per chunk layout ``v``, by least squares on
+  the calibration runs' measured minus simulated step times.
+
+Prediction: ``neighbour`` simulates what the runtime does (per-device clocks; every
+tick each device runs its task and bookkeeping, then two ppermutes in a row, and
+waits only for its ring neighbours); ``lockstep`` is the global-barrier model
+(one overlapped exchange per tick) for comparison. Both get the same costs and
+set-up term. The error is (predicted - measured) / measured.
+
+Usage: ``python benchmarks/pipeline_2proc.py [--rounds 12] [--out FILE] [--smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import gzip
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FULL = dict(vocab=256, seq=64, d_model=128, heads=4, layers=4, rows=8)
+SMOKE = dict(vocab=64, seq=16, d_model=32, heads=2, layers=4, rows=4)
+
+
+def configurations(smoke: bool) -> list[dict]:
+    """(schedule, m, v, role). Calibration covers every (device, task kind, global
+    stage) the predicted runs use, at 1 or 2 microbatches."""
+    def c(name, m, v=1, role="prediction"):
+        return dict(key=f"{name} v={v} m={m}", schedule=name, m=m, v=v, role=role)
+
+    if smoke:   # two compiles only: the test that runs this must stay short
+        return [c("gpipe", 2, role="calibration"), c("1f1b", 4)]
+    # The m = 2 run of every schedule: a task's cost on this machine depends on what
+    # the other core runs meanwhile (they share caches and memory, and other jobs
+    # move to whichever core idles), so calibration runs show the same pairings as
+    # the predicted ones; 1f1b at m = 1 adds a smaller buffer for the set-up fit.
+    schedules = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+    calib = [c("1f1b", 1, role="calibration")] + [c(name, 2, v, role="calibration") for name, v in schedules]
+    preds = [c(name, m, v) for name, v in schedules for m in (4, 8)]
+    return calib + preds
+
+
+# ====================================================================== worker
+def _trace_file(trace_dir: str) -> str:
+    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if len(files) != 1:
+        raise RuntimeError(f"expected one perfetto trace under {trace_dir}, found {files}")
+    return files[0]
+
+
+def tick_loop_names(hlo: str, ticks: int) -> tuple[str, str, list[str]]:
+    """HLO names of the module, of the tick loop (the entry computation's ``while``
+    with ``ticks`` iterations) and of its two collective-permutes."""
+    module = re.match(r"HloModule (\S+?),", hlo).group(1)
+    permutes = re.findall(r"%(\S+) = \S+ collective-permute\(", hlo)
+    entry = hlo[hlo.index("\nENTRY"):]
+    loop_re = r'%(\S+) = .*? while\(.*"known_trip_count":\{"n":"(\d+)"\}'
+    loops = [name for name, n in re.findall(loop_re, entry) if int(n) == ticks]
+    if len(permutes) != 2 or len(loops) != 1:
+        raise RuntimeError(f"cannot find the tick loop ({loops}) and its two ppermutes ({permutes})")
+    return module, loops[0], permutes
+
+
+def parse_trace(path: str, module: str, loop: str, permutes: list[str], ticks: int) -> list[dict]:
+    """Per profiled call, per tick: this device's busy time (everything outside the
+    two ppermutes, from the end of the previous tick's second ppermute, or the loop
+    start, to the start of this tick's first, plus the gap between the two) and the
+    time spent in each ppermute. Seconds."""
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    by_run: dict[str, list[dict]] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and args.get("hlo_module") == module and not e["name"].startswith("end:"):
+            by_run.setdefault(args.get("run_id"), []).append(e)
+    calls = []
+    for evs in by_run.values():
+        evs.sort(key=lambda e: e["ts"])
+        starts = [e["ts"] for e in evs if e["name"] == loop]
+        pp = [e for e in evs if e["name"] in permutes]
+        if not starts or len(pp) != 2 * ticks:
+            continue   # not a call of this executable
+        busy, waits, prev = [], [], starts[0]
+        for t in range(ticks):
+            a, b = pp[2 * t], pp[2 * t + 1]
+            busy.append(((a["ts"] - prev) + (b["ts"] - a["ts"] - a["dur"])) * 1e-6)
+            waits.append((a["dur"] + b["dur"]) * 1e-6)
+            prev = b["ts"] + b["dur"]
+        end = max(e["ts"] + e["dur"] for e in evs)
+        calls.append(dict(busy=busy, ppermute=waits, prologue=(starts[0] - evs[0]["ts"]) * 1e-6,
+                          epilogue=(end - prev) * 1e-6, total=(end - evs[0]["ts"]) * 1e-6))
+    return calls
+
+
+def worker(args) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
+                               process_id=args.worker, initialization_timeout=60)
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax import lax
+    from jax.experimental.multihost_utils import broadcast_one_to_all, sync_global_devices
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mindpipe_jax.config import ModelConfig, ParallelConfig
+    from mindpipe_jax.models.gpt import GPT
+    from mindpipe_jax.parallel.mesh import make_mesh
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+
+    def log(msg):
+        print(f"[worker {args.worker}] {msg}", flush=True)
+
+    spec = json.loads(Path(args.spec).read_text())
+    dims = spec["dims"]
+    cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
+                      n_layers=dims["layers"], n_heads=dims["heads"])
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    fns = stage_fns(model)
+    m_max = max(c["m"] for c in spec["configs"])
+    tokens = np.random.default_rng(0).integers(0, dims["vocab"], (m_max, dims["rows"], dims["seq"] + 1))
+    tokens = tokens.astype(np.int32)
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)   # stage s on process s
+    mesh = make_mesh(ParallelConfig(pipe=2, data=1, tensor=1, simulate_cpu_devices=0), devices=devices)
+    replicated = NamedSharding(mesh, P())
+    weights = jax.device_put((params["embed"], params["blocks"], params["head"]), replicated)
+    result = {"process": args.worker, "load": [os.getloadavg()[0]], "profiles": {}, "temp_bytes": {},
+              "times": {}, "probe": {}}
+
+    # Both processes compile and call the same executables in the same order (SPMD).
+    compiled = {}
+    for c in spec["configs"]:
+        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        run = pipeline_grads(fns, sched, mesh, remat=False)
+
+        def step(*a, run=run):
+            return run(*a)
+        # A name of its own: the profiler's events carry the module name, and the
+        # executables of different runs otherwise share every HLO name.
+        step.__name__ = step.__qualname__ = "step_" + re.sub(r"\W+", "_", c["key"])
+        data = jax.device_put((tokens[:c["m"], :, :-1], tokens[:c["m"], :, 1:]), replicated)
+        step_args = (*weights, *data)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            exe = jax.jit(step).lower(*step_args).compile()
+        result["temp_bytes"][c["key"]] = exe.memory_analysis().temp_size_in_bytes
+        profiled = c["role"] == "calibration" or spec["diagnose"]
+        names = tick_loop_names(exe.as_text(), sched.num_ticks) if profiled else None
+        compiled[c["key"]] = (exe, step_args, sched.num_ticks, names)
+        for _ in range(2):   # warm-up
+            jax.block_until_ready(exe(*step_args))
+        log(f"{c['key']}: compiled and warmed up in {time.perf_counter() - t0:.1f} s")
+
+    # Transfer probe: a loop of ppermutes of n bytes, both directions at once as in
+    # the runtime; seconds per ppermute = call time / iterations. Fixed sizes around
+    # the runtime's buffer, wide enough apart that the bandwidth term shows.
+    probe_iters = spec["probe_iters"]
+
+    def probe_fn(x):
+        return lax.fori_loop(0, probe_iters, lambda _, y: lax.ppermute(y, "pipe", [(0, 1), (1, 0)]), x)
+
+    probes = {}
+    for nbytes in spec["probe_bytes"]:
+        x = jax.device_put(jnp.ones((2, nbytes // 4), jnp.float32), NamedSharding(mesh, P("pipe")))
+        fn = jax.shard_map(probe_fn, mesh=mesh, in_specs=P("pipe"), out_specs=P("pipe"), axis_names={"pipe"})
+        exe = jax.jit(fn).lower(x).compile()
+        jax.block_until_ready(exe(x))
+        probes[nbytes] = (exe, x)
+    for _ in range(spec["probe_repeats"]):
+        for nbytes, (exe, x) in probes.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(x))
+            result["probe"].setdefault(str(nbytes), []).append((time.perf_counter() - t0) / probe_iters)
+    log("transfer probe done")
+
+    rounds_start = time.monotonic()
+    for r in range(spec["rounds"]):
+        # Calibration runs under the profiler (one call each), then every run timed. The
+        # barriers keep one process's profiler start-up or trace export out of the
+        # other's timed calls (a ppermute would wait for it).
+        sync_global_devices(f"profile {r}")
+        trace_dir = tempfile.mkdtemp(prefix=f"trace{args.worker}-{r}-", dir=args.tmp)
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0   # Python frames add overhead and are not needed
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
+        for exe, step_args, _, names in compiled.values():
+            if names is not None:
+                jax.block_until_ready(exe(*step_args))
+        jax.profiler.stop_trace()
+        sync_global_devices(f"time {r}")
+        for key, (exe, step_args, _, _) in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(*step_args))
+            result["times"].setdefault(key, []).append(time.perf_counter() - t0)
+        path = _trace_file(trace_dir)
+        for key, (_, _, ticks, names) in compiled.items():
+            if names is not None:
+                calls = parse_trace(path, *names, ticks)
+                if len(calls) != 1:
+                    raise RuntimeError(f"{key}: {len(calls)} profiled calls found in the trace instead of 1; "
+                                       f"this benchmark reads the XLA CPU runtime's per-thunk trace events")
+                result["profiles"].setdefault(key, []).extend(calls)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        log(f"round {r + 1}/{spec['rounds']} done")
+        # Stop early, on both processes alike, once the rounds have used their budget:
+        # a loaded machine must not push the run past the parent's timeout.
+        spent = np.array(time.monotonic() - rounds_start)
+        if r + 1 >= 3 and float(broadcast_one_to_all(spent)) * (r + 2) / (r + 1) > spec["budget_s"]:
+            log(f"time budget reached after {r + 1} rounds")
+            break
+    result["load"].append(os.getloadavg()[0])
+    Path(args.result).write_text(json.dumps(result))
+    log("done")
+
+
+# ====================================================================== parent
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, timeout_s: float) -> list[dict]:
+    """Run the two workers; return their results. Kills only the processes it started."""
+    tmp = tempfile.mkdtemp(prefix="pipeline_2proc-")
+    spec_path = os.path.join(tmp, "spec.json")
+    Path(spec_path).write_text(json.dumps(spec))
+    port = free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu",
+           "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    try:
+        for i in range(2):
+            log = open(os.path.join(tmp, f"worker{i}.log"), "w")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--port", str(port),
+                   "--spec", spec_path, "--tmp", tmp, "--result", os.path.join(tmp, f"result{i}.json")]
+            # One core each when there are two, so the two stages really run in parallel.
+            pin = (lambda core=cores[i]: os.sched_setaffinity(0, {core})) if len(cores) >= 2 else None
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           preexec_fn=pin), log))
+        deadline = time.monotonic() + timeout_s
+        failed = None
+        for i, (proc, _) in enumerate(procs):
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+            if rc != 0:
+                failed = failed or (i, rc)
+                break   # a dead peer leaves the other waiting until its own timeout
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    if failed:
+        tails = "\n".join(f"--- worker {i} ---\n{Path(tmp, f'worker{i}.log').read_text()[-4000:]}"
+                          for i in range(2))
+        what = "timed out" if failed[1] is None else f"exited with {failed[1]}"
+        raise RuntimeError(f"pipeline_2proc worker {failed[0]} {what}\n{tails}")
+    return [json.loads(Path(tmp, f"result{i}.json").read_text()) for i in range(2)]
+
+
+def _task_key(schedule, t: int, s: int):
+    task = schedule.table[t][s]
+    return "idle" if task is None else (task.kind.value, schedule.global_stage(s, task.chunk))
+
+
+def busy_samples(configs: list[dict], results: list[dict]) -> dict[tuple, list[float]]:
+    """(v, device, task key) -> busy seconds of that device in the ticks running that
+    task (key ``(kind, global stage)`` or ``"idle"``) in the profiled calls of ``configs``."""
+    from mindpipe_jax.parallel.pipeline import get_schedule
+
+    samples: dict[tuple, list[float]] = {}
+    first: dict[tuple, list[float]] = {}     # the same, from tick 0
+    for c in configs:
+        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        for s in range(2):
+            for call in results[s]["profiles"][c["key"]]:
+                for t in range(sched.num_ticks):
+                    # Tick 0 also pays the loop entry: used only for a task seen nowhere else.
+                    into = samples if t else first
+                    into.setdefault((c["v"], s, _task_key(sched, t, s)), []).append(call["busy"][t])
+    for key, xs in first.items():
+        samples.setdefault(key, xs)
+    return samples
+
+
+def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
+    """Costs for the simulator from the calibration runs (see the module docstring)."""
+    from mindpipe_jax.errors import ConfigError
+    from mindpipe_jax.parallel.pipeline.simulate import Link, StageCosts, fit_alpha_beta
+
+    med = statistics.median
+    samples = busy_samples([c for c in configs if c["role"] == "calibration"], results)
+    act_bytes = dims["rows"] * dims["seq"] * dims["d_model"] * 4
+    layouts = {}
+    for v in sorted({c["v"] for c in configs}):
+        overhead = [med(samples[(v, s, "idle")]) for s in range(2)]
+        G = 2 * v
+        table = {k: [0.0] * G for k in ("F", "B", "W", "BW")}
+        for (vv, s, key), xs in samples.items():
+            if vv == v and key != "idle":
+                kind, g = key
+                table[kind][g] = max(med(xs) - overhead[s], 0.0)
+        costs = StageCosts(F=table["F"], B=table["B"], W=table["W"], BW=table["BW"],
+                           activation_bytes=act_bytes)
+        layouts[v] = dict(overhead=overhead, costs=costs, table=table,
+                          counts={key: len(xs) for (vv, _, key), xs in samples.items() if vv == v})
+    probe = {int(n): med(ts) for n, ts in results[0]["probe"].items()}
+    try:
+        link, note = fit_alpha_beta(list(probe), list(probe.values())), ""
+    except ConfigError:   # noise larger than the size effect (a loaded machine, tiny sizes)
+        link = Link(latency_s=min(probe.values()))
+        note = " (times did not grow with size: latency only)"
+    return dict(layouts=layouts, link=link, probe=probe, act_bytes=act_bytes, link_note=note)
+
+
+def predict(configs, results, cal) -> list[dict]:
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.simulate import simulate
+
+    rows = []
+    for c in configs:
+        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        lay = cal["layouts"][c["v"]]
+        sim = {mode: simulate(sched, lay["costs"], link=cal["link"], mode=mode, tick_overhead=lay["overhead"])
+               for mode in ("neighbour", "lockstep")}
+        times = results[0]["times"][c["key"]]
+        q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+        rows.append(dict(c, ticks=sched.num_ticks, measured=statistics.median(times), q1=q[0], q3=q[2],
+                         calls=len(times), temp=results[0]["temp_bytes"][c["key"]],
+                         sim={k: r.step_time for k, r in sim.items()},
+                         util=sim["neighbour"].utilization))
+    # The set-up the simulator does not model: a_v + b * temp MiB, least squares on
+    # the calibration runs' measured - simulated step times (fitted for each mode on
+    # its own simulation, so neither mode is scored with the other's fit).
+    import numpy as np
+
+    calib = [r for r in rows if r["role"] == "calibration"]
+    vs = sorted({r["v"] for r in rows})
+    design = np.array([[float(r["v"] == v) for v in vs] + [r["temp"] / 2**20] for r in calib])
+    if np.linalg.matrix_rank(design) < design.shape[1]:   # too few calibration runs for the slope
+        design = design[:, :-1]
+    cal["setup"] = {}
+    for mode in ("neighbour", "lockstep"):
+        resid = np.array([r["measured"] - r["sim"][mode] for r in calib])
+        coef, *_ = np.linalg.lstsq(design, resid, rcond=None)
+        a = dict(zip(vs, coef[:len(vs)], strict=True))
+        b = float(coef[len(vs)]) if len(coef) > len(vs) else 0.0
+        cal["setup"][mode] = dict(a=a, b_per_MiB=b)
+        for r in rows:
+            r.setdefault("setup", {})[mode] = a[r["v"]] + b * r["temp"] / 2**20
+            r.setdefault("pred", {})[mode] = r["sim"][mode] + r["setup"][mode]
+    return rows
+
+
+class Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()
+
+
+def report(out, args, dims, configs, results, cal, rows) -> None:
+    ms = lambda x: f"{1e3 * x:.1f}"  # noqa: E731
+    rounds = len(next(iter(results[0]["times"].values())))
+    print(f"Model: reference GPT, {dims['layers']} layers (d_model {dims['d_model']}, {dims['heads']} heads, "
+          f"vocab {dims['vocab']}), seq {dims['seq']}, microbatch {dims['rows']} rows, fp32; p=2 stages on "
+          f"2 processes (127.0.0.1, one CPU device and one core each), vPipe runtime, residual mode "
+          f"(remat=False). {rounds} rounds; load average {results[0]['load'][0]:.1f} at the start, "
+          f"{results[0]['load'][1]:.1f} at the end.", file=out)
+    print("\nCalibration (from the calibration runs only):", file=out)
+    for v, lay in cal["layouts"].items():
+        print(f"  v={v}: tick overhead (busy time of an idle tick) device 0 {ms(lay['overhead'][0])} ms, "
+              f"device 1 {ms(lay['overhead'][1])} ms; task costs (busy - overhead), ms per global stage:",
+              file=out)
+        for kind, vals in lay["table"].items():
+            if any(vals):
+                cells = "  ".join(f"g{g} {ms(x):>6}" for g, x in enumerate(vals))
+                print(f"      {kind:<2} {cells}", file=out)
+    link = cal["link"]
+    probe = ", ".join(f"{n / 1024:.0f} KiB {1e3 * t:.3f} ms" for n, t in sorted(cal["probe"].items()))
+    print(f"  transfer probe (median per ppermute): {probe}", file=out)
+    print(f"  -> alpha {1e6 * link.latency_s:.0f} us, bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s"
+          f"{cal['link_note']}; the "
+          f"runtime's {cal['act_bytes'] / 1024:.0f} KiB buffer: {1e3 * link.time(cal['act_bytes']):.3f} ms "
+          f"per ppermute, two per tick", file=out)
+    for mode, fit in cal["setup"].items():
+        print(f"  set-up outside the tick loop, a_v + b x temp MiB (fit of measured - simulated, {mode}): "
+              + ", ".join(f"a(v={v}) {ms(x)} ms" for v, x in fit["a"].items())
+              + f", b {1e3 * fit['b_per_MiB']:.3f} ms per MiB", file=out)
+    prof = [(statistics.median(c["total"] for c in results[0]["profiles"][r["key"]]), r["measured"])
+            for r in rows if r["role"] == "calibration"]
+    print("  profiler check, calibration runs, profiled / unprofiled call (median): "
+          + ", ".join(f"{p / u:.2f}" for p, u in prof), file=out)
+
+    head = (f"\n{'schedule':<12} {'v':>1} {'m':>2} {'ticks':>5} {'role':<11} {'measured ms':>11} "
+            f"{'IQR ms':>13} {'neighbour ms':>12} {'err':>6} {'lockstep ms':>11} {'err':>6} "
+            f"{'set-up ms':>9} {'util':>9}")
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        err = {k: (p - r["measured"]) / r["measured"] for k, p in r["pred"].items()}
+        util = "/".join(f"{u:.2f}" for u in r["util"])
+        print(f"{r['schedule']:<12} {r['v']:>1} {r['m']:>2} {r['ticks']:>5} {r['role']:<11} "
+              f"{ms(r['measured']):>11} {ms(r['q1']) + '-' + ms(r['q3']):>13} "
+              f"{ms(r['pred']['neighbour']):>12} "
+              f"{err['neighbour']:>+6.1%} {ms(r['pred']['lockstep']):>11} {err['lockstep']:>+6.1%} "
+              f"{ms(r['setup']['neighbour']):>9} {util:>9}", file=out)
+    preds = [r for r in rows if r["role"] == "prediction"]
+    for mode in ("neighbour", "lockstep"):
+        errs = [abs(r["pred"][mode] - r["measured"]) / r["measured"] for r in preds]
+        inside = sum(e <= 0.15 for e in errs)
+        print(f"{mode}: predictions within +-15%: {inside}/{len(errs)}; max |err| {max(errs):.1%}, "
+              f"mean |err| {statistics.mean(errs):.1%}", file=out)
+    if args.diagnose:
+        seen = busy_samples(preds, results)
+        base = busy_samples([c for c in configs if c["role"] == "calibration"], results)
+        print("\nDiagnosis (--diagnose; not used by the predictions): median busy time per tick, "
+              "calibration runs -> predicted runs, ms:", file=out)
+        for (v, s, key), xs in sorted(seen.items(), key=str):
+            if (v, s, key) in base:
+                was, now = statistics.median(base[(v, s, key)]), statistics.median(xs)
+                name = key if key == "idle" else f"{key[0]} g{key[1]}"
+                print(f"  v={v} device {s} {name:<6} {ms(was):>7} -> {ms(now):>7} ({now / was - 1:+.0%}, "
+                      f"{len(xs)} ticks)", file=out)
+    print("(util: simulated per-device utilization, busy task time / step time, device 0/1. "
+          "measured: median over rounds of process 0's wall time per call; IQR: its quartiles.)", file=out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=12, help="calls per configuration (round-robin)")
+    parser.add_argument("--budget-s", type=float, default=900.0,
+                        help="stop the rounds early (at least 3) when they would take longer than this")
+    parser.add_argument("--probe-repeats", type=int, default=20)
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="hard limit for the two workers")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and 3 runs: checks the script")
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--out", default=None, help="also write the output to this file")
+    parser.add_argument("--raw", default=None, help="write every measurement (JSON) to this file")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also profile the predicted runs and print their per-task busy times")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return worker(args)
+    if args.smoke:
+        args.rounds = min(args.rounds, 3)
+        args.probe_repeats = min(args.probe_repeats, 3)
+    dims = SMOKE if args.smoke else FULL
+    configs = configurations(args.smoke)
+    spec = dict(dims=dims, configs=configs, rounds=args.rounds, budget_s=args.budget_s,
+                probe_repeats=args.probe_repeats,
+                probe_iters=10 if args.smoke else 20, diagnose=args.diagnose,
+                probe_bytes=[2**14, 2**20] if args.smoke else [2**14, 2**18, 2**20, 2**22])
+    buffer = io.StringIO()
+    out = Tee(sys.stdout, buffer)
+    start = time.perf_counter()
+    print(f"# mindpipe_jax 2-process pipeline benchmark (simulator vs measurement), {args.date}", file=out)
+    import flax
+    import jax
+
+    print(f"# machine: {os.cpu_count()}-core CPU container ({platform.machine()}, Python "
+          f"{platform.python_version()}); jax {jax.__version__}, flax {flax.__version__}", file=out)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# command: python benchmarks/pipeline_2proc.py {command}\n", file=out)
+    out.flush()
+    results = launch(spec, args.timeout_s)
+    if args.raw:
+        Path(args.raw).write_text(json.dumps(dict(spec=spec, results=results)))
+    cal = calibrate(configs, results, dims)
+    rows = predict(configs, results, cal)
+    report(out, args, dims, configs, results, cal, rows)
+    print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)", file=out)
+    if args.out:
+        Path(args.out).write_text(buffer.getvalue())
+
+
+if __name__ == "__main__":
+    main()

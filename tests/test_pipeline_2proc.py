@@ -1,0 +1,50 @@
+"""The 2-process simulator benchmark runs end to end (``--smoke``: a tiny GPT, one
+calibration run and one predicted run) and prints a measured and a predicted step
+time for each. Correctness only: how close the prediction is depends on the
+machine's load and is the benchmark's figure, not a test."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "pipeline_2proc.py"
+
+
+def _rows(text: str) -> list[dict]:
+    """The result table's rows: schedule v m ticks role measured IQR neighbour err lockstep err ..."""
+    rows = []
+    for line in text.splitlines():
+        cells = line.split()
+        if len(cells) >= 11 and cells[4] in ("calibration", "prediction"):
+            rows.append(dict(schedule=cells[0], role=cells[4], measured=float(cells[5]),
+                             neighbour=float(cells[7]), lockstep=float(cells[9])))
+    return rows
+
+
+@pytest.mark.slow
+def test_two_process_benchmark_prints_measured_and_predicted(tmp_path):
+    out = tmp_path / "smoke.txt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # The script bounds its own workers (--timeout-s) and kills them on failure; the
+    # outer limit also covers its start-up. Two compiles take ~25 s on 2 idle cores.
+    try:
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--timeout-s", "200",
+                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=240)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"pipeline_2proc --smoke did not finish in {err.timeout} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    assert {r["role"] for r in rows} == {"calibration", "prediction"}, proc.stdout
+    for r in rows:
+        for key in ("measured", "neighbour", "lockstep"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+    assert "predictions within +-15%" in proc.stdout
+    assert out.read_text() == proc.stdout   # --out records exactly what was printed
