@@ -22,7 +22,8 @@ from pathlib import Path
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, Kind, Schedule
 
-__all__ = ["draw_schedule", "draw_plan", "schedule_summary", "check_picture_path", "require_matplotlib",
+__all__ = ["draw_schedule", "draw_plan", "draw_lanes", "schedule_summary", "check_picture_path",
+           "require_matplotlib",
            "PICTURE_FORMATS", "KIND_COLORS"]
 
 # File types a picture can be written as (matplotlib picks the writer from the suffix).
@@ -309,5 +310,72 @@ def draw_plan(plan, out_path: str | os.PathLike, *, title: str | None = None) ->
     fig.suptitle(title or f"vPipe plan: {name}  p={plan.p} v={plan.v} m={plan.m}, layers per stage "
                           f"{list(plan.counts)}   ·   predicted utilization {plan.utilization['async']:.2f} "
                           f"(async), {plan.utilization['lockstep']:.2f} (lockstep)", fontsize=10)
+    fig.savefig(path)
+    return path
+
+
+# ------------------------------------------------------- simulated compute/communication lanes
+_SYNC_COLOR, _SEND_COLOR = "#8e6bbf", "#a0a0a0"
+
+
+def draw_lanes(results, out_path: str | os.PathLike, *, titles=None, time_scale: float = 1.0,
+               time_label: str = "time (s)") -> Path:
+    """Draw simulated steps (``simulate.SimResult``, one panel each, on one time
+    axis) with two lanes per device: compute (tasks coloured as in
+    ``draw_schedule``) and communication (pipeline sends grey, gradient syncs
+    purple, a later chunk darker). ``time_scale`` multiplies event times (e.g.
+    1e3 with ``time_label="time (ms)"``). Returns the path written."""
+    path = check_picture_path(out_path)
+    Figure, FigureCanvasAgg, Rectangle, Patch = require_matplotlib()
+    results = list(results)
+    if not results:
+        raise ConfigError("draw_lanes needs at least one simulation result")
+    titles = list(titles) if titles is not None else [r.summary() for r in results]
+    span = time_scale * max(r.step_time for r in results) or 1.0
+    rows = [2 * r.num_devices for r in results]
+    fig = Figure(figsize=(12.0, 0.9 + 0.32 * sum(rows) + 0.5 * len(results)), dpi=150, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(results), 1, sharex=True, squeeze=False, height_ratios=rows)[:, 0]
+    used: dict[tuple, None] = {}
+    for ax, res, title in zip(axes, results, titles, strict=True):
+        v = 1 + max((e.chunk or 0 for e in res.events), default=0)
+        for e in res.events:
+            if e.lane == "compute":
+                face, y, h = _shade(Kind(e.kind), e.chunk or 0, v), 2 * e.device, 0.8
+                used[("compute", e.kind, e.chunk or 0)] = None
+            else:
+                sync = e.kind == "sync"
+                base = _SYNC_COLOR if sync else _SEND_COLOR
+                r, g, b = _rgb(base)
+                mix = 0.5 * (1 - (e.chunk or 0) / (v - 1)) if sync and v > 1 else 0.0
+                face = tuple(c + (1 - c) * mix for c in (r, g, b))
+                y, h = 2 * e.device + 1, 0.5
+                used[("network", "sync" if sync else "send", e.chunk or 0 if sync else 0)] = None
+            ax.add_patch(Rectangle((time_scale * e.start, y - h / 2), time_scale * e.duration, h,
+                                   facecolor=face, edgecolor="none", zorder=2))
+        n = res.num_devices
+        ax.set_ylim(2 * n - 0.5, -0.5)
+        ax.set_yticks(range(2 * n), [f"dev {d} {lane}" for d in range(n) for lane in ("compute", "comm")],
+                      fontsize=7)
+        ax.axvline(time_scale * res.compute_time, color="black", linewidth=0.6, linestyle=":", zorder=3)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.tick_params(axis="y", length=0)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlim(0, span)
+    axes[-1].set_xlabel(time_label + "   (dotted line: end of compute)")
+    handles = []
+    for lane, kind, chunk in sorted(used):
+        v_all = 1 + max(c for (_, _, c) in used)
+        if lane == "compute":
+            face, label = _shade(Kind(kind), chunk, v_all), f"{kind} chunk {chunk}"
+        else:
+            r, g, b = _rgb(_SYNC_COLOR if kind == "sync" else _SEND_COLOR)
+            mix = 0.5 * (1 - chunk / (v_all - 1)) if kind == "sync" and v_all > 1 else 0.0
+            face = tuple(c + (1 - c) * mix for c in (r, g, b))
+            label = f"gradient sync chunk {chunk}" if kind == "sync" else "pipeline send"
+        handles.append(Patch(facecolor=face, label=label))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False)
     fig.savefig(path)
     return path
