@@ -53,6 +53,7 @@ from mindpipe_jax.supernet.spara import (  # noqa: E402
     make_spara_step,
     plan_step,
     reference_step,
+    state_shardings,
     supernet_spec,
 )
 
@@ -116,13 +117,13 @@ def main() -> None:
             def run(state, t, step=step, slots=s * w, mesh_batch=mesh_batch, sem=semantics):
                 return step(state, plan_step(spec, subnets(t), sem, slots).arrays(), mesh_batch)[0]
 
-            methods[f"vectorized subnet={s} x data={dd}, vmap {w}"] = (run, NamedSharding(mesh, P()))
+            methods[f"vectorized subnet={s} x data={dd}, vmap {w}"] = (run, state_shardings(mesh))
 
         def loop(state, t, sem=semantics):
             return reference_step(spec, state, subnets(t), batch, semantics=sem, optim=optim,
                                   total_steps=steps_total)[0]
 
-        methods["loop of K steps (data=8)"] = (loop, rep)
+        methods["loop of K steps (data=8)"] = (loop, {"step": rep, "params": rep, "opt": rep})
         states, wall, cpu = {}, {m: [] for m in methods}, {m: [] for m in methods}
         for name, (fn, sharding) in methods.items():
             t0 = time.perf_counter()

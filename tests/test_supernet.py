@@ -219,8 +219,8 @@ def test_lazy_adamw_is_optax_adamw_where_active_and_a_no_op_elsewhere(spec_creat
     spec = spec_create[0]
     optim = OptimConfig(lr=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     rng = np.random.default_rng(0)
-    p0 = jnp.asarray(rng.normal(size=spec.num_params), jnp.float32)
-    grads = [jnp.asarray(rng.normal(size=spec.num_params), jnp.float32) for _ in range(3)]
+    p0 = jnp.asarray(rng.normal(size=spec.padded_size), jnp.float32)
+    grads = [jnp.asarray(rng.normal(size=spec.padded_size), jnp.float32) for _ in range(3)]
     opt = init_state(spec, None)["opt"]
     # optax masks weight decay per leaf: split the flat vector into decayed / not decayed leaves.
     dec = spec.decay_flat

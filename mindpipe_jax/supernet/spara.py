@@ -94,6 +94,10 @@ from mindpipe_jax.train.state import lr_schedule
 
 SEMANTICS = ("sync", "causal")
 AXES = ("subnet", "data")
+# Raveled vectors are cut into this many equal chunks. Each device updates the chunks
+# it owns (ZeRO-1 style), and the per-subnet gradient norm sums per-chunk partial sums
+# in a fixed order: the same association on every device count that divides it.
+PARAM_CHUNKS = 64
 
 __all__ = ["SEMANTICS", "SupernetSpec", "supernet_spec", "init_state", "StepPlan", "plan_step",
            "causal_waves", "make_spara_step", "reference_step", "check_layout"]
@@ -112,8 +116,8 @@ class SupernetSpec:
     searchable: Any  # pure dict of bool: Candidate parameters
     decay: Any  # pure dict of bool: weight decay (matrices only)
     units_batch: Callable  # jitted int32[N, genes] -> bool[N, *unit_grid]
-    unit_of: np.ndarray  # int32[P]: each raveled parameter's unit (raveled grid index), U if shared
-    decay_flat: np.ndarray  # bool[P]
+    unit_of: np.ndarray  # int32[Pp]: each raveled parameter's unit (raveled grid index), U if shared
+    decay_flat: np.ndarray  # bool[Pp]
 
     @property
     def space(self):
@@ -121,6 +125,12 @@ class SupernetSpec:
 
     @property
     def num_params(self) -> int:
+        """Parameters of the supernet (the raveled vectors are padded to ``padded_size``)."""
+        return sum(leaf.size for leaf in jax.tree.leaves(self.abstract_params))
+
+    @property
+    def padded_size(self) -> int:
+        """Length of a raveled vector: ``num_params`` rounded up to ``PARAM_CHUNKS`` chunks."""
         return len(self.unit_of)
 
     @property
@@ -128,8 +138,10 @@ class SupernetSpec:
         return int(np.prod(self.unit_grid))
 
     def ravel(self, tree) -> jax.Array:
-        """All parameters (or gradients) as one ``float32[P]`` vector, in tree order."""
-        return jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+        """All parameters (or gradients) as one ``float32[padded_size]`` vector, in tree order."""
+        parts = [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+        pad = self.padded_size - self.num_params
+        return jnp.concatenate(parts + ([jnp.zeros((pad,), jnp.float32)] if pad else []))
 
     def unravel(self, flat):
         """The inverse of :meth:`ravel`, in the parameters' own dtypes."""
@@ -214,6 +226,9 @@ def supernet_spec(model_or_factory, seed: int = 0):
         unit_of.append(np.repeat(np.arange(n_units, dtype=np.int32), per_unit) if is_unit
                        else np.full(leaf.size, n_units, np.int32))
         decay_flat.append(np.full(leaf.size, decays, bool))
+    pad = -sum(len(u) for u in unit_of) % PARAM_CHUNKS  # padding: a "shared" zero, never decayed
+    unit_of.append(np.full(pad, n_units, np.int32))
+    decay_flat.append(np.zeros(pad, bool))
     spec = SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch,
                         np.concatenate(unit_of), np.concatenate(decay_flat))
     return spec, create
@@ -225,18 +240,24 @@ def supernet_spec(model_or_factory, seed: int = 0):
 def init_state(spec: SupernetSpec, params) -> dict:
     """``{"step", "params", "opt": {"mu", "nu", "count"}}``.
 
-    ``mu``/``nu`` are ``float32[P]`` over all parameters raveled in tree order;
-    ``count`` is ``int32[U + 1]``: one AdamW step count per unit of the grid
-    (raveled) and, last, the count of the shared parameters.
+    ``mu``/``nu`` are ``float32[padded_size]`` over all parameters raveled in tree
+    order (the step keeps them split over the devices); ``count`` is
+    ``int32[U + 1]``: one AdamW step count per unit of the grid (raveled) and,
+    last, the count of the shared parameters.
     """
-    zeros = jnp.zeros((spec.num_params,), jnp.float32)
+    zeros = jnp.zeros((spec.padded_size,), jnp.float32)
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt": {"mu": zeros, "nu": jnp.zeros_like(zeros),
                     "count": jnp.zeros((spec.num_units + 1,), jnp.int32)}}
 
 
-def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, optim: OptimConfig):
+def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, optim: OptimConfig,
+          unit_of=None, decay=None):
     """One lazy AdamW update of the flat params ``p`` with gradient ``g``.
+
+    ``p``, ``g``, ``opt["mu"]``, ``opt["nu"]`` are raveled vectors, or the same slice
+    of each with ``unit_of`` / ``decay`` the matching slices of ``spec.unit_of`` /
+    ``spec.decay_flat``; ``opt["count"]`` is always whole.
 
     Updates the elements of the units where ``unit_mask`` (``bool[*unit_grid]``)
     is True, and the shared elements if ``shared``; every other element, its
@@ -245,7 +266,8 @@ def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, opti
     ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled weight decay on matrices).
     """
     sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])
-    unit_of = jnp.asarray(spec.unit_of)
+    unit_of = jnp.asarray(spec.unit_of) if unit_of is None else unit_of
+    decay = jnp.asarray(spec.decay_flat) if decay is None else decay
     count = opt["count"] + sel.astype(jnp.int32)
     mask = sel[unit_of]
     cf = count.astype(jnp.float32)
@@ -254,7 +276,7 @@ def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, opti
     nu = (1 - optim.b2) * jnp.square(g) + optim.b2 * opt["nu"]
     update = (mu / bc1) / (jnp.sqrt(nu / bc2) + optim.eps)
     if optim.weight_decay:
-        update = update + jnp.where(jnp.asarray(spec.decay_flat), optim.weight_decay * p, 0)
+        update = update + jnp.where(decay, optim.weight_decay * p, 0)
     new_p = p + (-lr) * update
     return (jnp.where(mask, new_p, p),
             {"mu": jnp.where(mask, mu, opt["mu"]), "nu": jnp.where(mask, nu, opt["nu"]), "count": count})
@@ -374,6 +396,9 @@ def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards
         raise ConfigError(f"supernet training splits devices over parallel.subnet and parallel.data only; "
                           f"got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
     s, d = mesh.shape["subnet"], mesh.shape["data"]
+    if PARAM_CHUNKS % (s * d):
+        raise ConfigError(f"parallel.subnet x parallel.data = {s} x {d} = {s * d} devices must divide "
+                          f"{PARAM_CHUNKS} (SPara splits the optimizer into {PARAM_CHUNKS} equal chunks)")
     if subnets_per_step % (s * vmap_width):
         raise ConfigError(
             f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
@@ -390,20 +415,33 @@ def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards
 def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_step: int,
                     vmap_width: int, virtual_shards: int, global_batch: int, optim: OptimConfig,
                     total_steps: int):
-    """``step(state, plan_arrays, batch) -> (state, metrics)``, to be jitted once.
+    """``step(state, plan_arrays, batch) -> (state, metrics)``, to be jitted once (``jit_step``).
 
     ``batch`` is ``{"inputs", "targets"}`` of ``int32[global_batch, T]`` (every
     subnet of the step trains on it); ``plan_arrays`` is ``StepPlan.arrays()``.
     Metrics: per-subnet ``loss`` and ``grad_norm`` (``[K]``), ``lr``.
+
+    Per round, each device computes its W slots on its V/D shards, sums its shards
+    (the lower levels of the fixed pairwise tree over V), and two ``all_to_all``
+    exchanges give it, for the 1/N of the raveled parameters it owns (N devices), the
+    data-summed gradient of every slot of the round (the upper levels of the tree,
+    summed in device order). Norms, clipping, the K-buffer, the sums over subnets and
+    AdamW then run on that 1/N only; the new parameters are all-gathered.
     """
     _check_semantics(semantics)
     check_layout(mesh, subnets_per_step=subnets_per_step, vmap_width=vmap_width,
                  virtual_shards=virtual_shards, global_batch=global_batch)
     k, w, v = subnets_per_step, vmap_width, virtual_shards
-    r_slots = mesh.shape["subnet"] * w
+    n_sub, n_data = mesh.shape["subnet"], mesh.shape["data"]
+    n_dev = n_sub * n_data
+    r_slots = n_sub * w
+    size = spec.padded_size
+    chunk = size // n_dev  # this device's share of the raveled parameters
+    per_fixed = size // PARAM_CHUNKS  # elements per fixed norm chunk
     schedule = lr_schedule(optim, total_steps)
     units_of = jax.vmap(spec.module.units)
     no_units = jnp.zeros(spec.unit_grid, bool)
+    unit_of_all, decay_all = jnp.asarray(spec.unit_of), jnp.asarray(spec.decay_flat)
 
     def grad_one(params, subnet, shard):
         value, grads = jax.value_and_grad(
@@ -413,20 +451,49 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     def per_device(state, plan, vbatch):
         lr = schedule(state["step"])
         group = lax.axis_index("subnet")
+        me = lax.axis_index(AXES)  # = group * n_data + data index: owner of chunk `me`
         subnets = plan["subnets"]
+        mine_unit_of = lax.dynamic_slice_in_dim(unit_of_all, me * chunk, chunk)
+        mine_decay = lax.dynamic_slice_in_dim(decay_all, me * chunk, chunk)
 
         def round_grads(params, r):
-            """Loss, norm and clipped flat gradient of every slot of round r: [R], [R], [R, P]."""
+            """Loss and norm of every slot of round r (``[R]``), and its clipped gradient on
+            this device's chunk (``[R, chunk]``)."""
             local = jax.tree.map(lambda p: lax.pcast(p, AXES, to="varying"), params)
             ids = lax.dynamic_slice_in_dim(plan["slot_subnet"][r], group * w, w)
+            valid = lax.dynamic_slice_in_dim(plan["slot_valid"][r], group * w, w)
             subs = jnp.take(subnets, ids, axis=0)
-            losses, grads = lax.map(
-                lambda shard: jax.vmap(grad_one, in_axes=(None, 0, None))(local, subs, shard), vbatch)
-            losses, grads = lax.all_gather((losses, grads), "data", tiled=True, to="invarying")
-            losses, grads = jax.tree.map(lambda x: x * (1.0 / v), pairwise_sum((losses, grads)))
-            losses, grads = lax.all_gather((losses, grads), "subnet", tiled=True, to="invarying")
-            norms = lax.map(global_norm, grads)
-            grads = jax.vmap(lambda g, n: clip(g, n, optim.clip_norm))(grads, norms)
+
+            def compute(_):
+                return lax.map(
+                    lambda shard: jax.vmap(grad_one, in_axes=(None, 0, None))(local, subs, shard), vbatch)
+
+            def padding(_):
+                return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), AXES, to="varying"),
+                                    jax.eval_shape(compute, None))
+
+            # A device whose slots are all padding (a causal wave smaller than the round)
+            # computes nothing: only the taken branch runs. No collective inside.
+            losses, grads = lax.cond(jnp.any(valid), compute, padding, None)  # [V/D, W], [V/D, W, Pp]
+            # The fixed pairwise tree over the V shards: its lower levels on this device's
+            # contiguous shards, its upper levels over the devices, in device order.
+            losses, grads = lax.optimization_barrier(pairwise_sum((losses, grads)))  # [W], [W, Pp]
+            grads = grads.reshape(w, n_sub, n_data, chunk)
+            grads = lax.all_to_all(jnp.moveaxis(grads, 2, 0), "data", 0, 0)  # [D(from), W, S, chunk]
+            grads = lax.optimization_barrier(pairwise_sum(grads)) * (1.0 / v)  # [W, S, chunk]
+            grads = lax.all_to_all(jnp.moveaxis(grads, 1, 0), "subnet", 0, 0)  # [S(from), W, chunk]
+            grads = grads.reshape(r_slots, chunk)  # slot order: group-major
+            losses = pairwise_sum(lax.all_gather(losses, "data", to="invarying")) * (1.0 / v)
+            losses = lax.all_gather(losses, "subnet", tiled=True, to="invarying")  # [R]
+            # Norm: per fixed chunk (same shape on every mesh), then a fixed tree over the chunks.
+            parts = lax.map(lambda row: jnp.sum(jnp.square(row)), grads.reshape(-1, per_fixed))
+            parts = lax.all_gather(parts.reshape(r_slots, -1), AXES, axis=1, tiled=True, to="invarying")
+            norms = jnp.sqrt(pairwise_sum(jnp.moveaxis(parts, 1, 0)))  # [R]
+            if optim.clip_norm:
+                # One scalar scale per slot, then a multiply (a vector division rounded
+                # differently in different fusions; a multiply by a scalar never does).
+                scale = jnp.where(norms < optim.clip_norm, 1.0, optim.clip_norm / norms)
+                grads = grads * scale[:, None]
             return losses, norms, grads
 
         def store(buffers, values, slot_ids):
@@ -439,9 +506,17 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 out.append(buf)
             return out
 
-        p0, opt0 = spec.ravel(state["params"]), state["opt"]
-        bufs0 = [jnp.zeros((k + 1, spec.num_params), jnp.float32), jnp.zeros((k + 1,), jnp.float32),
-                 jnp.zeros((k + 1,), jnp.float32)]  # per-subnet gradients, losses, norms
+        def gather_params(p_mine):
+            return spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying"))
+
+        p_mine = lax.dynamic_slice_in_dim(spec.ravel(state["params"]), me * chunk, chunk)
+        opt0 = state["opt"]  # mu, nu: this device's chunk; count: whole
+        bufs0 = [lax.pcast(jnp.zeros((k + 1, chunk), jnp.float32), AXES, to="varying"),
+                 jnp.zeros((k + 1,), jnp.float32), jnp.zeros((k + 1,), jnp.float32)]
+
+        def update(p, g, opt, unit_mask, shared):
+            return adamw(spec, p, g, opt, unit_mask, shared, lr, optim, mine_unit_of, mine_decay)
+
         if semantics == "sync":
             def body(r, bufs):
                 losses, norms, grads = round_grads(state["params"], r)
@@ -449,12 +524,11 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
             bufs = lax.fori_loop(0, plan["n_rounds"], body, bufs0)
             mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
-            used = jnp.any(units_of(subnets[:k]), axis=0)
-            p, opt = adamw(spec, p0, mean, opt0, used, True, lr, optim)
+            p_mine, opt = update(p_mine, mean, opt0, jnp.any(units_of(subnets[:k]), axis=0), True)
         else:
             def body(r, carry):
-                p, opt, acc, wave_used, bufs = carry
-                losses, norms, grads = round_grads(spec.unravel(p), r)
+                params, p_mine, opt, acc, wave_used, bufs = carry
+                losses, norms, grads = round_grads(params, r)
                 ids, valid = plan["slot_subnet"][r], plan["slot_valid"][r]
                 # No two subnets of a wave share a unit, so each unit element has at most
                 # one nonzero term here: the sum is exact in any order. (Shared elements of
@@ -465,35 +539,44 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 bufs = store(bufs, [grads, losses, norms], ids)
 
                 def end_wave(c):
-                    p, opt, acc, wave_used = c
-                    p, opt = adamw(spec, p, acc, opt, wave_used, False, lr, optim)
-                    return p, opt, jnp.zeros_like(acc), jnp.zeros_like(wave_used)
+                    p_mine, opt, acc, wave_used = c
+                    p_mine, opt = update(p_mine, acc, opt, wave_used, False)
+                    return p_mine, opt, jnp.zeros_like(acc), jnp.zeros_like(wave_used)
 
-                p, opt, acc, wave_used = lax.cond(plan["wave_end"][r], end_wave, lambda c: c,
-                                                  (p, opt, acc, wave_used))
-                return p, opt, acc, wave_used, bufs
+                p_mine, opt, acc, wave_used = lax.cond(plan["wave_end"][r], end_wave, lambda c: c,
+                                                       (p_mine, opt, acc, wave_used))
+                # Every device gathers every round (a collective never sits in one branch).
+                return gather_params(p_mine), p_mine, opt, acc, wave_used, bufs
 
-            carry = (p0, opt0, jnp.zeros_like(p0), no_units, bufs0)
-            p, opt, _, _, bufs = lax.fori_loop(0, plan["n_rounds"], body, carry)
+            carry = (state["params"], p_mine, opt0, jnp.zeros_like(p_mine), no_units, bufs0)
+            _, p_mine, opt, _, _, bufs = lax.fori_loop(0, plan["n_rounds"], body, carry)
             mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)  # only its shared elements are applied
-            p, opt = adamw(spec, p, mean, opt, no_units, True, lr, optim)
-        new_state = {"step": state["step"] + 1, "params": spec.unravel(p), "opt": opt}
+            p_mine, opt = update(p_mine, mean, opt, no_units, True)
+        new_state = {"step": state["step"] + 1, "params": gather_params(p_mine), "opt": opt}
         return new_state, {"loss": bufs[1][:k], "grad_norm": bufs[2][:k], "lr": lr}
 
     def step(state, plan, batch):
         vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
+        state_specs = {"step": P(), "params": P(), "opt": {"mu": P(AXES), "nu": P(AXES), "count": P()}}
         fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
-                           in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+                           in_specs=(state_specs, P(), P("data")), out_specs=(state_specs, P()))
         return fn(state, plan, vbatch)
 
     return step
 
 
+def state_shardings(mesh) -> dict:
+    """Parameters, step and counts replicated; AdamW moments split over every device."""
+    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXES))
+    return {"step": rep, "params": rep, "opt": {"mu": split, "nu": split, "count": rep}}
+
+
 def jit_step(step, mesh, donate: bool = True):
-    """The step jitted with replicated state and plan, the batch split over ``data``."""
+    """The step jitted with its state shardings, the plan replicated, the batch split over ``data``."""
     rep = NamedSharding(mesh, P())
     batch = NamedSharding(mesh, P("data"))
-    return jax.jit(step, in_shardings=(rep, rep, batch), out_shardings=(rep, rep),
+    shardings = state_shardings(mesh)
+    return jax.jit(step, in_shardings=(shardings, rep, batch), out_shardings=(shardings, rep),
                    donate_argnums=(0,) if donate else ())
 
 

@@ -32,6 +32,7 @@ from mindpipe_jax.supernet.spara import (
     jit_step,
     make_spara_step,
     plan_step,
+    state_shardings,
     supernet_spec,
 )
 
@@ -108,13 +109,12 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     splits = _resolve_data(data, cfg)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")
-    rep = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data"))
     step_fn = jit_step(make_spara_step(
         spec, mesh, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
         vmap_width=sn.vmap_width, virtual_shards=tr.virtual_shards, global_batch=tr.global_batch,
         optim=cfg.optim, total_steps=tr.steps), mesh)
-    state = jax.jit(lambda: init_state(spec, create()), out_shardings=rep)()
+    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     round_slots = mesh.shape["subnet"] * sn.vmap_width
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
