@@ -1,0 +1,195 @@
+"""AFAPAB's communication model: the collectives the runtime issues (``simcomm``),
+their α–β costs and replay, the cluster prediction (``simcluster``), the lanes
+picture, and ``benchmarks/afapab.py --smoke`` end to end (a rate-limited network
+namespace, two Gloo processes). The smoke test checks that every figure is
+finite and printed, not how close the predictions are: that depends on the load
+of the machine and is the benchmark's figure."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline.gradsync import sync_points
+from mindpipe_jax.parallel.pipeline.simcluster import (
+    GPT3_2_7B,
+    V100_CLOUD,
+    Layout3D,
+    layer_cost,
+    predict,
+)
+from mindpipe_jax.parallel.pipeline.simcomm import (
+    RingGeometry,
+    collective_time,
+    fit_collective,
+    simulate_sync,
+    sync_ops,
+)
+from mindpipe_jax.parallel.pipeline.simnetwork import Link
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "afapab.py"
+
+
+@pytest.mark.parametrize("n,d,bucket", [(1000, 2, None), (1000, 4, 1000), (12345, 3, 4096), (7, 8, 16)])
+def test_ring_geometry_is_ringsyncs(n, d, bucket):
+    from mindpipe_jax.parallel.pipeline.ringsync import RingSync
+
+    ring, geo = RingSync(n, ("data",), d, bucket), RingGeometry(n, d, bucket)
+    assert (geo.buckets, geo.piece, geo.scatter_steps, geo.num_steps) == \
+        (ring.buckets, ring.piece, ring.scatter_steps, ring.num_steps)
+
+
+def test_end_sync_is_one_all_reduce_per_leaf_after_the_last_tick():
+    sched = get_schedule("afapab", 2, 4, 2)
+    ops = sync_ops(sched, [[10, 20], [30]], 4, "end", end_elems=[5, 6])
+    last = sched.num_ticks - 1
+    assert all(op.kind == "all-reduce" and not op.beside and op.tick == last for op in ops)
+    data = [op.nbytes for op in ops if op.axis == "data"]
+    pipe = [op.nbytes for op in ops if op.axis == "pipe"]
+    assert sorted(data) == sorted(4.0 * n for n in (10, 20, 30, 1, 5, 6))   # + the loss
+    assert sorted(pipe) == [4.0, 20.0, 24.0]                                 # loss, embed, head over pipe
+
+
+def test_chunk_sync_rings_beside_the_ticks_after_the_sync_point():
+    p, m, v, d = 1, 8, 2, 2
+    sched = get_schedule("afapab", p, m, v)
+    elems, bucket = 1000, 1000   # 4 buckets of 250 elements: 4 ring steps + 4 all-gathers
+    ops = sync_ops(sched, [elems, elems], d, "chunk", bucket_bytes=bucket)
+    first = {sp.chunk: sp.after_tick for sp in sync_points(sched, "chunk")}[v - 1]
+    beside = [op for op in ops if op.beside]
+    geo = RingGeometry(elems, d, bucket)
+    assert [op.tick for op in beside] == list(range(first + 1, first + 1 + geo.num_steps))
+    assert [op.kind for op in beside] == ["ring-step"] * geo.scatter_steps + ["all-gather"] * geo.buckets
+    assert all(op.chunks == (v - 1,) for op in beside)
+    # Chunk 0 finishes at the last tick: all-reduced after it.
+    assert [op.nbytes for op in ops if op.chunks == (0,)] == [4.0 * elems]
+    # Too few ticks left: the rest of the ring runs back to back at the next sync point.
+    short = sync_ops(get_schedule("afapab", p, 2, v), [elems, elems], d, "chunk", bucket_bytes=bucket)
+    assert sum(op.beside for op in short) == 2
+    assert sum(op.kind != "all-reduce" for op in short) == geo.num_steps
+    with pytest.raises(ConfigError):
+        sync_ops(sched, [elems], d, "chunk")
+
+
+def test_blocking_replay_adds_every_collective_and_overlap_hides_the_ring():
+    sched = get_schedule("afapab", 1, 8, 2)
+    link = Link(1e-4, 1e8)
+    costs = {"F": 0.01, "BW": 0.02}
+    kw = dict(data_ranks=2, dp_link=link, chunk_elems=[200_000, 200_000], bucket_bytes=200_000)
+    compute = simulate_sync(sched, costs, **{**kw, "data_ranks": 1}).step_time
+    assert compute == pytest.approx(8 * (0.01 + 0.02) * 2)
+    for mode in ("end", "chunk"):
+        ops = sync_ops(sched, kw["chunk_elems"], 2, mode, bucket_bytes=kw["bucket_bytes"])
+        total = sum(collective_time(op.kind, op.nbytes, 2, link) for op in ops)
+        blocking = simulate_sync(sched, costs, grad_sync=mode, **kw)
+        assert blocking.step_time == pytest.approx(compute + total)
+        syncs = [e for e in blocking.events if e.kind == "sync"]
+        assert len(syncs) == len(ops) and blocking.network_busy[0] == pytest.approx(total)
+    # Each ring step (2 ms) is shorter than a backward tick (20 ms): with a communication
+    # stream the ring costs nothing and only chunk 0's all-reduce (after the loop) remains.
+    overlap = simulate_sync(sched, costs, grad_sync="chunk", overlap=True, **kw)
+    tail = collective_time("all-reduce", 800_000, 2, link) + collective_time("all-reduce", 4, 2, link)
+    assert overlap.step_time == pytest.approx(compute + tail)
+    assert overlap.step_time < simulate_sync(sched, costs, grad_sync="end", overlap=True, **kw).step_time
+
+
+@pytest.mark.parametrize("kind", ["ring-step", "all-gather", "all-reduce"])
+def test_fit_collective_recovers_the_link(kind):
+    link = Link(250e-6, 1.5e8)
+    sizes = [2**18, 2**20, 2**22, 2**24]
+    fitted = fit_collective(kind, 2, sizes, [collective_time(kind, n, 2, link) for n in sizes])
+    assert fitted.latency_s == pytest.approx(link.latency_s, rel=1e-6)
+    assert fitted.bandwidth_Bps == pytest.approx(link.bandwidth_Bps, rel=1e-6)
+    with pytest.raises(ConfigError):
+        fit_collective("broadcast", 2, sizes, sizes)
+
+
+def test_cluster_prediction():
+    shape = GPT3_2_7B
+    # Megatron-LM's FLOP count = 4 passes of every layer (F, recompute, 2 x backward) + 3 of the logits.
+    b = 3
+    passes = 4 * shape.layers * shape.layer_flops(b) + 3 * shape.logit_flops(b)
+    assert shape.step_flops(b) == pytest.approx(passes)
+    layout = Layout3D(t=4, p=2, d=8, v=2)
+    plain, tp = layer_cost(shape, V100_CLOUD, layout)
+    cm, tp_cm = layer_cost(shape, V100_CLOUD, layout, tp_overlap=True)
+    assert 0 < tp_cm < tp and cm.BW < plain.BW
+    # Six all-reduces per layer: two in the forward, four in the backward (with the recompute).
+    assert plain.BW - 3 * (plain.F - tp / 3) == pytest.approx(tp * 2 / 3)
+    meg, afapab = (predict(shape, V100_CLOUD, layout, s) for s in ("megatron", "afapab"))
+    # The same compute: the gap is the sync AFAPAB hides.
+    assert afapab.tflops_per_gpu > meg.tflops_per_gpu
+    assert meg.step_s - meg.compute_s == pytest.approx(meg.dp_sync_s, rel=0.02)
+    assert afapab.step_s - afapab.compute_s < 0.75 * meg.dp_sync_s
+    # No data parallelism: nothing to sync, nothing exposed.
+    solo = predict(shape, V100_CLOUD, Layout3D(t=4, p=2, d=1, v=2, global_batch=64), "afapab")
+    assert solo.dp_sync_s == 0 and solo.step_s == pytest.approx(solo.compute_s)
+    with pytest.raises(ConfigError):
+        predict(shape, V100_CLOUD, Layout3D(t=4, p=3, d=1), "megatron")   # 32 layers, 6 stages
+
+
+def test_lanes_picture(tmp_path):
+    pytest.importorskip("matplotlib")
+    from mindpipe_jax import viz
+
+    layout = Layout3D(t=4, p=2, d=8, v=2, global_batch=32)
+    sims = [predict(GPT3_2_7B, V100_CLOUD, layout, s).sim for s in ("megatron", "afapab")]
+    path = viz.draw_lanes(sims, tmp_path / "lanes.png", titles=["Megatron", "AFAPAB"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ConfigError):
+        viz.draw_lanes(sims, tmp_path / "lanes.txt")
+
+
+# ------------------------------------------------------------------ end to end
+def _namespaces() -> set[str]:
+    try:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
+def test_smoke_run_prints_measured_and_predicted(tmp_path):
+    out = tmp_path / "smoke.txt"
+    before = _namespaces()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # Hard limits: the workers (--timeout-s) and the whole script (start-up, two
+    # processes, three small compiles each, the probes and the scale table).
+    try:
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--timeout-s", "75",
+                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=90)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"afapab --smoke did not finish in {err.timeout} s")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    assert out.read_text() == text   # --out records exactly what was printed
+    assert "rate-limited by `tc qdisc add dev lo root tbf rate 2gbit" in text or "UNTHROTTLED" in text
+    assert not {n for n in _namespaces() - before if n.startswith("mpafapab")}, "namespace left behind"
+
+    link = re.search(r"fitted link: alpha (\S+) us per message, bandwidth (\S+) Gbit/s", text)
+    assert link and all(math.isfinite(float(x)) for x in link.groups()), text
+    rows = {}
+    row = re.compile(r"\s+(compute only|end|chunk)\s+([\d.]+)\s+[\d.]+-[\d.]+\s+([\d.]+)\s+([+-][\d.]+)%")
+    for line in text.splitlines():
+        found = row.match(line)
+        if found:
+            rows[found.group(1)] = [float(x) for x in found.groups()[1:]]
+    assert set(rows) == {"compute only", "end", "chunk"}, text
+    for name, (measured, predicted, err) in rows.items():
+        assert measured > 0 and predicted > 0 and math.isfinite(err), (name, rows)
+    scale = [line for line in text.splitlines() if re.match(r"\s+GPT-3 2\.7B\s+64\s", line)]
+    assert len(scale) == 4, text
+    for line in scale:
+        tflops = float(re.search(r"(?:Megatron|AFAPAB)(?: \+ CM)?\s+[\d.]+\s+([\d.]+)", line).group(1))
+        assert 0 < tflops < 125, line
