@@ -10,16 +10,22 @@ work is cut into fixed **cells**: (subnet, virtual data shard), with
 *round*, ``vmap_width`` = W subnets (``jax.vmap``, parameters shared, not
 batched) on each of its V/D shards (``lax.map``). Rounds hold R = S·W slots.
 
-The gradient of each cell is gathered **unreduced**: over ``data`` to
-``[V, W, ...]`` (summed in a fixed pairwise tree: one subnet's gradient), then
-over ``subnet`` to ``[R, ...]`` (one gradient per slot). Every later operation
-sees the same arrays in the same order on 1, 2, 4 or 8 devices, and each cell
-is computed by the same per-device program (the vmap width W and the shard
-shape are fixed by the config, not by the mesh; ``vmap`` of a different width
-*does* change the bits, measured), so the parameters after N steps are
+Every cell's gradient is summed in one fixed order, never by an all-reduce: a
+balanced pairwise tree over the V shards whose lower levels are a device's own
+contiguous shards and whose upper levels run over the data devices in order
+(for power-of-two V and D that is the same tree on every mesh). Two
+``all_to_all`` exchanges deliver, to each of the N = S·D devices, the summed
+gradient of every slot of the round for the 1/N of the raveled parameters it
+owns; per-subnet norms are sums of 64 fixed chunks (``PARAM_CHUNKS``) in a fixed
+order; clipping, the ``[K, P/N]`` buffer, the pairwise sum over the K subnets
+and AdamW run on that 1/N; the new parameters are all-gathered. Each cell is
+computed by the same per-device program (the vmap width W and the shard shape
+are fixed by the config, not by the mesh; ``vmap`` of a different width *does*
+change the bits, measured), and every later operation is elementwise on the
+same values or a fixed-shape reduction, so the parameters after N steps are
 bitwise identical for every split of the devices between ``subnet`` and
-``data``. The cost is memory: each device holds a round's ``[R, ...]``
-gradients and a ``[K, ...]`` buffer.
+``data``. The cost is memory: a device holds the unreduced gradients of its
+cells, ``[V/D, W, P]``, before the exchange.
 
 Selecting a subnet never scatters: candidate weights are chosen by a one-hot
 contraction and widths/depth by masks (``space.py``), so each candidate's
