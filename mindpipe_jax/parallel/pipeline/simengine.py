@@ -1,5 +1,5 @@
-"""The simulator's engine: replays of a schedule table in the async and lockstep
-modes, the per-device network lanes, and what a replay returns (``Event``,
+"""The simulator's engine: replays of a schedule table in the async, lockstep and
+neighbour modes, the per-device network lanes, and what a replay returns (``Event``,
 ``SimResult``). The model and the modes are described in ``simulate.py``.
 """
 
@@ -22,7 +22,8 @@ class Event:
 
     ``lane`` is ``"compute"`` (kind ``F``/``B``/``W``/``BW``) or ``"network"``
     (kind ``"send"``: a point-to-point transfer to ``peer``, ``end`` = arrival;
-    ``"exchange"``: a lockstep tick-end ppermute; ``"sync"``: a gradient sync slice).
+    ``"exchange"``: a tick-end ppermute of the tick modes, in neighbour mode one per
+    ppermute with its ``peer``, ``end`` = arrival; ``"sync"``: a gradient sync slice).
     """
 
     device: int
