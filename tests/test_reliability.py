@@ -22,6 +22,7 @@ import json
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import jax
@@ -116,9 +117,12 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, ref
     kill_at = random.randint(EVERY + 1, 4 * EVERY)  # after the first checkpoint, well before the end
     child = Train(args, env=env, cwd=tmp_path)
     seen = child.wait_for_step(kill_at, TIMEOUT_S)
+    ckpt = out / "checkpoints"
+    deadline = time.monotonic() + 60
+    while not committed_steps(ckpt) and time.monotonic() < deadline:
+        time.sleep(0.01)  # saving is asynchronous: the first checkpoint may still be in flight
     child.signal(signal.SIGKILL)
     assert child.wait(30) == -signal.SIGKILL
-    ckpt = out / "checkpoints"
     committed = committed_steps(ckpt)
     assert committed and committed[-1] < STEPS, (kill_at, seen, committed, child.output[-2000:])
     last = committed[-1]
