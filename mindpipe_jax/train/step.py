@@ -138,8 +138,8 @@ def check_step_config(cfg: Config, mesh) -> None:
         # Refuse rather than silently replicate the work over axes the step ignores.
         raise ConfigError(
             f"parallel {', '.join(f'{a}={n}' for a, n in unused.items())}: the dense train step "
-            f"does not use these axes yet (supernet and expert parallelism are not built); "
-            f"set them to 1")
+            f"does not use these axes (the subnet axis belongs to `mindpipe supernet` / "
+            f"mp.train_supernet; expert parallelism is not built yet); set them to 1")
     if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
         raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
                           f"between pipeline stages; it needs parallel.pipe > 1")
