@@ -122,7 +122,8 @@ def check_step_config(cfg: Config, mesh) -> None:
         # The rings' collective-permutes would sit inside the pipeline's per-device
         # branches, where XLA:CPU pairs them across all devices (wrong sums or a hang).
         raise ConfigError(f"model.collective_matmul=true does not compose with a pipeline "
-                          f"(parallel.pipe={mesh.shape['pipe']} with parallel.tensor={mesh.shape['tensor']}); "
+                          f"(parallel.pipe={mesh.shape['pipe']} with "
+                          f"parallel.tensor={mesh.shape['tensor']}); "
                           f"set model.collective_matmul=false or parallel.pipe=1")
     remat = cfg.parallel.stage_remat
     if not isinstance(remat, str) and len(remat) != stages:
