@@ -9,37 +9,47 @@ the simulator on some of those runs, predicts the step time of the others with
 ``simulate(..., mode="neighbour")`` and prints measured against predicted.
 
 Measurement. Every configuration is compiled once, warmed up, then called once
-per round, round-robin, for ``--rounds`` rounds: the load of other jobs on this
-shared machine drifts, and round-robin makes it hit every configuration alike.
+per round (in a new shuffled order each round) for ``--rounds`` rounds: the load
+of other jobs on this shared machine drifts, and interleaving the runs makes it
+hit every configuration alike.
 ``measured`` is the median wall time of a call on process 0 (the step ends with
 a ``psum`` over both processes, so both see the same time).
 
-Calibration (only the runs marked ``calibration``, 1 or 2 microbatches):
+Calibration (only the runs marked ``calibration``: every schedule at m = 2, and
+gpipe at m = 3):
 
 * Per-task costs, in the runtime form that is predicted. In every round the
   calibration runs are also called once under ``jax.profiler``; the XLA CPU
   thunk trace gives, per device and tick, when the tick's two ``ppermute``s
   started and ended. A device's *busy* time in a tick is everything outside the
   two ppermutes (its task, slot reads and writes, the idle branch); the ppermute
-  time is waiting for the other device plus the transfer. Medians over ticks
-  >= 1 (tick 0 also pays the loop entry) and rounds, per (device, task kind,
-  global stage): ``tick_overhead[s]`` = busy of an idle tick on device ``s``,
-  task cost = busy - ``tick_overhead[s]``.
+  time is waiting for the other device plus the transfer. Means (a step is a sum
+  of ticks) over ticks >= 1 (tick 0 also pays the loop entry) and rounds, per
+  (device, task kind, global stage): ``tick_overhead[s]`` = busy of an idle tick
+  on device ``s``, task cost = busy - ``tick_overhead[s]``.
 * Transfers: a dedicated probe times a ``ppermute`` of 16 KiB to 4 MiB (both
   directions at once, as in the runtime) in a loop and fits ``time = α + n / bw``
-  (``simulate.fit_alpha_beta``).
+  (``simulate.fit_alpha_beta``): the bandwidth. The latency is taken in the
+  runtime: the device that finishes a tick's work last then spends
+  ``2 (α + n / bw)`` in the two ppermutes; that α includes waking a process that
+  slept while it waited, which the probe's tight loop never pays.
 * What the simulator does not model — dispatch, the set-up before the tick loop
-  (allocating and filling the slot buffers; it grows with the buffers) and the
-  gradient ``psum`` after it — is fitted as ``a_v + b x`` where ``x`` is the
-  step's temp memory (``memory_analysis().temp_size_in_bytes``, mostly slot
-  buffers) and ``a_v`` a constant per chunk layout ``v``, by least squares on
-  the calibration runs' measured minus simulated step times.
+  and the loop's entry (allocating, filling and copying in the slot buffers: it
+  grows with them) and the gradient ``psum`` after it — is ``a_v + b x``, ``x``
+  the step's temp memory in MiB (``memory_analysis().temp_size_in_bytes``,
+  mostly slot buffers). ``b``: slope of the profiled time before the loop plus
+  tick 0 against ``x``; ``a_v`` (one per chunk layout ``v``): the median of
+  measured - simulated - ``b x`` over the calibration runs.
 
 Prediction: ``neighbour`` simulates what the runtime does (per-device clocks; every
 tick each device runs its task and bookkeeping, then two ppermutes in a row, and
 waits only for its ring neighbours); ``lockstep`` is the global-barrier model
-(one overlapped exchange per tick) for comparison. Both get the same costs and
-set-up term. The error is (predicted - measured) / measured.
+(one overlapped exchange per tick) for comparison. Both get the same costs; each
+gets ``a_v`` from its own simulation. The error is (predicted - measured) / measured.
+
+``--diagnose`` also profiles the predicted runs and prints how each task's busy
+time there compares with the calibration runs (for explaining errors; the
+predictions never use it).
 
 Usage: ``python benchmarks/pipeline_2proc.py [--rounds 12] [--out FILE] [--smoke]``.
 """
@@ -54,6 +64,7 @@ import io
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import socket
@@ -73,19 +84,21 @@ SMOKE = dict(vocab=64, seq=16, d_model=32, heads=2, layers=4, rows=4)
 
 
 def configurations(smoke: bool) -> list[dict]:
-    """(schedule, m, v, role). Calibration covers every (device, task kind, global
-    stage) the predicted runs use, at 1 or 2 microbatches."""
+    """(schedule, m, v, role). The calibration runs cover every (device, task kind,
+    global stage) the predicted runs use."""
     def c(name, m, v=1, role="prediction"):
         return dict(key=f"{name} v={v} m={m}", schedule=name, m=m, v=v, role=role)
 
     if smoke:   # two compiles only: the test that runs this must stay short
         return [c("gpipe", 2, role="calibration"), c("1f1b", 4)]
-    # The m = 2 run of every schedule: a task's cost on this machine depends on what
-    # the other core runs meanwhile (they share caches and memory, and other jobs
-    # move to whichever core idles), so calibration runs show the same pairings as
-    # the predicted ones; 1f1b at m = 1 adds a smaller buffer for the set-up fit.
+    # The m = 2 run of every schedule. Not m = 1: with one buffer slot XLA elides the
+    # per-tick slot copies (an idle tick costs half), a regime no predicted run is in.
+    # And a task's cost on this machine depends on what the other core runs meanwhile
+    # (shared caches and memory; other jobs move to whichever core idles), so the
+    # calibration runs should show the predicted runs' pairings of tasks. gpipe at
+    # m = 3 adds a bigger buffer for the slope of the set-up.
     schedules = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-    calib = [c("1f1b", 1, role="calibration")] + [c(name, 2, v, role="calibration") for name, v in schedules]
+    calib = [c(name, 2, v, role="calibration") for name, v in schedules] + [c("gpipe", 3, role="calibration")]
     preds = [c(name, m, v) for name, v in schedules for m in (4, 8)]
     return calib + preds
 
@@ -239,13 +252,19 @@ def worker(args) -> None:
         trace_dir = tempfile.mkdtemp(prefix=f"trace{args.worker}-{r}-", dir=args.tmp)
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0   # Python frames add overhead and are not needed
+        # A new order every round (the same on both processes: it is SPMD), so that no
+        # configuration always runs right after a heavy one or at the end of a block.
+        order = sorted(compiled)
+        random.Random(r).shuffle(order)
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True, profiler_options=options)
-        for exe, step_args, _, names in compiled.values():
+        for key in order:
+            exe, step_args, _, names = compiled[key]
             if names is not None:
                 jax.block_until_ready(exe(*step_args))
         jax.profiler.stop_trace()
         sync_global_devices(f"time {r}")
-        for key, (exe, step_args, _, _) in compiled.items():
+        for key in order:
+            exe, step_args, _, _ = compiled[key]
             t0 = time.perf_counter()
             jax.block_until_ready(exe(*step_args))
             result["times"].setdefault(key, []).append(time.perf_counter() - t0)
@@ -349,31 +368,49 @@ def busy_samples(configs: list[dict], results: list[dict]) -> dict[tuple, list[f
 def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
     """Costs for the simulator from the calibration runs (see the module docstring)."""
     from mindpipe_jax.errors import ConfigError
+    from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.simulate import Link, StageCosts, fit_alpha_beta
 
-    med = statistics.median
-    samples = busy_samples([c for c in configs if c["role"] == "calibration"], results)
+    # Means, not medians, of per-tick samples: a step is a sum of many ticks, and the
+    # median over calls of a sum is close to the sum of the means; on a loaded
+    # machine the per-tick times are skewed (preemptions), and medians would miss
+    # the tail that every long call collects.
+    mean = statistics.fmean
+    calib = [c for c in configs if c["role"] == "calibration"]
+    samples = busy_samples(calib, results)
     act_bytes = dims["rows"] * dims["seq"] * dims["d_model"] * 4
     layouts = {}
     for v in sorted({c["v"] for c in configs}):
-        overhead = [med(samples[(v, s, "idle")]) for s in range(2)]
+        overhead = [mean(samples[(v, s, "idle")]) for s in range(2)]
         G = 2 * v
         table = {k: [0.0] * G for k in ("F", "B", "W", "BW")}
         for (vv, s, key), xs in samples.items():
             if vv == v and key != "idle":
                 kind, g = key
-                table[kind][g] = max(med(xs) - overhead[s], 0.0)
+                table[kind][g] = max(mean(xs) - overhead[s], 0.0)
         costs = StageCosts(F=table["F"], B=table["B"], W=table["W"], BW=table["BW"],
                            activation_bytes=act_bytes)
-        layouts[v] = dict(overhead=overhead, costs=costs, table=table,
-                          counts={key: len(xs) for (vv, _, key), xs in samples.items() if vv == v})
-    probe = {int(n): med(ts) for n, ts in results[0]["probe"].items()}
+        layouts[v] = dict(overhead=overhead, costs=costs, table=table)
+    # Bandwidth from the probe (large messages); the per-ppermute latency from the
+    # runtime itself: in a tick, the device that finishes its work last waits only
+    # for the two transfers, 2 (alpha + n / bw). This alpha includes waking a process
+    # that slept in the ppermute, which the probe's tight loop never pays.
+    probe = {int(n): statistics.median(ts) for n, ts in results[0]["probe"].items()}
     try:
-        link, note = fit_alpha_beta(list(probe), list(probe.values())), ""
+        fitted, note = fit_alpha_beta(list(probe), list(probe.values())), ""
     except ConfigError:   # noise larger than the size effect (a loaded machine, tiny sizes)
-        link = Link(latency_s=min(probe.values()))
-        note = " (times did not grow with size: latency only)"
-    return dict(layouts=layouts, link=link, probe=probe, act_bytes=act_bytes, link_note=note)
+        fitted = Link(latency_s=min(probe.values()))
+        note = " (times did not grow with size: no bandwidth term)"
+    waits = []
+    for c in calib:
+        ticks = get_schedule(c["schedule"], 2, c["m"], c["v"]).num_ticks
+        for a, b in zip(results[0]["profiles"][c["key"]], results[1]["profiles"][c["key"]], strict=True):
+            for t in range(1, ticks):
+                waits.append((a if a["busy"][t] >= b["busy"][t] else b)["ppermute"][t])
+    alpha = max(mean(waits) / 2 - fitted.occupancy(act_bytes), 0.0)
+    link = Link(latency_s=alpha, bandwidth_Bps=fitted.bandwidth_Bps)
+    return dict(layouts=layouts, link=link, probe_link=fitted, probe=probe, act_bytes=act_bytes,
+                link_note=note)
 
 
 def predict(configs, results, cal) -> list[dict]:
@@ -392,22 +429,26 @@ def predict(configs, results, cal) -> list[dict]:
                          calls=len(times), temp=results[0]["temp_bytes"][c["key"]],
                          sim={k: r.step_time for k, r in sim.items()},
                          util=sim["neighbour"].utilization))
-    # The set-up the simulator does not model: a_v + b * temp MiB, least squares on
-    # the calibration runs' measured - simulated step times (fitted for each mode on
-    # its own simulation, so neither mode is scored with the other's fit).
+    # The set-up the simulator does not model, a_v + b * temp MiB. The slope b: least
+    # squares of what a calibration call spends before the tick loop and in tick 0
+    # (where the loop copies its carried buffers in), from the profile of device 0,
+    # against temp (one intercept per layout). Then a_v: the median over the layout's
+    # calibration runs of measured - simulated - b * temp, for each mode on its own
+    # simulation, so neither mode is scored with the other's fit.
     import numpy as np
 
     calib = [r for r in rows if r["role"] == "calibration"]
     vs = sorted({r["v"] for r in rows})
+    entry = [statistics.median(call["prologue"] + call["busy"][0] + call["ppermute"][0]
+                               for call in results[0]["profiles"][r["key"]]) for r in calib]
     design = np.array([[float(r["v"] == v) for v in vs] + [r["temp"] / 2**20] for r in calib])
-    if np.linalg.matrix_rank(design) < design.shape[1]:   # too few calibration runs for the slope
-        design = design[:, :-1]
+    b = 0.0
+    if np.linalg.matrix_rank(design) == design.shape[1] and len(calib) > design.shape[1]:
+        b = float(np.linalg.lstsq(design, np.array(entry), rcond=None)[0][-1])
     cal["setup"] = {}
     for mode in ("neighbour", "lockstep"):
-        resid = np.array([r["measured"] - r["sim"][mode] for r in calib])
-        coef, *_ = np.linalg.lstsq(design, resid, rcond=None)
-        a = dict(zip(vs, coef[:len(vs)], strict=True))
-        b = float(coef[len(vs)]) if len(coef) > len(vs) else 0.0
+        a = {v: statistics.median(r["measured"] - r["sim"][mode] - b * r["temp"] / 2**20
+                                  for r in calib if r["v"] == v) for v in vs}
         cal["setup"][mode] = dict(a=a, b_per_MiB=b)
         for r in rows:
             r.setdefault("setup", {})[mode] = a[r["v"]] + b * r["temp"] / 2**20
@@ -445,17 +486,20 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
             if any(vals):
                 cells = "  ".join(f"g{g} {ms(x):>6}" for g, x in enumerate(vals))
                 print(f"      {kind:<2} {cells}", file=out)
-    link = cal["link"]
+    link, fitted = cal["link"], cal["probe_link"]
     probe = ", ".join(f"{n / 1024:.0f} KiB {1e3 * t:.3f} ms" for n, t in sorted(cal["probe"].items()))
     print(f"  transfer probe (median per ppermute): {probe}", file=out)
-    print(f"  -> alpha {1e6 * link.latency_s:.0f} us, bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s"
-          f"{cal['link_note']}; the "
-          f"runtime's {cal['act_bytes'] / 1024:.0f} KiB buffer: {1e3 * link.time(cal['act_bytes']):.3f} ms "
-          f"per ppermute, two per tick", file=out)
+    print(f"  -> fit alpha {1e6 * fitted.latency_s:.0f} us, bandwidth {fitted.bandwidth_Bps / 1e9:.2f} GB/s"
+          f"{cal['link_note']}", file=out)
+    print(f"  in the runtime (last device to finish a tick: its two ppermutes, mean): alpha "
+          f"{1e6 * link.latency_s:.0f} us with the probe's bandwidth; the {cal['act_bytes'] / 1024:.0f} KiB "
+          f"buffer: {1e3 * link.time(cal['act_bytes']):.3f} ms per ppermute, two per tick", file=out)
+    b = cal["setup"]["neighbour"]["b_per_MiB"]
+    print(f"  set-up outside the simulated tick loop, a_v + b x temp MiB: b {1e3 * b:.2f} ms per MiB "
+          f"(profiled pre-loop + tick 0 against temp); a_v = median of measured - simulated - b x temp:",
+          file=out)
     for mode, fit in cal["setup"].items():
-        print(f"  set-up outside the tick loop, a_v + b x temp MiB (fit of measured - simulated, {mode}): "
-              + ", ".join(f"a(v={v}) {ms(x)} ms" for v, x in fit["a"].items())
-              + f", b {1e3 * fit['b_per_MiB']:.3f} ms per MiB", file=out)
+        print(f"      {mode}: " + ", ".join(f"a(v={v}) {ms(x)} ms" for v, x in fit["a"].items()), file=out)
     prof = [(statistics.median(c["total"] for c in results[0]["profiles"][r["key"]]), r["measured"])
             for r in rows if r["role"] == "calibration"]
     print("  profiler check, calibration runs, profiled / unprofiled call (median): "
@@ -539,6 +583,7 @@ def main(argv=None):
     out.flush()
     results = launch(spec, args.timeout_s)
     if args.raw:
+        Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
         Path(args.raw).write_text(json.dumps(dict(spec=spec, results=results)))
     cal = calibrate(configs, results, dims)
     rows = predict(configs, results, cal)
