@@ -28,7 +28,7 @@ def test_gpu_train_step_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu" / "train_step.py"), "--smoke",
          "--out", str(tmp_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=58)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)  # a bound, not a speed check
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
 
