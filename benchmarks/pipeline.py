@@ -78,6 +78,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from flax import nnx  # noqa: E402
 
 from mindpipe_jax.config import ModelConfig, ParallelConfig  # noqa: E402
@@ -93,19 +94,6 @@ from mindpipe_jax.parallel.pipeline.simulate import LayerCost, predict_utilizati
 P, M, ROWS, SEQ, D_MODEL, HEADS, VOCAB = 4, 16, 8, 64, 128, 4, 256
 SIM_P, SIM_M, SIM_LAYERS = 8, 32, 32
 
-
-class Tee:
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text):
-        for s in self.streams:
-            s.write(text)
-            s.flush()
-
-    def flush(self):
-        for s in self.streams:
-            s.flush()
 
 
 # ------------------------------------------------------------------ probes

@@ -75,6 +75,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -455,18 +457,6 @@ def predict(configs, results, cal) -> list[dict]:
             r.setdefault("pred", {})[mode] = r["sim"][mode] + r["setup"][mode]
     return rows
 
-
-class Tee:
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text):
-        for s in self.streams:
-            s.write(text)
-
-    def flush(self):
-        for s in self.streams:
-            s.flush()
 
 
 def report(out, args, dims, configs, results, cal, rows) -> None:
