@@ -34,7 +34,7 @@ def test_rules_storage_vs_compute():
     assert spec_for(("embed", "mlp"), "storage") == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert spec_for(("embed", "mlp"), "compute") == jax.sharding.PartitionSpec(None, "tensor")
     assert spec_for(("batch", "length", "embed"), "compute") == jax.sharding.PartitionSpec(
-        ("data", "fsdp"), None, None)
+        ("data", "fsdp", "expert"), None, None)
     with pytest.raises(ConfigError, match="'nope'"):
         spec_for(("nope",))
 

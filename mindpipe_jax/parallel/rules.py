@@ -8,7 +8,8 @@ mappings:
   FSDP shards the ``embed`` dimension of every weight over ``fsdp``.
 * compute — how a parameter or activation is laid out while the step runs.
   Weights are all-gathered over ``fsdp`` (compute has no ``fsdp`` on ``embed``)
-  while the batch is split over ``data`` × ``fsdp``.
+  while the batch is split over ``data`` × ``fsdp`` × ``expert`` (``expert`` is 1
+  unless an MoE model splits its experts over it; models/moe.py).
 
 Tensor parallelism is Megatron's column/row split and comes from this table
 alone: the first projection of attention (``heads``) and of the MLP (``mlp``) is
@@ -31,7 +32,8 @@ Kind = Literal["storage", "compute"]
 
 # logical axis   storage (params, optimizer)   compute (step: params + activations)
 RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "batch":    ((),                 ("data", "fsdp")),
+    # The expert devices do data parallelism outside the MoE layers (GShard).
+    "batch":    ((),                 ("data", "fsdp", "expert")),
     "length":   ((),                 ()),
     "embed":    (("fsdp",),          ()),
     "mlp":      (("tensor",),        ("tensor",)),
