@@ -326,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
             """) + "\n" + "\n".join([_OVERRIDES_HELP, _sections_help(), _ERRORS]))
     _add_config_args(p_supernet)
     p_supernet.set_defaults(func=_cmd_supernet, parser=p_supernet)
+
+    from mindpipe_jax.tuner.command import add_parser as add_tune_parser
+
+    p_tune = add_tune_parser(sub, _add_config_args, fmt)
+    p_tune.set_defaults(parser=p_tune)
     return parser
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, Kind, Schedule
 
-__all__ = ["draw_schedule", "draw_plan", "draw_lanes", "schedule_summary", "check_picture_path",
+__all__ = ["draw_schedule", "draw_plan", "draw_lanes", "draw_landscape", "schedule_summary",
+           "check_picture_path",
            "require_matplotlib",
            "PICTURE_FORMATS", "KIND_COLORS"]
 
@@ -377,5 +378,72 @@ def draw_lanes(results, out_path: str | os.PathLike, *, titles=None, time_scale:
         handles.append(Patch(facecolor=face, label=label))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8,
                frameon=False)
+    fig.savefig(path)
+    return path
+
+
+# ------------------------------------------------------------------ tuner landscape
+def draw_landscape(result, out_path: str | os.PathLike, *, trajectory=None, top_meshes: int = 4,
+                   title: str | None = None) -> Path:
+    """Draw EPara's view of the space and write it to ``out_path``.
+
+    Left: entropyput (samples/s x statistical efficiency) against the global batch,
+    one line per layout (the ``top_meshes`` layouts whose best point is highest),
+    measured points filled, predicted ones hollow. Right (with ``trajectory``, a
+    run's history: dicts with ``step`` and ``tuner/batch``, ``lr``): the batch size
+    and the learning rate an online run went through. ``result`` is a
+    ``tuner.tune.TuneResult``. Returns the path written.
+    """
+    path = check_picture_path(out_path)
+    Figure, FigureCanvasAgg, _, _ = require_matplotlib()
+    fig = Figure(figsize=(11.0 if trajectory else 6.5, 4.4), dpi=150, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if trajectory else 1)
+    ax = axes[0] if trajectory else axes
+
+    def layout_of(c) -> str:
+        return " | ".join(part for part in c.label().split(" | ") if not part.startswith("B"))
+
+    lines: dict[str, list] = {}
+    for row in result.rows:
+        if row.feasibility is not None and not row.feasibility.fits:
+            continue
+        lines.setdefault(layout_of(row.candidate), []).append(row)
+
+    def best_of(rows) -> float:
+        return max(r.measured_entropyput or r.predicted_entropyput for r in rows)
+
+    palette = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2"]
+    ranked = sorted(lines.items(), key=lambda kv: -best_of(kv[1]))[:top_meshes]
+    for (name, rows), color in zip(ranked, palette, strict=False):
+        rows = sorted(rows, key=lambda r: r.candidate.global_batch)
+        xs = [r.candidate.global_batch for r in rows]
+        ys = [r.measured_entropyput or r.predicted_entropyput for r in rows]
+        ax.plot(xs, ys, color=color, linewidth=1.4, label=name)
+        for r, x, y in zip(rows, xs, ys, strict=True):
+            filled = r.measured_s is not None
+            ax.plot([x], [y], "o", color=color, markerfacecolor=color if filled else "white", markersize=6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch (sequences)")
+    ax.set_ylabel("entropyput (samples/s x efficiency)")
+    noise = "unknown" if result.b_noise is None else f"{result.b_noise:.0f}"
+    ax.set_title(f"layouts (filled = measured), B_noise {noise}, b0 {result.b0}", fontsize=9, loc="left")
+    ax.legend(fontsize=7, frameon=False)
+    if trajectory:
+        tr = axes[1]
+        points = [h for h in trajectory if "tuner/batch" in h]
+        steps = [h["step"] for h in points]
+        tr.step(steps, [h["tuner/batch"] for h in points], where="post", color="#4c78a8",
+                label="global batch")
+        tr.set_xlabel("step")
+        tr.set_ylabel("global batch", color="#4c78a8")
+        lr_points = [h for h in trajectory if "lr" in h]
+        if lr_points:
+            twin = tr.twinx()
+            twin.plot([h["step"] for h in lr_points], [h["lr"] for h in lr_points], color="#e45756",
+                      linewidth=1.2)
+            twin.set_ylabel("learning rate", color="#e45756")
+        tr.set_title("online run: batch and learning rate", fontsize=9, loc="left")
+    fig.suptitle(title or "EPara: entropyput landscape", fontsize=10)
     fig.savefig(path)
     return path

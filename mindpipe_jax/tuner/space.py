@@ -55,7 +55,9 @@ class Candidate:
 
     @property
     def batch_shards(self) -> int:
-        return self.data * self.fsdp
+        """Devices the batch splits over (train.step.BATCH_AXES): expert devices run
+        the dense layers data-parallel."""
+        return self.data * self.fsdp * self.expert
 
     @property
     def per_device_batch(self) -> int:
@@ -140,7 +142,8 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         try:
             get_schedule(cand.schedule, cand.pipe, cand.microbatches, cand.virtual_stages)
         except (ScheduleError, ValueError) as err:
-            return f"schedule {cand.schedule} p={cand.pipe} m={cand.microbatches} v={cand.virtual_stages}: {err}"
+            return (f"schedule {cand.schedule} p={cand.pipe} m={cand.microbatches} "
+                    f"v={cand.virtual_stages}: {err}")
     return _model_limits(run, cand)
 
 

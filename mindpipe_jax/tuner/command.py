@@ -1,0 +1,186 @@
+"""``mindpipe tune``: the offline tuner from the command line.
+
+Kept beside the tuner rather than in ``cli.py``: the options mirror ``tune``'s
+arguments, and the command only parses, checks and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+from pathlib import Path
+
+from mindpipe_jax.config import MESH_AXES, load_config
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.tuner.space import REMATS, SCHEDULES
+
+DESCRIPTION = textwrap.dedent("""\
+    EPara's offline tuner. For the configured model on this machine's devices it
+    enumerates every valid layout (mesh axis sizes over --axes, microbatches,
+    pipeline schedule and chunks, remat policy, global batch), rejecting invalid
+    ones with the reason; predicts each one's step time with the cost model
+    (FLOPs read from compiled programs and a measured device rate, an α-β model of
+    each axis' collectives, pipeline bubbles from the simulator); compiles the most
+    promising ones on abstract shapes to check memory against --budget-mb; runs the
+    best --measure of them for a few real steps; and prints them ranked by
+    entropyput = samples/s x statistical efficiency of the batch.
+
+    Efficiency needs the gradient noise scale B_noise: with several --batches it
+    is estimated by a short probe run on the configured data (--b-noise auto) or
+    given (--b-noise 200).""")
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      mindpipe tune model.n_layers=4 --batches 16,32,64
+      mindpipe tune --config my.toml --budget-mb 4096 --measure 5 --out landscape.png
+      mindpipe tune --axes data,tensor --microbatches 1,2 --b-noise 150 --json tune.json
+
+    The chosen configuration's overrides are printed last; pass them to mindpipe train.
+    pictures need matplotlib: pip install 'mindpipe-jax[plots]'.""")
+
+
+def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
+    p = sub.add_parser("tune", formatter_class=formatter, description=DESCRIPTION, epilog=EPILOG,
+                       help="EPara: rank layouts and batch sizes by predicted and measured entropyput")
+    add_config_args(p)
+    p.add_argument("--batches", metavar="LIST", default=None,
+                   help="global batch sizes to consider, comma-separated (default: train.global_batch)")
+    p.add_argument("--axes", metavar="LIST", default="data,fsdp,tensor,pipe",
+                   help=f"mesh axes to vary, of {', '.join(MESH_AXES)} (default: data,fsdp,tensor,pipe)")
+    p.add_argument("--microbatches", metavar="LIST", default="1,2,4",
+                   help="microbatch counts (pipeline microbatches or accumulation; default: 1,2,4)")
+    p.add_argument("--schedules", metavar="LIST", default="1f1b,interleaved",
+                   help=f"pipeline schedules, of {', '.join(SCHEDULES)} (default: 1f1b,interleaved)")
+    p.add_argument("--remat", metavar="LIST", default="none,full",
+                   help=f"remat policies, of {', '.join(REMATS)} (default: none,full)")
+    p.add_argument("--budget-mb", metavar="N", default=None,
+                   help="memory budget per device in MB (2^20 bytes); default: unlimited")
+    p.add_argument("--max-compile", metavar="N", default="8",
+                   help="candidates to compile for the memory check, best predicted first (default: 8)")
+    p.add_argument("--measure", metavar="N", default="3",
+                   help="feasible candidates to run for real, best predicted first (default: 3)")
+    p.add_argument("--trial-steps", metavar="N", default="5",
+                   help="timed steps per trial; the median counts (default: 5)")
+    p.add_argument("--b-noise", metavar="auto|X", default="auto",
+                   help="gradient noise scale: 'auto' = a probe run when several batches are "
+                        "considered, or a number > 0 (default: auto)")
+    p.add_argument("--probe-steps", metavar="N", default="30",
+                   help="steps of the noise probe run (default: 30)")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="draw the entropyput landscape to FILE (.png, .svg or .pdf)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write every row as JSON to FILE")
+    p.add_argument("--cache", metavar="FILE", default=None,
+                   help="keep compiled-memory results in FILE (JSON) between runs")
+    p.set_defaults(func=run)
+    return p
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} must be a comma-separated list of integers >= 1, got {text!r}")
+    return values
+
+
+def _names(text: str, option: str, valid) -> tuple[str, ...]:
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [v for v in values if v not in valid]
+    if not values or bad:
+        raise ConfigError(f"{option}={text!r}: {', '.join(bad) or 'empty'} not valid; "
+                          f"valid: {', '.join(valid)}")
+    return values
+
+
+def _count(text: str, option: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(f"{option} must be an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def _writable(path: str, option: str) -> Path:
+    out = Path(path)
+    if not out.parent.is_dir():
+        raise ConfigError(f"{option} {path!r}: directory {str(out.parent)!r} does not exist")
+    if out.is_dir():
+        raise ConfigError(f"{option} {path!r} is a directory; give a file name")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from mindpipe_jax import viz
+
+    # Every check before JAX starts or anything is written.
+    cfg = load_config(args.config, args.overrides)
+    batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
+    axes = _names(args.axes, "--axes", MESH_AXES)
+    micro = _ints(args.microbatches, "--microbatches")
+    schedules = _names(args.schedules, "--schedules", SCHEDULES)
+    remats = _names(args.remat, "--remat", REMATS)
+    budget = math.inf
+    if args.budget_mb is not None:
+        try:
+            budget = float(args.budget_mb) * 2**20
+        except ValueError:
+            budget = math.nan
+        if not 0 < budget < math.inf:
+            raise ConfigError(f"--budget-mb must be a number > 0 (MB per device), got {args.budget_mb!r}")
+    max_compile = _count(args.max_compile, "--max-compile", 1)
+    measure = _count(args.measure, "--measure", 0)
+    trial_steps = _count(args.trial_steps, "--trial-steps", 1)
+    probe_steps = _count(args.probe_steps, "--probe-steps", 2)
+    b_noise: float | None | str = "auto"
+    if args.b_noise != "auto":
+        try:
+            b_noise = float(args.b_noise)
+        except ValueError:
+            b_noise = math.nan
+        if not 0 < b_noise < math.inf:
+            raise ConfigError(f"--b-noise must be 'auto' or a number > 0, got {args.b_noise!r}")
+    if args.out is not None:
+        viz.check_picture_path(args.out)
+        viz.require_matplotlib()
+    json_out = _writable(args.json, "--json") if args.json else None
+    if args.cache:
+        _writable(args.cache, "--cache")
+
+    from mindpipe_jax.parallel.mesh import setup_runtime
+
+    setup_runtime(cfg.parallel, cfg.distributed)
+    from mindpipe_jax.tuner.tune import tune
+
+    if b_noise == "auto":
+        b_noise = None
+        if len(batches) > 1:
+            from mindpipe_jax.tuner.probe import estimate_b_noise
+
+            probe = estimate_b_noise(cfg.replace(f"train.global_batch={min(batches)}"), steps=probe_steps)
+            b_noise = probe.b_noise
+            if b_noise is None:
+                raise ConfigError(f"the {probe_steps}-step noise probe gave no estimate yet (the gradient "
+                                  f"signal is still below its noise); raise --probe-steps or give --b-noise")
+            print(f"noise probe: {probe_steps} steps at batch {min(batches)}, loss {probe.losses[0]:.3f} -> "
+                  f"{probe.losses[-1]:.3f}, B_noise ~ {b_noise:.1f}", flush=True)
+    result = tune(cfg, budget_bytes=budget, global_batches=batches, axes=axes, microbatches=micro,
+                  schedules=schedules, remats=remats, max_compile=max_compile, measure=measure,
+                  trial_steps=trial_steps, b_noise=b_noise, cache_path=args.cache,
+                  log=lambda line: print(line, flush=True))
+    print(result.table(), flush=True)
+    best = result.best
+    print(f"best: {best.candidate.label()} -> {' '.join(best.candidate.overrides())}", flush=True)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"b_noise": result.b_noise, "b0": result.b0,
+                                        "hardware": result.hardware.note,
+                                        "rows": [r.to_dict() for r in result.rows]}, indent=1))
+        print(f"wrote {json_out}", flush=True)
+    if args.out is not None:
+        print(f"wrote {viz.draw_landscape(result, args.out)}", flush=True)
+    return 0

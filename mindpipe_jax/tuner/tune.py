@@ -1,0 +1,149 @@
+"""The offline tuner: enumerate → predict → compile the most promising → measure
+the top few → rank by entropyput.
+
+``tune`` ranks every valid candidate of the space by predicted entropyput
+(samples/s × statistical efficiency of its batch), then compiles candidates in
+that order on abstract shapes until ``max_compile`` have been judged (each
+infeasible one is skipped with its reason: over the memory budget, or refused by
+the compiler), then runs the ``measure`` best feasible ones for a few real steps,
+feeds those times back into the cost model and returns every row with what is
+known about it. The chosen configuration is the best *measured* one: a
+prediction only decides what is worth measuring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+
+from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
+from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
+from mindpipe_jax.tuner.noise import efficiency
+from mindpipe_jax.tuner.space import Candidate, SpaceReport, enumerate_space
+from mindpipe_jax.tuner.trial import measure_candidate
+
+
+@dataclasses.dataclass
+class Row:
+    candidate: Candidate
+    predicted: Breakdown
+    efficiency: float
+    feasibility: Feasibility | None = None  # None = not compiled (ranked too low)
+    measured_s: float | None = None
+
+    @property
+    def predicted_entropyput(self) -> float:
+        return self.candidate.global_batch / self.predicted.step_s * self.efficiency
+
+    @property
+    def measured_entropyput(self) -> float | None:
+        if self.measured_s is None:
+            return None
+        return self.candidate.global_batch / self.measured_s * self.efficiency
+
+    def to_dict(self) -> dict:
+        f = self.feasibility
+        return {"candidate": self.candidate.to_dict(), "label": self.candidate.label(),
+                "predicted_s": self.predicted.step_s, "compute_s": self.predicted.compute_s,
+                "comm_s": self.predicted.comm_s, "bubble": self.predicted.bubble_fraction,
+                "measured_s": self.measured_s, "efficiency": self.efficiency,
+                "predicted_entropyput": self.predicted_entropyput,
+                "measured_entropyput": self.measured_entropyput,
+                "fits": None if f is None else f.fits, "peak_bytes": None if f is None else f.peak_bytes,
+                "reason": "" if f is None else f.reason}
+
+
+@dataclasses.dataclass
+class TuneResult:
+    rows: list[Row]  # ranked: measured first (by measured entropyput), then by prediction
+    space: SpaceReport
+    hardware: Hardware
+    b_noise: float | None
+    b0: int
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    @property
+    def best(self) -> Row:
+        return self.rows[0]
+
+    def table(self, limit: int = 15) -> str:
+        """A readable ranked table (MiB, ms, samples/s)."""
+        head = (f"{'#':>2}  {'configuration':44s} {'pred ms':>8} {'meas ms':>8} {'MiB/dev':>8} "
+                f"{'eff':>5} {'entropyput':>10}  note")
+        lines = [head, "-" * len(head)]
+        for i, r in enumerate(self.rows[:limit], 1):
+            f = r.feasibility
+            mem = f"{f.peak_bytes / 2**20:8.1f}" if f is not None and f.peak_bytes else f"{'-':>8}"
+            meas = f"{r.measured_s * 1e3:8.1f}" if r.measured_s is not None else f"{'-':>8}"
+            ent = r.measured_entropyput if r.measured_s is not None else r.predicted_entropyput
+            note = "measured" if r.measured_s is not None else ("predicted" if f is None or f.fits else
+                                                                  f"infeasible: {f.reason[:50]}")
+            lines.append(f"{i:>2}  {r.candidate.label():44s} {r.predicted.step_s * 1e3:8.1f} {meas} "
+                         f"{mem} {r.efficiency:5.2f} {ent:10.1f}  {note}")
+        return "\n".join(lines)
+
+
+def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = math.inf,
+         global_batches: Sequence[int] | None = None,
+         axes: Sequence[str] = ("data", "fsdp", "tensor", "pipe"),
+         microbatches: Sequence[int] = (1, 2, 4), schedules: Sequence[str] = ("1f1b", "interleaved"),
+         virtual_stages: Sequence[int] = (1, 2), remats: Sequence[str] = ("none", "full"),
+         max_compile: int = 8, measure: int = 3, trial_steps: int = 5, b_noise: float | None = None,
+         b0: int | None = None, model=None, cache_path: str | None = None, hardware: Hardware | None = None,
+         costs: ModelCosts | None = None, log: Callable[[str], None] = print) -> TuneResult:
+    """Search the space of ``cfg``'s model on ``num_devices`` devices (default: all)."""
+    devices = jax.devices()
+    n = num_devices or len(devices)
+    if n > len(devices):
+        raise ConfigError(f"tune: num_devices={n} but only {len(devices)} devices are present")
+    if max_compile < 1 or measure < 0:
+        raise ConfigError(f"tune: max_compile={max_compile} must be >= 1 and measure={measure} >= 0")
+    devices = devices[:n]
+    batches = tuple(global_batches or (cfg.train.global_batch,))
+    b0 = b0 or min(batches)
+    if b_noise is None and set(batches) != {b0}:
+        raise ConfigError(f"tune: comparing global batches {list(batches)} needs the gradient noise scale "
+                          f"(b_noise=...; tuner.probe.estimate_b_noise measures it)")
+    space = enumerate_space(cfg, n, axes=axes, global_batches=batches, microbatches=microbatches,
+                            schedules=schedules, virtual_stages=virtual_stages, remats=remats)
+    if not space.valid:
+        reasons = "; ".join(list(space.reasons())[:3])
+        raise ConfigError(f"tune: no valid configuration of this model on {n} devices ({reasons})")
+    log(f"space: {len(space.valid)} valid, {len(space.rejected)} rejected")
+    hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes)
+    costs = costs or ModelCosts.measure(cfg)
+    model_cost = CostModel(costs, hardware, cfg.model.seq_len)
+    log(f"hardware: {hardware.note}")
+    rows = [Row(c, b, efficiency(c.global_batch, b_noise, b0)) for c, b in model_cost.rank(space.valid)]
+    rows.sort(key=lambda r: -r.predicted_entropyput)
+
+    cache = FeasibilityCache(cache_path)
+    feasible: list[Row] = []
+    for row in rows:
+        if len(feasible) >= max_compile:
+            break
+        row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
+        if row.feasibility.fits:
+            feasible.append(row)
+        else:
+            log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
+    for row in feasible[:measure]:
+        row.measured_s = measure_candidate(cfg, row.candidate, steps=trial_steps, model=model,
+                                           devices=devices)
+        model_cost.observe(row.candidate, row.measured_s)
+        log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms "
+            f"(predicted {row.predicted.step_s * 1e3:.1f} ms)")
+    # Predictions after the trials (the model has seen them), for every row.
+    for row in rows:
+        row.predicted = model_cost.breakdown(row.candidate)
+    measured = sorted((r for r in rows if r.measured_s is not None), key=lambda r: -r.measured_entropyput)
+    rest = sorted((r for r in rows if r.measured_s is None and (r.feasibility is None or r.feasibility.fits)),
+                  key=lambda r: -r.predicted_entropyput)
+    refused = [r for r in rows if r.feasibility is not None and not r.feasibility.fits]
+    return TuneResult(measured + rest + refused, space, hardware, b_noise, b0, cache.hits, cache.misses)

@@ -1,0 +1,180 @@
+"""EPara's offline tuner: the configuration space, feasibility by ahead-of-time
+compilation, the cost model (its features, its refit, its ranking against real
+trials on 8 simulated devices) and ``mindpipe tune``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mindpipe_jax.cli import main
+from mindpipe_jax.config import Config
+from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.parallel.pipeline.simnetwork import Link
+from mindpipe_jax.tuner.aot import FeasibilityCache, compile_candidate
+from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman
+from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
+from mindpipe_jax.tuner.trial import measure_candidate
+
+TINY = Config().replace("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+                        "train.global_batch=16", "train.progress=false", "train.tensorboard=false")
+
+
+# ------------------------------------------------------------------ the space
+def test_space_rejects_with_the_rule_that_fails():
+    cfg = TINY.replace("model.n_layers=3")
+    report = enumerate_space(cfg, 8, global_batches=(8, 16), microbatches=(1, 2))
+    reasons = [why for _, why in report.rejected]
+    assert any("n_heads=2 is not divisible by tensor=4" in r for r in reasons)
+    assert any("n_layers=3 must be divisible by parallel.pipe" in r for r in reasons)
+    assert any("global_batch=8 must be divisible" in r for r in reasons)
+    # Every valid candidate uses all 8 devices and passes the same check again.
+    assert report.valid and all(c.devices == 8 and check_candidate(cfg, c, 8) is None for c in report.valid)
+    # No candidate is listed twice, and valid + rejected cover what was generated.
+    assert len(set(report.valid)) == len(report.valid)
+
+
+def test_candidate_round_trips_through_a_config():
+    cfg = TINY.replace("model.n_layers=4")
+    assert "only apply with pipe > 1" in check_candidate(cfg, Candidate(data=8, schedule="gpipe"))
+    cand = Candidate(data=2, tensor=2, pipe=2, microbatches=4, remat="full", global_batch=32)
+    run = cand.apply(cfg)
+    assert Candidate.from_config(run, 8) == cand
+    assert dict(make_mesh(run.parallel).shape) == {**cand.axes}
+
+
+def test_bad_space_choices_are_one_line_errors():
+    from mindpipe_jax.errors import ConfigError
+    with pytest.raises(ConfigError, match="tuner axis 'tensr' is not a mesh axis"):
+        enumerate_space(TINY, 8, axes=("data", "tensr"))
+    with pytest.raises(ConfigError, match="tuner remat 'some'"):
+        enumerate_space(TINY, 8, remats=("some",))
+
+
+# ------------------------------------------------------- AOT feasibility
+def test_compile_judges_memory_and_the_cache_reuses_it(tmp_path):
+    full = Candidate(data=2, pipe=4, microbatches=4, remat="full", global_batch=16)
+    none = Candidate(data=2, pipe=4, microbatches=4, remat="none", global_batch=16)
+    cfg = TINY.replace("model.n_layers=4")
+    f_full = compile_candidate(cfg, full, math.inf)
+    f_none = compile_candidate(cfg, none, math.inf)
+    assert f_full.fits and f_none.fits
+    assert 0 < f_full.temp_bytes < f_none.temp_bytes  # remat keeps fewer residuals
+    # A budget between the two admits exactly the leaner one, with the reason given.
+    budget = (f_full.peak_bytes + f_none.peak_bytes) / 2
+    cache = FeasibilityCache(tmp_path / "aot.json")
+    assert cache.check(cfg, full, budget).fits
+    refused = cache.check(cfg, none, budget)
+    assert not refused.fits and "MiB per device, budget" in refused.reason
+    assert (cache.hits, cache.misses) == (0, 2)
+    again = FeasibilityCache(tmp_path / "aot.json")  # persisted: no compile the second time
+    assert again.check(cfg, none, math.inf).peak_bytes == refused.peak_bytes and again.hits == 1
+    # An invalid candidate is refused without compiling.
+    bad = compile_candidate(cfg, Candidate(tensor=8, global_batch=16), math.inf)
+    assert not bad.fits and "n_heads=2 is not divisible by tensor=8" in bad.reason
+
+
+# ------------------------------------------------------------- cost model
+def _synthetic_model() -> CostModel:
+    costs = ModelCosts(n_layers=4, layer_fwd=1e6, layer_bwd={"none": 2e6, "dots": 2.2e6, "full": 3e6},
+                       rest_fwd=5e5, rest_bwd=1e6, param_bytes=4e6, hidden_bytes_per_row=1e4)
+    hw = Hardware(flop_rate=1e9, link=Link(1e-5, 1e9), solo_rate=1e9, launch_s=1e-3, iteration_s=1e-4)
+    return CostModel(costs, hw, seq_len=16)
+
+
+def test_cost_model_features_follow_the_configuration():
+    cm = _synthetic_model()
+    small = cm.breakdown(Candidate(data=8, global_batch=8))
+    big = cm.breakdown(Candidate(data=8, global_batch=64))
+    assert big.compute_s == pytest.approx(8 * small.compute_s)
+    full = cm.breakdown(Candidate(data=8, global_batch=64, remat="full"))
+    assert full.compute_s > big.compute_s
+    tp = cm.breakdown(Candidate(data=4, tensor=2, global_batch=64))
+    assert "tensor" in tp.comm_s and tp.compute_s == pytest.approx(big.compute_s)
+    # Pipeline bubbles: more microbatches fill them.
+    m1 = cm.breakdown(Candidate(data=2, pipe=4, microbatches=1, global_batch=64))
+    m8 = cm.breakdown(Candidate(data=2, pipe=4, microbatches=8, global_batch=64))
+    assert m1.bubble_fraction > 0.5 > m8.bubble_fraction and m8.compute_s < m1.compute_s
+    fsdp = cm.breakdown(Candidate(fsdp=8, global_batch=64))
+    # The step gathers the weights once (compute layout) and reduce-scatters the
+    # gradient: on a ring that moves exactly what one all-reduce moves.
+    assert fsdp.comm_s["fsdp"] == pytest.approx(big.comm_s["data"])
+
+
+def test_observed_trials_pull_the_model_to_the_measurements():
+    cm = _synthetic_model()
+    cands = [Candidate(data=8, global_batch=b, microbatches=m) for b in (8, 16, 32, 64) for m in (1, 2, 4)]
+    # "Measured" times from a machine 3x slower with a 20 ms fixed cost per step.
+    truth = {c: 3 * cm.features(c)[0] + cm.features(c)[1] + 0.02 for c in cands}
+    before = np.mean([abs(cm.step_time(c) / truth[c] - 1) for c in cands])
+    for c in cands:
+        cm.observe(c, truth[c])
+    after = np.mean([abs(cm.step_time(c) / truth[c] - 1) for c in cands])
+    assert before > 0.5 and after < 0.1, (before, after)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_cost_model_ranking_agrees_with_real_trials():
+    """The calibrated model (micro-benchmarks only, no trial seen) ranks real step
+    times on 8 simulated devices. Candidates differ in work (batch, pipeline
+    microbatches, layout) by well over this shared machine's noise; a rank
+    correlation of at least 0.6 over six means at most a swap or two of neighbours."""
+    cfg = TINY.replace("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=32")
+    costs = ModelCosts.measure(cfg)
+    cm = CostModel(costs, Hardware.calibrate(), cfg.model.seq_len)
+    cands = [Candidate(data=8, global_batch=8), Candidate(data=8, global_batch=32),
+             Candidate(data=8, global_batch=128), Candidate(data=4, tensor=2, global_batch=64),
+             Candidate(data=2, pipe=4, microbatches=4, global_batch=32),
+             Candidate(data=2, pipe=4, microbatches=8, global_batch=128)]
+    predicted = [cm.step_time(c) for c in cands]
+    measured = [measure_candidate(cfg, c, steps=3, warmup=1) for c in cands]
+    rho = spearman(predicted, measured)
+    print("\n".join(f"{c.label():40s} predicted {p * 1e3:7.1f} ms measured {m * 1e3:7.1f} ms"
+                    for c, p, m in zip(cands, predicted, measured, strict=True)) + f"\nspearman {rho:.2f}")
+    assert rho >= 0.6, rho
+
+
+# ---------------------------------------------------------------- the CLI
+def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
+    out, table = tmp_path / "landscape.png", tmp_path / "tune.json"
+    code = main(["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+                 "--batches", "8,16", "--axes", "data,tensor", "--microbatches", "1",
+                 "--remat", "none", "--b-noise", "24", "--max-compile", "2", "--measure", "1",
+                 "--trial-steps", "2", "--out", str(out), "--json", str(table)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "entropyput" in text and "measured" in text and "best: " in text
+    rows = json.loads(table.read_text())["rows"]
+    assert len(rows) == 4  # (d8, d4 t2; tensor 4 and 8 exceed n_heads=2) x 2 batches
+    first = rows[0]
+    assert first["measured_s"] > 0 and first["fits"] and first["peak_bytes"] > 0
+    # efficiency(B) = (B_noise + b0) / (B_noise + B) with b0 = the smallest batch
+    for r in rows:
+        b = r["candidate"]["global_batch"]
+        assert r["efficiency"] == pytest.approx((24 + 8) / (24 + b))
+    assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "0,8"], "--batches must be a comma-separated list of integers >= 1"),
+    (["--axes", "data,tensr"], "--axes='data,tensr': tensr not valid"),
+    (["--b-noise", "-3"], "--b-noise must be 'auto' or a number > 0"),
+    (["--budget-mb", "lots"], "--budget-mb must be a number > 0"),
+    (["--measure", "x"], "--measure must be an integer >= 0"),
+    (["--out", "/nonexistent/dir/x.png"], "/nonexistent/dir"),
+    (["--json", "/nonexistent/dir/x.json"], "--json '/nonexistent/dir/x.json': directory"),
+])
+def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    assert main(["tune", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())
