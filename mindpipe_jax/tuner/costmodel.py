@@ -76,15 +76,27 @@ class ModelCosts:
         device and read their FLOPs (per row)."""
         from mindpipe_jax.parallel.pipeline.profile import measure_layer_costs
 
+
         m = cfg.model
-        prof = measure_layer_costs(m, microbatch=rows, repeats=1, dots=True)
+        experts = m.n_experts
+        # The profiler measures the dense GPT's block; an MoE block is measured as its
+        # dense twin with the layer FLOPs scaled by the active-parameter ratio (top_k
+        # expert MLPs + router; dispatch einsums are routing overhead the trials see).
+        dense = dataclasses.replace(m, n_experts=0) if experts else m
+        prof = measure_layer_costs(dense, microbatch=rows, repeats=1, dots=True)
         f = {k: v / rows for k, v in prof.flops.items()}
+        if experts:
+            from mindpipe_jax.models import gpt, moe
+
+            ratio = moe.flops_per_token(m) / gpt.flops_per_token(dense)
+            f = {k: v * ratio if k.startswith("layer_") else v for k, v in f.items()}
         bwd = {"none": f["layer_BW"], "dots": f.get("layer_BW_dots", f["layer_BW"]),
                "full": f["layer_BW"] + f["layer_F"]}
         params = sum(layer.param_bytes for layer in prof.layers) + prof.embed.param_bytes \
             + prof.head.param_bytes
-        experts = getattr(m, "n_experts", 0)
-        factor = getattr(m, "top_k", 1) * getattr(m, "capacity_factor", 1.0) if experts else 0.0
+        if experts:  # the dense twin has one MLP per block; the MoE block has n_experts and a router
+            params += 4.0 * m.n_layers * ((experts - 1) * 2 * m.d_model * m.ff_dim + m.d_model * experts)
+        factor = m.top_k * m.capacity_factor if experts else 0.0
         return cls(m.n_layers, f["layer_F"], bwd, f["embed_F"] + f["head_F"],
                    f["embed_BW"] + f["head_BW"], params, prof.layers[0].activation_bytes / rows, factor)
 
