@@ -47,8 +47,9 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--batches", metavar="LIST", default=None,
                    help="global batch sizes to consider, comma-separated (default: train.global_batch)")
-    p.add_argument("--axes", metavar="LIST", default="data,fsdp,tensor,pipe",
-                   help=f"mesh axes to vary, of {', '.join(MESH_AXES)} (default: data,fsdp,tensor,pipe)")
+    p.add_argument("--axes", metavar="LIST", default=None,
+                   help=f"mesh axes to vary, of {', '.join(MESH_AXES)} (default: data,fsdp,tensor,pipe, "
+                        f"and expert for a Mixture-of-Experts model)")
     p.add_argument("--microbatches", metavar="LIST", default="1,2,4",
                    help="microbatch counts (pipeline microbatches or accumulation; default: 1,2,4)")
     p.add_argument("--schedules", metavar="LIST", default="1f1b,interleaved",
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     # Every check before JAX starts or anything is written.
     cfg = load_config(args.config, args.overrides)
     batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
-    axes = _names(args.axes, "--axes", MESH_AXES)
+    axes = _names(args.axes, "--axes", MESH_AXES) if args.axes else None
     micro = _ints(args.microbatches, "--microbatches")
     schedules = _names(args.schedules, "--schedules", SCHEDULES)
     remats = _names(args.remat, "--remat", REMATS)

@@ -91,13 +91,14 @@ class TuneResult:
 
 def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = math.inf,
          global_batches: Sequence[int] | None = None,
-         axes: Sequence[str] = ("data", "fsdp", "tensor", "pipe"),
+         axes: Sequence[str] | None = None,
          microbatches: Sequence[int] = (1, 2, 4), schedules: Sequence[str] = ("1f1b", "interleaved"),
          virtual_stages: Sequence[int] = (1, 2), remats: Sequence[str] = ("none", "full"),
          max_compile: int = 8, measure: int = 3, trial_steps: int = 5, b_noise: float | None = None,
          b0: int | None = None, model=None, cache_path: str | None = None, hardware: Hardware | None = None,
          costs: ModelCosts | None = None, log: Callable[[str], None] = print) -> TuneResult:
-    """Search the space of ``cfg``'s model on ``num_devices`` devices (default: all)."""
+    """Search the space of ``cfg``'s model on ``num_devices`` devices (default: all).
+    ``axes`` default: data, fsdp, tensor, pipe, and expert for an MoE model."""
     devices = jax.devices()
     n = num_devices or len(devices)
     if n > len(devices):
@@ -105,6 +106,8 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     if max_compile < 1 or measure < 0:
         raise ConfigError(f"tune: max_compile={max_compile} must be >= 1 and measure={measure} >= 0")
     devices = devices[:n]
+    if axes is None:
+        axes = ("data", "fsdp", "tensor", "pipe") + (("expert",) if cfg.model.n_experts else ())
     batches = tuple(global_batches or (cfg.train.global_batch,))
     b0 = b0 or min(batches)
     if b_noise is None and set(batches) != {b0}:
