@@ -38,7 +38,7 @@ def _positive(section: str, **values: int | float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The reference GPT. ``d_ff`` defaults to 4 × ``d_model`` when 0."""
+    """The reference GPT (or its MoE variant). ``d_ff`` defaults to 4 × ``d_model`` when 0."""
 
     vocab_size: int = 256
     seq_len: int = 128
@@ -55,10 +55,25 @@ class ModelConfig:
     # reduce-scatter split into ppermute steps that can run under partial matmuls
     # (seq_len must divide by tensor). False = XLA's blocking all-reduces.
     collective_matmul: bool = False
+    # Mixture of Experts (models/moe.py): n_experts > 0 makes each block's MLP
+    # n_experts expert MLPs behind a top_k router; 0 = the dense GPT. Each expert
+    # takes ceil(capacity_factor * tokens * top_k / n_experts) tokens per dispatch
+    # group (batch shard), the rest are dropped; the load-balancing loss is added
+    # with weight moe_aux_weight. parallel.expert splits the experts over devices.
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01
 
     def __post_init__(self):
         _positive("model", vocab_size=self.vocab_size, seq_len=self.seq_len,
                   d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads)
+        _check(self.n_experts >= 0, f"model.n_experts={self.n_experts} must be >= 0 (0 = dense GPT)")
+        _check(self.top_k >= 1 and (self.n_experts == 0 or self.top_k <= self.n_experts),
+               f"model.top_k={self.top_k} must be >= 1" + (
+                   f" and <= model.n_experts={self.n_experts}" if self.n_experts else ""))
+        _check(self.capacity_factor > 0, f"model.capacity_factor={self.capacity_factor} must be > 0")
+        _check(self.moe_aux_weight >= 0, f"model.moe_aux_weight={self.moe_aux_weight} must be >= 0")
         _check(self.d_ff >= 0, f"model.d_ff={self.d_ff} must be >= 0 (0 means 4*d_model)")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
         _check(self.d_model % self.n_heads == 0,
@@ -293,6 +308,50 @@ class SupernetConfig:
 
 
 @dataclass(frozen=True)
+class TunerConfig:
+    """EPara's online tuner (``mindpipe_jax.tuner.epara``): while training, every
+    ``every`` steps, estimate the gradient noise scale, predict each candidate's
+    entropyput = samples/s x statistical efficiency, and switch the run in place to
+    the best candidate when it beats the current one by more than ``threshold``.
+
+    Candidates are the global batches ``batch_sizes`` (empty = min_batch, 2*min_batch,
+    4*min_batch, ... up to max_batch; 0 = the initial train.global_batch for
+    min_batch and 8x it for max_batch), and with ``meshes`` also every data x fsdp x
+    tensor mesh shape of the devices. ``base_batch`` is the b0 efficiency and the
+    learning-rate gain are relative to (0 = the initial train.global_batch).
+    ``lr_scaling``: how the learning rate follows the batch (tuner/noise.py):
+    ``adascale`` = (B/b0) x efficiency(B), ``sqrt`` = sqrt(B/b0), ``linear`` = B/b0,
+    ``none`` = 1. ``ema`` smooths the noise estimate per step; ``warmup`` steps pass
+    before the first decision.
+    """
+
+    enabled: bool = False
+    every: int = 50
+    threshold: float = 0.05
+    batch_sizes: tuple[int, ...] = ()
+    min_batch: int = 0
+    max_batch: int = 0
+    base_batch: int = 0
+    lr_scaling: Literal["adascale", "sqrt", "linear", "none"] = "adascale"
+    ema: float = 0.9
+    meshes: bool = False
+    warmup: int = 50
+
+    def __post_init__(self):
+        _positive("tuner", every=self.every)
+        _check(self.threshold >= 0, f"tuner.threshold={self.threshold} must be >= 0")
+        _check(all(b > 0 for b in self.batch_sizes),
+               f"tuner.batch_sizes={list(self.batch_sizes)} must all be > 0")
+        for key in ("min_batch", "max_batch", "base_batch", "warmup"):
+            value = getattr(self, key)
+            _check(value >= 0, f"tuner.{key}={value} must be >= 0"
+                   + ("" if key == "warmup" else " (0 = from train.global_batch)"))
+        _check(not (self.min_batch and self.max_batch) or self.min_batch <= self.max_batch,
+               f"tuner.min_batch={self.min_batch} must be <= tuner.max_batch={self.max_batch}")
+        _check(0.0 <= self.ema < 1.0, f"tuner.ema={self.ema} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -301,6 +360,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     supernet: SupernetConfig = field(default_factory=SupernetConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,13 +17,17 @@ While training, the loop also
   evaluation or checkpoint step, and always before a checkpoint is written.
   ``train.nonfinite="stop"`` raises ``NonFiniteError`` naming the step and the
   first parameter whose gradient was not finite; ``"skip"`` has already left
-  that step's update out inside the compiled step and only counts it.
+  that step's update out inside the compiled step and only counts it;
+* with ``tuner.enabled`` feeds EPara's online tuner (tuner/epara.py) and, when it
+  decides, switches the job in place to another global batch, microbatch count or
+  mesh shape (train/reconfigure.py). The tuned configuration and learning-rate gain
+  are kept in each checkpoint's meta, and ``train.resume=true`` continues with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -35,15 +39,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mindpipe_jax.config import Config, DataConfig
-from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
+from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
-from mindpipe_jax.models.gpt import GPT, flops_per_token
-from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.models import build_model, flops_per_token
+from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     check_same_model,
@@ -54,20 +56,9 @@ from mindpipe_jax.train.checkpoint import (
     verify_checksums,
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
-from mindpipe_jax.train.state import (
-    abstract_train_state,
-    init_train_state,
-    make_optimizer,
-    model_spec,
-    state_shardings_for,
-)
-from mindpipe_jax.train.step import (
-    BATCH_AXES,
-    check_step_config,
-    make_eval_step,
-    make_train_step,
-    nonfinite_leaf_names,
-)
+from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, switch
+from mindpipe_jax.train.state import init_train_state
+from mindpipe_jax.train.step import nonfinite_leaf_names
 
 
 @dataclasses.dataclass
@@ -121,43 +112,6 @@ def _host(tree):
     return jax.device_get(jax.tree.map(local, tree))
 
 
-def _row_block(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
-    """(block, blocks): this process feeds rows ``[block*B/blocks, (block+1)*B/blocks)``
-    of every global batch.
-
-    Read off the batch sharding, not the process count: with ``pipe`` spanning the
-    processes, each of them holds every batch row (on its own stage's devices).
-    """
-    rows: dict[int, set[tuple[int, int]]] = {}
-    for device, index in sharding.devices_indices_map((global_batch, 1)).items():
-        start, stop, _ = index[0].indices(global_batch)
-        rows.setdefault(device.process_index, set()).add((start, stop))
-    spans = {}
-    for process, ranges in rows.items():
-        ordered = sorted(ranges)
-        if any(a[1] != b[0] for a, b in itertools.pairwise(ordered)):
-            raise ConfigError(f"the mesh gives process {process} batch rows that are not contiguous "
-                              f"({ordered}); reorder the parallel axes")
-        spans[process] = (ordered[0][0], ordered[-1][1])
-    blocks = sorted(set(spans.values()))
-    size = global_batch // len(blocks)
-    if blocks != [(i * size, (i + 1) * size) for i in range(len(blocks))]:
-        raise ConfigError(f"the mesh splits the batch rows unevenly over processes ({blocks})")
-    return blocks.index(spans[jax.process_index()]), len(blocks)
-
-
-class _Batches:
-    """Host batches → global arrays sharded over the batch axes (multi-host aware)."""
-
-    def __init__(self, mesh, global_batch: int, seq_len: int):
-        self.sharding = NamedSharding(mesh, P(BATCH_AXES))
-        self.shape = (global_batch, seq_len)
-
-    def __call__(self, host_batch: dict) -> dict:
-        return {k: jax.make_array_from_process_local_data(self.sharding, np.asarray(v), self.shape)
-                for k, v in host_batch.items()}
-
-
 def _prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | None, dict]:
     """(out_dir, checkpoint dir, step to resume from or None, its meta)."""
     out_dir = Path(cfg.train.out_dir).absolute()
@@ -201,10 +155,22 @@ def _restore(ckpt_dir: Path, step: int, abstract_state):
     return state, data_state, meta
 
 
-def train(model=None, data=None, config: Config | None = None, *overrides: str) -> TrainResult:
+def _saved_tuning(cfg: Config) -> dict:
+    """The tuner's state in the checkpoint ``train.resume=true`` continues from, or {}."""
+    if not cfg.train.resume:
+        return {}
+    found = read_meta(Path(cfg.train.out_dir).absolute() / "checkpoints")
+    return (found[1].get("tuner") or {}) if found else {}
+
+
+def train(model=None, data=None, config: Config | None = None, *overrides: str,
+          step_model=None) -> TrainResult:
     """Train ``model`` (an ``nnx.Module``, a factory ``rngs -> Module``, or None for the
-    reference GPT of ``config.model``) on ``data`` (None = ``config.data``, a path,
+    reference model of ``config.model``) on ``data`` (None = ``config.data``, a path,
     a ``DataConfig`` or ``TokenSplits``). ``overrides`` are ``key=value`` strings.
+    ``step_model`` predicts step times for the online tuner (``tuner.enabled``): any
+    object with ``step_time(candidate)`` and ``observe(candidate, seconds)``; default:
+    what this run measures (``tuner.epara.MeasuredThroughput``).
     """
     cfg = config or Config()
     if overrides:
@@ -212,28 +178,31 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
     if cfg.train.deterministic and cfg.parallel.tensor == 0:
         cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
     setup_runtime(cfg.parallel, cfg.distributed)
-    mesh = make_mesh(cfg.parallel)
-    check_step_config(cfg, mesh)
+    tuned = _saved_tuning(cfg)
+    if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had
+        from mindpipe_jax.tuner.space import Candidate
+        cfg = Candidate(**tuned["candidate"]).apply(cfg)
+    if tuned or cfg.tuner.enabled:
+        from mindpipe_jax.tuner.epara import initial_lr_gain
+        gain = tuned["lr_gain"] if tuned else initial_lr_gain(cfg)
+    else:
+        gain = 1.0
+
+    def factory_for(run_cfg: Config):
+        return model if model is not None else (lambda rngs: build_model(run_cfg.model, rngs))
+
+    layout = build_layout(cfg, factory_for, gain)
     tr = cfg.train
     splits = _resolve_data(data, cfg)
-    to_device = _Batches(mesh, tr.global_batch, cfg.model.seq_len)
-    block, blocks = _row_block(to_device.sharding, tr.global_batch)
-    loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch,
-                    seed=tr.seed, process_index=block, process_count=blocks, name="train")
-    val = (eval_batches(splits.val, seq_len=cfg.model.seq_len, batch_size=tr.global_batch,
-                        num_batches=tr.eval_batches, process_index=block, process_count=blocks)
-           if tr.eval_every > 0 else [])
-    factory = model if model is not None else (lambda rngs: GPT(cfg.model, rngs=rngs))
-    spec, create = model_spec(factory, mesh, tr.seed)
-    fingerprint = spec.fingerprint()
-    tx = make_optimizer(cfg.optim, tr.steps, spec.decay_mask)
-    train_step = make_train_step(spec, tx, cfg, mesh, tr.steps)  # checks schedule and contract
+    # Evaluations keep the first run's batch (the same rows) across batch switches.
+    val_rows = tuned.get("initial_batch", 0) or tr.global_batch
+    feed = make_feed(splits, layout, val_rows=val_rows)
+    fingerprint = layout.spec.fingerprint()
+    first_step = layout.make_step()  # checks schedule and contract
     out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, fingerprint)
-    shardings = state_shardings_for(spec, tx, mesh)
-    abstract_state = abstract_train_state(spec, tx, mesh, shardings)
     if resume_step is not None:
-        state, data_state, _ = _restore(ckpt_dir, resume_step, abstract_state)
-        loader.set_state(data_state)
+        state, data_state, _ = _restore(ckpt_dir, resume_step, layout.abstract_state)
+        feed.loader.set_state(data_state)
 
     # From here on files may be written: every user mistake has been caught above.
     primary = jax.process_index() == 0
@@ -245,42 +214,74 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str) 
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("mindpipe: checkpoint dir ready")
     if resume_step is None:
-        state = init_train_state(spec, create, tx, mesh, tr.seed, shardings)
+        state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, tr.seed,
+                                 layout.shardings)
     ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
     if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
-    meta = {"config": cfg.to_dict(), "fingerprint": fingerprint}
-    batch_spec = jax.ShapeDtypeStruct(to_device.shape, np.int32, sharding=to_device.sharding)
+    meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
+    tuner = None
+    if cfg.tuner.enabled:
+        from mindpipe_jax.tuner.epara import OnlineTuner, candidate_of
+        tuner = OnlineTuner.from_state(cfg, candidate_of(cfg, layout.mesh), len(jax.devices()), tuned,
+                                       lr_gain=gain, step_model=step_model)
 
-    def compile_step(run_cfg: Config, step=None):
-        """Ahead-of-time compile of the step (once; again only when repartitioning)."""
-        t0 = time.perf_counter()
-        step_fn = jax.jit(step or make_train_step(spec, tx, run_cfg, mesh, tr.steps),
-                          in_shardings=(shardings, to_device.sharding),
-                          out_shardings=(shardings, None), donate_argnums=0)
-        compiled = step_fn.lower(abstract_state, {"inputs": batch_spec, "targets": batch_spec}).compile()
-        return compiled, time.perf_counter() - t0
+    def reconfigure(state, layout: Layout, feed, decision):
+        return switch(state, layout, feed, decision.after.apply(layout.cfg), decision.lr_gain,
+                      factory_for=factory_for, splits=splits, val_rows=val_rows)
 
-    eval_fn = jax.jit(make_eval_step(spec), in_shardings=(spec.storage, to_device.sharding))
-    run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(spec.abstract_params),
+    run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
                skipped=int(saved_meta.get("skipped_steps", 0)))
     try:
-        with jax.set_mesh(mesh):
-            state = run(state, compile_step, train_step, eval_fn, loader, val, to_device,
-                        flops=_model_flops_per_token(model, cfg), mesh=mesh)
+        # No mesh is set around the loop: the step compiles and evaluation traces under
+        # their own layout's mesh, and a switch builds the next model spec outside any.
+        state = run(state, layout, first_step, feed, flops=_model_flops_per_token(model, cfg),
+                    tuner=tuner, reconfigure=reconfigure)
     finally:
         ckpt.close()  # waits for a save in flight: a stop or an error never leaves half a step
         writer.close()
-        loader.close()
-    return TrainResult(state, run.history, out_dir, ckpt_dir, run.final_val, cfg, mesh,
-                       stopped=run.stopped, skipped_steps=run.skipped)
+        run.feed.close() if run.feed is not None else feed.close()
+    return TrainResult(state, run.history, out_dir, ckpt_dir, run.final_val, run.layout.cfg,
+                       run.layout.mesh, stopped=run.stopped, skipped_steps=run.skipped)
 
 
-def _evaluate(eval_fn, params, val, to_device) -> float:
-    losses = [eval_fn(params, to_device(b)) for b in val]
+def _evaluate(eval_fn, params, feed, mesh) -> float:
+    with jax.set_mesh(mesh):  # traced on first use: the model's constraints read the mesh
+        losses = [eval_fn(params, feed.val_to_device(b)) for b in feed.val]
     return float(np.mean(_host(losses)))
+
+
+class _Interval:
+    """Steps, tokens and wall time since ``reset``, less the time spent ``aside``
+    (evaluation, checkpoints, reconfiguration: not step time)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0, self.steps, self.tokens = time.perf_counter(), 0, 0
+
+    def add(self, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def per_step(self) -> float | None:
+        return self.elapsed() / self.steps if self.steps else None
+
+
+@contextlib.contextmanager
+def _aside(*intervals: _Interval):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        for interval in intervals:
+            interval.t0 += time.perf_counter() - t0
 
 
 def _replan(cfg: Config, mesh) -> tuple[int, ...]:
@@ -356,6 +357,8 @@ class _Run:
         self.final_val: float | None = None
         self.stopped: str | None = None
         self.say = print
+        self.layout: Layout | None = None  # the current ones: a tuner switch replaces them
+        self.feed = None
 
     def _check_finite(self, steps: list[int], values: list[dict]) -> None:
         """Act on every non-finite step among those just fetched."""
@@ -380,11 +383,11 @@ class _Run:
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
-    def __call__(self, state, compile_step, first_step, eval_fn, loader, val, to_device, *, flops, mesh):
-        cfg = self.cfg
-        tr = cfg.train
-        step_fn, compile_s = compile_step(cfg, first_step)
-        tokens_per_step = tr.global_batch * cfg.model.seq_len
+    def __call__(self, state, layout: Layout, first_step, feed, *, flops, tuner=None, reconfigure=None):
+        self.layout, self.feed = layout, feed
+        tr = layout.cfg.train
+        step_fn, compile_s = layout.compile(step=first_step)
+        eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
         primary = jax.process_index() == 0
         start = int(_host(state["step"]))
@@ -392,62 +395,87 @@ class _Run:
                    dynamic_ncols=True, desc="train")
         say = bar.write if not bar.disable else (print if primary else (lambda *_: None))
         self.say = say
-        say(f"mesh {dict(mesh.shape)} | {len(jax.devices())} devices | compiled step in {compile_s:.1f}s"
-            + (f" | resuming at step {start}" if start else ""))
+        say(f"mesh {dict(layout.mesh.shape)} | {len(jax.devices())} devices | compiled step in "
+            f"{compile_s:.1f}s" + (f" | resuming at step {start}" if start else ""))
+        if tuner is not None:
+            tuner.restart(start)
+            if tuner.note:
+                say(tuner.note)
         # Metrics of the steps not yet seen on the host: fetched together (one sync)
-        # at a logging, evaluation or checkpoint step, so no step is left unchecked.
+        # at a logging, evaluation, checkpoint or tuner step, so no step is left unchecked.
         pending: list[tuple[int, dict]] = []
-        t_last, steps_since = time.perf_counter(), 0
+        since_log, since_fetch = _Interval(), _Interval()  # step time for the log, for the tuner
         with _StopSignals(jax.process_count() > 1) as signals:
             for step in range(start, tr.steps):
-                state, metrics = step_fn(state, to_device(next(loader)))
+                state, metrics = step_fn(state, layout.batches(next(self.feed.loader)))
                 pending.append((step + 1, metrics))
-                steps_since += 1
+                since_log.add(layout.tokens_per_step)
+                since_fetch.add(layout.tokens_per_step)
                 done = step + 1
                 stop = signals.reached(done)
                 log_now = done % tr.log_every == 0 or done == tr.steps
-                eval_now = bool(val) and (done % tr.eval_every == 0 or done == tr.steps)
+                eval_now = bool(self.feed.val) and (done % tr.eval_every == 0 or done == tr.steps)
                 save_now = bool(stop) or done == tr.steps or bool(
                     tr.checkpoint_every and done % tr.checkpoint_every == 0)
+                tune_now = tuner is not None and tuner.fetch_due(done)
                 record: dict = {}
-                if log_now or eval_now or save_now:
+                if log_now or eval_now or save_now or tune_now:
                     steps, values = zip(*pending, strict=True)
                     values = _host(list(values))
                     pending.clear()
                     self._check_finite(list(steps), values)
+                    if tuner is not None:
+                        tuner.observe(values, since_fetch.per_step(), done)
+                        since_fetch.reset()
                     if log_now:
-                        elapsed = time.perf_counter() - t_last
-                        tps = tokens_per_step * steps_since / elapsed
+                        tps = since_log.tokens / since_log.elapsed()
                         record.update({k: float(v) for k, v in values[-1].items() if k != "nonfinite_leaf"})
-                        record.update(tokens_per_s=tps, step_time_s=elapsed / steps_since,
-                                      mfu=mfu(tps, flops, len(jax.devices()), peak))
+                        record.update(tokens_per_s=tps, step_time_s=since_log.per_step(),
+                                      mfu=mfu(tps, flops, len(jax.devices()), peak),
+                                      batch=layout.cfg.train.global_batch)
                         if tr.nonfinite == "skip":
                             record["skipped_steps"] = self.skipped
-                        t_last, steps_since = time.perf_counter(), 0
+                        if tuner is not None:
+                            record.update(tuner.metrics())
+                        since_log.reset()
+                # Switch before evaluating and saving: a checkpoint of this step then holds
+                # the new layout, loader position and tuner state, so resuming is exact.
+                decision = tuner.decide(done) if tune_now and not stop and done < tr.steps else None
+                if decision is not None:
+                    with _aside(since_log, since_fetch):
+                        state, layout, self.feed = reconfigure(state, layout, self.feed, decision)
+                        step_fn, compile_s = layout.compile()
+                        eval_fn = layout.eval_fn(self.feed)
+                    self.layout = layout
+                    tuner.accept(decision, layout.cfg)
+                    self.meta["config"] = layout.cfg.to_dict()
+                    record.update({"tuner": decision.to_dict(), **tuner.metrics()})
+                    say(f"{decision.line()} | compiled in {compile_s:.1f}s")
                 if eval_now:
-                    t_eval = time.perf_counter()
-                    self.final_val = _evaluate(eval_fn, state["params"], val, to_device)
+                    with _aside(since_log, since_fetch):  # evaluation is not step time
+                        self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)
                     record["val_loss"] = self.final_val
-                    t_last += time.perf_counter() - t_eval  # evaluation is not step time
                 if save_now:
-                    t_save = time.perf_counter()
-                    self.ckpt.save(done, state, loader.get_state(),
-                                   {**self.meta, "step": done, "skipped_steps": self.skipped},
-                                   force=bool(stop))
-                    t_last += time.perf_counter() - t_save  # saving is not step time either
-                if cfg.parallel.repartition_after and done == cfg.parallel.repartition_after and not stop:
+                    meta = {**self.meta, "step": done, "skipped_steps": self.skipped}
+                    if tuner is not None:
+                        meta["tuner"] = tuner.state_dict()
+                    with _aside(since_log, since_fetch):  # saving is not step time either
+                        self.ckpt.save(done, state, self.feed.loader.get_state(), meta, force=bool(stop))
+                par = layout.cfg.parallel
+                if par.repartition_after and done == par.repartition_after and not stop:
                     # The stage split lives only inside the step (storage keeps the [layers]
                     # axis), so moving layers between stages changes no parameter bit.
-                    t_plan = time.perf_counter()
-                    stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
-                    before = tuple(cfg.parallel.stage_layers) or (cfg.model.n_layers // stages,) * stages
-                    counts = _replan(cfg, mesh)
-                    if counts != before:
-                        cfg = cfg.replace(f"parallel.stage_layers={list(counts)}")
-                        step_fn, _ = compile_step(cfg)
+                    with _aside(since_log, since_fetch):
+                        mesh, cfg = layout.mesh, layout.cfg
+                        stages = mesh.shape["pipe"] * par.virtual_stages
+                        before = tuple(par.stage_layers) or (cfg.model.n_layers // stages,) * stages
+                        counts = _replan(cfg, mesh)
+                        if counts != before:
+                            layout = self.layout = dataclasses.replace(
+                                layout, cfg=cfg.replace(f"parallel.stage_layers={list(counts)}"))
+                            step_fn, _ = layout.compile()
                     record["repartition"] = {"before": list(before), "after": list(counts)}
                     say(f"step {done} | repartition {list(before)} -> {list(counts)}")
-                    t_last += time.perf_counter() - t_plan
                 if record:
                     self.history.append({"step": done, **record})
                     self.writer.write(done, record)

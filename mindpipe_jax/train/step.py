@@ -20,6 +20,8 @@ donated state. Two ways to compute the gradient:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -30,7 +32,9 @@ from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
 
-BATCH_AXES = ("data", "fsdp")
+# The batch splits over these (the rules table's "batch"): expert devices run the
+# dense layers data-parallel; expert=1 for every model but an MoE one.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def model_loss(spec: ModelSpec, params, batch, key):
@@ -53,24 +57,39 @@ def _split_microbatches(batch, m: int):
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
 
 
-def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int):
-    """Loss and gradient averaged over ``accum`` sequential microbatches (fp32 sum)."""
+def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bool = False):
+    """Loss and gradient averaged over ``accum`` sequential microbatches (fp32 sum).
+
+    With ``stats`` (and ``accum >= 2``) also the mean over microbatches of each
+    microbatch gradient's squared norm (fp32): the small-batch half of the gradient
+    noise scale (tuner/noise.py). It costs one more pass over each microbatch's
+    gradient, so it is computed only when asked.
+    """
     grad_fn = jax.value_and_grad(lambda p, b, k: model_loss(spec, p, b, k))
     if accum == 1:
-        return grad_fn(params, batch, key)
+        return (*grad_fn(params, batch, key), None)
 
     micro = _split_microbatches(batch, accum)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
     def body(carry, xs):
-        loss_sum, grad_sum = carry
+        loss_sum, grad_sum, sq_sum = carry
         mb, j = xs
         loss, grads = grad_fn(params, mb, jax.random.fold_in(key, j))
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-        return (loss_sum + loss, grad_sum), None
+        if stats:
+            sq_sum = sq_sum + _sq_norm(grads)
+        return (loss_sum + loss, grad_sum, sq_sum), None
 
-    (loss, grads), _ = lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (micro, jnp.arange(accum)))
-    return loss / accum, jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
+    init = (jnp.zeros((), jnp.float32), zeros, jnp.zeros((), jnp.float32))
+    (loss, grads, sq), _ = lax.scan(body, init, (micro, jnp.arange(accum)))
+    grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
+    return loss / accum, grads, (sq / accum if stats else None)
+
+
+def _sq_norm(tree):
+    """Squared L2 norm of a gradient tree, summed in fp32."""
+    return sum(jnp.sum(_abs_sq(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
 
 
 def _pairwise_sum(stacked):
@@ -82,9 +101,12 @@ def _pairwise_sum(stacked):
     return jax.tree.map(lambda x: x[0], stacked)
 
 
-def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int):
+def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, stats: bool = False):
+    """Loss, gradient and (with ``stats``) the mean over virtual shards of each shard
+    gradient's squared norm, taken from the gathered stack (the same on every
+    device count, and never part of the update)."""
     grad_fn = jax.value_and_grad(lambda p, b, k: model_loss(spec, p, b, k))
-    n_dev = mesh.shape["data"] * mesh.shape["fsdp"]
+    n_dev = math.prod(mesh.shape[a] for a in BATCH_AXES)
 
     def per_device(p, local, base_key):
         # Per-device gradients, not the psum shard_map would add for invariant params.
@@ -100,18 +122,23 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int):
         gathered = jax.tree.map(
             lambda x: lax.all_gather(x, BATCH_AXES, tiled=True, to="invarying"), (losses, grads))
         loss, total = _pairwise_sum(gathered)
-        return loss / shards, jax.tree.map(lambda g: g / shards, total)
+        out = (loss / shards, jax.tree.map(lambda g: g / shards, total))
+        if stats:
+            per_shard = sum(jnp.sum(_abs_sq(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+                            for g in jax.tree.leaves(gathered[1]))
+            out = (*out, jnp.mean(per_shard))
+        return out
 
     vbatch = jax.tree.map(lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), batch)
     fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(BATCH_AXES),
-                       in_specs=(P(), P(BATCH_AXES), P()), out_specs=(P(), P()))
+                       in_specs=(P(), P(BATCH_AXES), P()), out_specs=(P(), P(), P()) if stats else (P(), P()))
     return fn(params, vbatch, key)
 
 
 def check_step_config(cfg: Config, mesh) -> None:
     """Batch divisibility for the mesh; deterministic-mode requirements."""
     tr = cfg.train
-    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
     stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
     layers = cfg.parallel.stage_layers
     if layers and (len(layers) != stages or sum(layers) != cfg.model.n_layers or min(layers) < 0):
@@ -134,13 +161,12 @@ def check_step_config(cfg: Config, mesh) -> None:
             f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
             f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}, "
             f"or list the layers per stage in parallel.stage_layers")
-    unused = {a: mesh.shape[a] for a in ("subnet", "expert") if mesh.shape[a] > 1}
-    if unused:
-        # Refuse rather than silently replicate the work over axes the step ignores.
+    if mesh.shape["subnet"] > 1:
+        # Refuse rather than silently replicate the work over an axis the step ignores.
         raise ConfigError(
-            f"parallel {', '.join(f'{a}={n}' for a, n in unused.items())}: the dense train step "
-            f"does not use these axes (the subnet axis belongs to `mindpipe supernet` / "
-            f"mp.train_supernet; expert parallelism is not built yet); set them to 1")
+            f"parallel subnet={mesh.shape['subnet']}: the train step does not use this axis (it "
+            f"belongs to `mindpipe supernet` / mp.train_supernet); set it to 1")
+    _check_moe(cfg, mesh)
     if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
         raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
                           f"between pipeline stages; it needs parallel.pipe > 1")
@@ -154,17 +180,18 @@ def check_step_config(cfg: Config, mesh) -> None:
     micro = tr.grad_accum * cfg.parallel.microbatches
     if tr.global_batch % (n_batch * micro):
         raise ConfigError(
-            f"train.global_batch={tr.global_batch} must be divisible by data x fsdp x grad_accum x "
-            f"microbatches = {mesh.shape['data']} x {mesh.shape['fsdp']} x {tr.grad_accum} x "
-            f"{cfg.parallel.microbatches} = {n_batch * micro}")
+            f"train.global_batch={tr.global_batch} must be divisible by data x fsdp x expert x "
+            f"grad_accum x microbatches = {mesh.shape['data']} x {mesh.shape['fsdp']} x "
+            f"{mesh.shape['expert']} x {tr.grad_accum} x {cfg.parallel.microbatches} = {n_batch * micro}")
     if tr.deterministic:
         if tr.global_batch % tr.virtual_shards or tr.virtual_shards % n_batch:
             raise ConfigError(
                 f"deterministic mode needs train.global_batch={tr.global_batch} divisible by "
                 f"train.virtual_shards={tr.virtual_shards}, and virtual_shards divisible by "
-                f"data x fsdp = {n_batch}")
+                f"data x fsdp x expert = {n_batch}")
         if n_batch & (n_batch - 1):
-            raise ConfigError(f"deterministic mode needs data x fsdp = {n_batch} to be a power of two")
+            raise ConfigError(f"deterministic mode needs data x fsdp x expert = {n_batch} to be a "
+                              f"power of two")
         others = {a: mesh.shape[a] for a in ("tensor", "pipe", "subnet", "expert") if mesh.shape[a] > 1}
         if others:
             raise ConfigError(f"deterministic mode splits only the batch (data, fsdp); got "
@@ -172,6 +199,24 @@ def check_step_config(cfg: Config, mesh) -> None:
         if tr.grad_accum != 1:
             raise ConfigError(f"deterministic mode already accumulates over train.virtual_shards; "
                               f"set train.grad_accum=1 (got {tr.grad_accum})")
+
+
+def _check_moe(cfg: Config, mesh) -> None:
+    """The expert axis needs an MoE model whose experts it divides; MoE models do not
+    go through the pipeline runtime (its stage contract has no place for the aux loss)."""
+    experts, ep = cfg.model.n_experts, mesh.shape["expert"]
+    if ep > 1 and experts == 0:
+        raise ConfigError(f"parallel.expert={ep} splits the experts of a Mixture-of-Experts model, but "
+                          f"model.n_experts=0 (dense GPT); set model.n_experts to a multiple of {ep} "
+                          f"or parallel.expert=1")
+    if experts and experts % ep:
+        raise ConfigError(f"model.n_experts={experts} must be divisible by parallel.expert={ep}")
+    if experts and mesh.shape["pipe"] > 1:
+        raise ConfigError(f"model.n_experts={experts}: the pipeline runtime does not run MoE models "
+                          f"yet; set parallel.pipe=1")
+    if experts and cfg.model.collective_matmul and mesh.shape["tensor"] > 1:
+        raise ConfigError(f"model.collective_matmul=true is not built for MoE blocks "
+                          f"(model.n_experts={experts}); set model.collective_matmul=false")
 
 
 def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
@@ -228,7 +273,29 @@ def nonfinite_leaf_names(abstract_params) -> list[str]:
     return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
 
 
-def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
+def noise_microbatches(cfg: Config, mesh) -> int:
+    """How many separately computed gradients of one step the noise statistics can
+    compare with the step's own (0 = none): the accumulated microbatches, or the
+    virtual shards in deterministic mode. A pipeline accumulates its microbatches
+    inside the runtime (per stage, interleaved with other microbatches' work), so no
+    whole-model microbatch gradient ever exists there: 0."""
+    if mesh.shape["pipe"] > 1:
+        return 0
+    if cfg.train.deterministic:
+        return cfg.train.virtual_shards
+    accum = cfg.train.grad_accum * cfg.parallel.microbatches
+    return accum if accum >= 2 else 0
+
+
+def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
+                    noise_stats: bool | None = None):
+    """The train step. With ``noise_stats`` (default: ``tuner.enabled``) and at least
+    two microbatches (``noise_microbatches``), its metrics also hold ``micro_grad_sq``
+    (mean over microbatches of |g_microbatch|^2, fp32), ``micro_batch`` (rows per
+    microbatch, b) and ``batch`` (rows per step, B): what the gradient noise scale
+    needs (tuner/noise.py). Without them the step is exactly the default one.
+    With a pipeline (pipe > 1) the runtime accumulates inside itself and no such
+    statistics exist; the tuner then makes no noise estimate."""
     schedule = lr_schedule(cfg.optim, total_steps)
     tr = cfg.train
     pipelined = mesh.shape["pipe"] > 1
@@ -236,16 +303,21 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
     # Without a pipeline, parallel.microbatches is plain gradient accumulation.
     accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
     skip_nonfinite = tr.nonfinite == "skip"
+    n_micro = noise_microbatches(cfg, mesh)
+    stats = bool(cfg.tuner.enabled if noise_stats is None else noise_stats) and n_micro >= 2
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         params = _to_compute(spec, state["params"])
+        micro_sq = None
         if pipelined:
             loss, grads = pipeline_grad(params, batch)
         elif tr.deterministic:
-            loss, grads = _deterministic_grad(spec, params, batch, key, mesh, tr.virtual_shards)
+            loss, grads, *rest = _deterministic_grad(spec, params, batch, key, mesh,
+                                                     tr.virtual_shards, stats)
+            micro_sq = rest[0] if stats else None
         else:
-            loss, grads = _accumulated_grad(spec, params, batch, key, accum)
+            loss, grads, micro_sq = _accumulated_grad(spec, params, batch, key, accum, stats)
         # Back to storage layout: a reduce-scatter for FSDP instead of a full all-reduce.
         # Deterministic grads are already replicated: keep them so, so the clipping norm
         # is one unsharded reduction rather than fsdp partial sums + an all-reduce.
@@ -264,6 +336,10 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int):
         new_state = {"step": state["step"] + 1, "params": params, "opt": opt, "rng": state["rng"]}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "nonfinite_leaf": first_bad}
+        if stats:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            metrics.update(micro_grad_sq=micro_sq, micro_batch=jnp.int32(rows // n_micro),
+                           batch=jnp.int32(rows))
         return new_state, metrics
 
     return train_step

@@ -1,0 +1,293 @@
+"""EPara's online tuner: switch a running job to the configuration with the best
+entropyput = throughput (samples/s) x statistical efficiency.
+
+The loop feeds ``OnlineTuner`` every fetched step's metrics (for the gradient
+noise scale, tuner/noise.py) and the measured time per step (for the step-time
+model). Every ``tuner.every`` steps (after ``tuner.warmup``) ``decide`` predicts,
+for each candidate — the global batches of the batch ladder and, with
+``tuner.meshes``, every data x fsdp x tensor mesh shape (tuner/space.py) — its step
+time and so its entropyput ``B / t(B) x efficiency(B)``, and returns a ``Decision``
+when the best beats the current candidate by more than ``tuner.threshold``.
+Switching is the loop's job (train/reconfigure.py).
+
+Step times come from a pluggable ``StepModel``: anything with
+``step_time(candidate) -> seconds`` and ``observe(candidate, seconds)``, such as
+tuner/costmodel.py's ``CostModel``. The default, ``MeasuredThroughput``, knows only
+what this run measured.
+
+Without a noise estimate (pipelines, a single microbatch, or too few steps yet)
+the efficiency of another batch size is unknown, so only candidates with the
+current batch are compared (their efficiency is equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import types
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from mindpipe_jax.config import Config
+from mindpipe_jax.tuner.noise import NoiseScale, efficiency, lr_gain
+from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
+
+
+class StepModel(Protocol):
+    def step_time(self, candidate: Candidate) -> float: ...
+
+    def observe(self, candidate: Candidate, seconds: float) -> None: ...
+
+
+def _rows_per_device(c: Candidate) -> float:
+    from mindpipe_jax.train.step import BATCH_AXES  # the axes that split the batch
+    return c.global_batch / math.prod(c.axes[a] for a in BATCH_AXES)
+
+
+class MeasuredThroughput:
+    """Step times measured in this run; unseen candidates by linear scaling.
+
+    A measured candidate's time is the median of its last ``window`` observations.
+    An unseen one is predicted from the nearest measured candidate (same mesh and
+    microbatches if any, then closest rows per device) as ``a + (t_ref - a) x r / r_ref``
+    with ``r`` rows per device and ``a`` a fixed per-step overhead: the intercept of a
+    least-squares line through every measured (rows per device, time) point once two
+    sizes were seen, else ``overhead_prior`` x t_ref. The prior matters: with ``a = 0``
+    a larger batch could never look faster per sample and would never be tried.
+    """
+
+    def __init__(self, overhead_prior: float = 0.1, window: int = 8):
+        self.overhead_prior = overhead_prior
+        self.window = window
+        self._seen: dict[Candidate, list[float]] = {}
+
+    def observe(self, candidate: Candidate, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds > 0:
+            times = self._seen.setdefault(candidate, [])
+            times.append(seconds)
+            del times[:-self.window]
+
+    def measured(self, candidate: Candidate) -> float | None:
+        times = self._seen.get(candidate)
+        return statistics.median(times) if times else None
+
+    def _overhead(self, ref_time: float) -> float:
+        points = [(_rows_per_device(c), statistics.median(t)) for c, t in self._seen.items()]
+        if len({r for r, _ in points}) < 2:
+            return self.overhead_prior * ref_time
+        slope, intercept = np.polyfit(*zip(*points, strict=True), 1)
+        return float(min(max(intercept, 0.0), 0.9 * ref_time)) if slope > 0 else 0.0
+
+    def step_time(self, candidate: Candidate) -> float:
+        known = self.measured(candidate)
+        if known is not None or not self._seen:
+            return math.nan if known is None else known
+        r = _rows_per_device(candidate)
+        same = lambda c: dataclasses.replace(c, global_batch=0)  # noqa: E731
+        pool = [c for c in self._seen if same(c) == same(candidate)] or list(self._seen)
+        ref = min(pool, key=lambda c: abs(math.log(_rows_per_device(c) / r)))
+        t_ref, r_ref = self.measured(ref), _rows_per_device(ref)
+        a = self._overhead(t_ref)
+        return a + (t_ref - a) * r / r_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    step: int
+    before: Candidate
+    after: Candidate
+    gain: float  # predicted entropyput gain: 0.12 = +12 %
+    b_noise: float | None
+    lr_gain: float  # the learning-rate multiplier the new candidate trains with
+    reason: str
+
+    def line(self) -> str:
+        parts = [f"B {self.before.global_batch} -> {self.after.global_batch}"]
+        mesh = lambda c: c.label().split(" | ")[0]  # noqa: E731
+        if mesh(self.before) != mesh(self.after):
+            parts.append(f"mesh {mesh(self.before)} -> {mesh(self.after)}")
+        if self.before.microbatches != self.after.microbatches:
+            parts.append(f"microbatches {self.before.microbatches} -> {self.after.microbatches}")
+        noise = f"B_noise {self.b_noise:.0f}" if self.b_noise is not None else "no noise estimate"
+        return (f"step {self.step} | tuner: {', '.join(parts)}, predicted entropyput "
+                f"{self.gain:+.0%} ({noise}), lr x{self.lr_gain:.3g}")
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "from": self.before.label(), "to": self.after.label(),
+                "gain": self.gain, "b_noise": self.b_noise, "lr_gain": self.lr_gain, "reason": self.reason,
+                "candidate": self.after.to_dict()}
+
+
+def candidate_of(cfg: Config, mesh) -> Candidate:
+    """The candidate a run is: its config with the mesh's real axis sizes."""
+    par = cfg.parallel
+    pipelined = mesh.shape["pipe"] > 1
+    remat = par.stage_remat if isinstance(par.stage_remat, str) else par.stage_remat[0]
+    return Candidate(**{a: int(mesh.shape[a]) for a in Candidate().axes},
+                     microbatches=par.microbatches, schedule=par.schedule if pipelined else "1f1b",
+                     virtual_stages=par.virtual_stages if pipelined else 1,
+                     remat=remat if pipelined else cfg.model.remat, global_batch=cfg.train.global_batch)
+
+
+def initial_lr_gain(cfg: Config) -> float:
+    """The gain a fresh tuned run starts with (1 unless tuner.base_batch differs from
+    train.global_batch under a fixed rule: AdaScale needs a noise estimate first)."""
+    b0 = cfg.tuner.base_batch or cfg.train.global_batch
+    return lr_gain(cfg.tuner.lr_scaling, cfg.train.global_batch, b0, None)
+
+
+def batch_ladder(cfg: Config, initial_batch: int) -> list[int]:
+    """``tuner.batch_sizes``, or min_batch x 1, 2, 4, ... up to max_batch."""
+    tc = cfg.tuner
+    if tc.batch_sizes:
+        return sorted(set(tc.batch_sizes))
+    lo, hi = tc.min_batch or initial_batch, tc.max_batch or 8 * initial_batch
+    return [lo << k for k in range(64) if lo << k <= hi]
+
+
+class OnlineTuner:
+    """Decides, from measurements of the running job, when to switch it and to what.
+
+    ``cfg`` is the run's current config and ``current`` its candidate; ``b0`` the
+    base batch of efficiency and learning-rate gain; ``initial_batch`` the run's
+    first global batch (defaults of the batch ladder). ``noise``, ``lr_gain`` and
+    ``decisions`` continue a resumed run (``state_dict``).
+    """
+
+    def __init__(self, cfg: Config, current: Candidate, num_devices: int, *,
+                 step_model: StepModel | None = None, b0: int = 0, initial_batch: int = 0,
+                 lr_gain: float = 1.0, noise: NoiseScale | None = None, decisions: int = 0):
+        self.cfg, self.current, self.num_devices = cfg, current, num_devices
+        self.model = step_model if step_model is not None else MeasuredThroughput()
+        self.initial_batch = initial_batch or current.global_batch
+        self.b0 = b0 or cfg.tuner.base_batch or self.initial_batch
+        self.lr_gain = lr_gain
+        self.noise = noise or NoiseScale(cfg.tuner.ema)
+        self.decisions = decisions
+        self.candidates = self._candidates()
+        self.note = self._noise_note()
+        self._discard_until = -1  # time of the first step after a (re)compile is not representative
+
+    # -- what is compared ------------------------------------------------------
+    def _candidates(self) -> list[Candidate]:
+        cur, tc = self.current, self.cfg.tuner
+        batches = sorted(set(batch_ladder(self.cfg, self.initial_batch)) | {cur.global_batch})
+        if tc.meshes:
+            # Pipeline and expert axes stay in play only if the run already uses them.
+            axes = ("data", "fsdp", "tensor") + tuple(a for a in ("pipe", "expert") if cur.axes[a] > 1)
+            found = enumerate_space(self.cfg, self.num_devices, axes=axes, global_batches=batches,
+                                    microbatches=(cur.microbatches,), schedules=(cur.schedule,),
+                                    virtual_stages=(cur.virtual_stages,), remats=(cur.remat,)).valid
+        else:
+            found = [c for b in batches if check_candidate(
+                self.cfg, c := dataclasses.replace(cur, global_batch=b), self.num_devices) is None]
+        return sorted(set(found) | {cur})
+
+    def _noise_note(self) -> str | None:
+        """Why there is no noise estimate for the current candidate, or None."""
+        from mindpipe_jax.train.step import noise_microbatches
+        if noise_microbatches(self.current.apply(self.cfg), types.SimpleNamespace(
+                shape=self.current.axes)):
+            return None
+        why = (f"parallel.pipe={self.current.pipe}: the pipeline accumulates its microbatches inside "
+               f"the runtime" if self.current.pipe > 1 else
+               "one microbatch per step: set train.grad_accum or parallel.microbatches >= 2")
+        return (f"tuner: no gradient noise estimate ({why}); only candidates with the current "
+                f"batch {self.current.global_batch} are compared")
+
+    # -- measurements --------------------------------------------------------
+    def restart(self, step: int) -> None:
+        """A new step program runs from ``step``: discard the time of its first step."""
+        self._discard_until = step + 1
+
+    def fetch_due(self, step: int) -> bool:
+        return step == self._discard_until or self.due(step)
+
+    def due(self, step: int) -> bool:
+        return step >= self.cfg.tuner.warmup and step % self.cfg.tuner.every == 0
+
+    def observe(self, metrics: list[dict], seconds_per_step: float | None, last_step: int) -> None:
+        """Fetched steps' metrics (host values) and their mean measured step time."""
+        for m in metrics:
+            if "micro_grad_sq" in m and math.isfinite(float(m["loss"])):
+                self.noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]),
+                                  float(m["batch"]), float(m["grad_norm"]) ** 2)
+        discard = last_step - len(metrics) < self._discard_until <= last_step
+        if seconds_per_step is not None and not discard:
+            self.model.observe(self.current, seconds_per_step)
+
+    @property
+    def b_noise(self) -> float | None:
+        return self.noise.b_noise if self.note is None else None
+
+    def metrics(self) -> dict:
+        bn = self.b_noise
+        return {"tuner/batch": self.current.global_batch, "tuner/b_noise": math.nan if bn is None else bn,
+                "tuner/efficiency": efficiency(self.current.global_batch, bn, self.b0)
+                if bn is not None else math.nan, "tuner/lr_gain": self.lr_gain}
+
+    # -- decisions -----------------------------------------------------------
+    def _entropyput(self, c: Candidate, seconds: float, bn: float | None) -> float:
+        eff = 1.0 if bn is None else efficiency(c.global_batch, bn, self.b0)
+        return c.global_batch / seconds * eff
+
+    def decide(self, step: int) -> Decision | None:
+        """The switch to make after ``step``, or None (not due, nothing measured, no gain)."""
+        if not self.due(step):
+            return None
+        bn = self.b_noise
+        now = self.model.step_time(self.current)
+        best, best_e = None, math.nan
+        if now > 0:
+            best_e = now_e = self._entropyput(self.current, now, bn)
+            for c in self.candidates:
+                if c == self.current or (bn is None and c.global_batch != self.current.global_batch):
+                    continue
+                t = self.model.step_time(c)
+                if t > 0 and (e := self._entropyput(c, t, bn)) > best_e:
+                    best, best_e, best_t = c, e, t
+        index = self.candidates.index(best) if best is not None else -1
+        gain = best_e / now_e - 1 if best is not None else 0.0
+        if jax.process_count() > 1:  # every process must make process 0's choice
+            from jax.experimental import multihost_utils
+            index, gain = multihost_utils.broadcast_one_to_all(np.asarray([index, gain], np.float32))
+            index, gain = int(index), float(gain)
+            best = self.candidates[index] if index >= 0 else None
+            best_t = self.model.step_time(best) if best is not None else math.nan
+        if best is None or not gain > self.cfg.tuner.threshold:
+            return None
+        eff = (lambda c: efficiency(c.global_batch, bn, self.b0)) if bn is not None else (lambda c: 1.0)
+        reason = (f"predicted {best.global_batch / best_t:,.1f} samples/s x efficiency {eff(best):.3f} vs "
+                  f"{self.current.global_batch / now:,.1f} x {eff(self.current):.3f} now")
+        rule = self.cfg.tuner.lr_scaling
+        # Without a noise estimate only the mesh can change (same batch): AdaScale keeps its gain.
+        new_gain = self.lr_gain if bn is None and rule == "adascale" else lr_gain(
+            rule, best.global_batch, self.b0, bn)
+        return Decision(step, self.current, best, gain, bn, new_gain, reason)
+
+    def accept(self, decision: Decision, cfg: Config) -> None:
+        """The loop switched to ``decision.after``; ``cfg`` is the run's new config."""
+        self.cfg, self.current, self.lr_gain = cfg, decision.after, decision.lr_gain
+        self.decisions += 1
+        self.note = self._noise_note()
+        self.restart(decision.step)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps so ``train.resume=true`` continues as tuned (JSON)."""
+        return {"candidate": self.current.to_dict(), "lr_gain": self.lr_gain, "b0": self.b0,
+                "initial_batch": self.initial_batch, "noise": self.noise.to_dict(),
+                "decisions": self.decisions}
+
+    @classmethod
+    def from_state(cls, cfg: Config, current: Candidate, num_devices: int, saved: dict | None, *,
+                   lr_gain: float = 1.0, step_model: StepModel | None = None) -> OnlineTuner:
+        """A tuner for a fresh run (``saved`` empty) or one continuing ``saved``
+        (``state_dict`` of a checkpoint); ``lr_gain`` is the gain the run trains with."""
+        saved = saved or {}
+        noise = NoiseScale.from_dict({**saved["noise"], "ema": cfg.tuner.ema}) if "noise" in saved else None
+        return cls(cfg, current, num_devices, step_model=step_model, b0=saved.get("b0", 0),
+                   initial_batch=saved.get("initial_batch", 0), lr_gain=lr_gain, noise=noise,
+                   decisions=saved.get("decisions", 0))

@@ -1,0 +1,117 @@
+"""The gradient noise scale and what it says about a batch size.
+
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", appendix
+A): with G the true gradient and Σ the per-example gradient covariance, a batch
+of ``B`` examples gives a gradient G_B with
+
+    E|G_B|² = |G|² + tr(Σ)/B.
+
+Two batch sizes measured on the same step — the microbatches' gradients (``b``
+rows each; their squared norms averaged, |G_b|²) and the step's gradient (``B``
+rows, |G_B|²) — give unbiased estimates of both terms:
+
+    |G|²  = (B|G_B|² − b|G_b|²) / (B − b)
+    tr(Σ) = (|G_b|² − |G_B|²) / (1/b − 1/B)
+
+and the simple noise scale B_noise = tr(Σ)/|G|² is the batch size at which the
+gradient's noise equals its signal. Each step's two estimates are very noisy
+(|G|²'s can be negative), so each is smoothed with its own EMA and B_noise is
+the ratio of the two averages — the paper's advice; an average of per-step
+ratios would be dominated by steps whose |G|² estimate is near zero.
+
+Statistical efficiency of a batch ``B`` relative to a base batch ``b0`` (the
+samples a batch of ``b0`` needs for some progress, over what ``B`` needs; Pollux,
+OSDI '21, after the same paper) is ``(B_noise + b0)/(B_noise + B)``: 1 at b0,
+falling towards b0/B once B is well above B_noise.
+
+How the learning rate follows the batch (``lr_gain``):
+
+* ``adascale`` — AdaScale (Johnson et al. 2020): gain = (B/b0) x efficiency(B),
+  i.e. (1 + B_noise/b0)/(1 + B_noise/B): linear scaling while B << B_noise,
+  flattening out when larger batches stop reducing the noise. Without an
+  estimate yet the gain is 1.
+* ``sqrt`` — sqrt(B/b0), the variance-preserving rule for adaptive optimizers.
+* ``linear`` — B/b0 (Goyal et al. 2017).
+* ``none`` — 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LR_RULES = ("adascale", "sqrt", "linear", "none")
+
+
+def noise_terms(b_small: float, small_sq: float, b_big: float, big_sq: float) -> tuple[float, float]:
+    """Unbiased (|G|², tr(Σ)) from one step: |G_b|² over microbatches of ``b_small``
+    rows and |G_B|² of the step's ``b_big`` rows."""
+    if not 0 < b_small < b_big:
+        raise ValueError(f"need 0 < b_small < b_big, got b_small={b_small}, b_big={b_big}")
+    g_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g_sq, trace
+
+
+@dataclasses.dataclass
+class NoiseScale:
+    """EMA-smoothed |G|² and tr(Σ); ``b_noise`` is their ratio.
+
+    ``ema`` is the weight of the past per update (0 = only the last step). The two
+    EMAs start at zero and share the same start-up bias (1 − ema^n), which cancels
+    in the ratio, so no correction is needed. The estimate is ``ready`` after
+    about one EMA time constant of updates.
+    """
+
+    ema: float = 0.9
+    g_sq: float = 0.0
+    trace: float = 0.0
+    count: int = 0
+
+    def update(self, b_small: float, small_sq: float, b_big: float, big_sq: float) -> None:
+        g_sq, trace = noise_terms(b_small, small_sq, b_big, big_sq)
+        if not (math.isfinite(g_sq) and math.isfinite(trace)):
+            return  # a non-finite step tells nothing about the noise
+        self.g_sq = self.ema * self.g_sq + (1 - self.ema) * g_sq
+        self.trace = self.ema * self.trace + (1 - self.ema) * trace
+        self.count += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.count >= max(1, math.ceil(1 / (1 - self.ema)))
+
+    @property
+    def b_noise(self) -> float | None:
+        """tr(Σ)/|G|², or None while not ready or while the smoothed |G|² is not
+        positive (the signal is still lost in the noise: no batch size can be judged)."""
+        if not self.ready or self.g_sq <= 0:
+            return None
+        return max(self.trace, 0.0) / self.g_sq
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NoiseScale:
+        return cls(**d)
+
+
+def efficiency(batch: float, b_noise: float | None, b0: float) -> float:
+    """Statistical efficiency of ``batch`` relative to ``b0``: (B_noise + b0)/(B_noise + B).
+    Unknown noise (None): 1 at b0 and NaN elsewhere, so nothing is ranked on a guess."""
+    if b_noise is None:
+        return 1.0 if batch == b0 else math.nan
+    return (b_noise + b0) / (b_noise + batch)
+
+
+def lr_gain(rule: str, batch: float, b0: float, b_noise: float | None) -> float:
+    """Learning-rate multiplier for ``batch`` under ``rule`` (see the module docstring)."""
+    if rule == "none":
+        return 1.0
+    if rule == "linear":
+        return batch / b0
+    if rule == "sqrt":
+        return math.sqrt(batch / b0)
+    if rule == "adascale":
+        return 1.0 if b_noise is None else (batch / b0) * efficiency(batch, b_noise, b0)
+    raise ValueError(f"learning-rate rule {rule!r} is not valid; valid: {', '.join(LR_RULES)}")
