@@ -288,6 +288,17 @@ class OnlineTuner:
         (``state_dict`` of a checkpoint); ``lr_gain`` is the gain the run trains with."""
         saved = saved or {}
         noise = NoiseScale.from_dict({**saved["noise"], "ema": cfg.tuner.ema}) if "noise" in saved else None
+        if step_model is None and cfg.tuner.meshes:
+            step_model = cost_model_for(cfg)
         return cls(cfg, current, num_devices, step_model=step_model, b0=saved.get("b0", 0),
                    initial_batch=saved.get("initial_batch", 0), lr_gain=lr_gain, noise=noise,
                    decisions=saved.get("decisions", 0))
+
+
+def cost_model_for(cfg: Config):
+    """The cost model (tuner/costmodel.py) of ``cfg``'s model on this machine: what
+    ``tuner.meshes`` needs, since a mesh the run has not measured can only be
+    predicted from FLOPs, links and the schedule. Calibrating takes a few seconds."""
+    from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts
+
+    return CostModel(ModelCosts.measure(cfg), Hardware.calibrate(), cfg.model.seq_len)
