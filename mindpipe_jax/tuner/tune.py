@@ -2,12 +2,14 @@
 the top few → rank by entropyput.
 
 ``tune`` ranks every valid candidate of the space by predicted entropyput
-(samples/s × statistical efficiency of its batch), then compiles candidates in
-that order on abstract shapes until ``max_compile`` have been judged (each
-infeasible one is skipped with its reason: over the memory budget, or refused by
-the compiler), then runs the ``measure`` best feasible ones for a few real steps,
-feeds those times back into the cost model and returns every row with what is
-known about it. The chosen configuration is the best *measured* one: a
+(samples/s × statistical efficiency of its batch). Then, ``measure`` times, it
+takes the best-predicted candidate not yet measured, compiles it on abstract
+shapes (an infeasible one — over the memory budget, or refused by the compiler —
+is skipped with its reason), runs it for a few real steps and feeds the time
+back into the cost model, which re-predicts every row before the next pick. At
+most ``max_compile`` candidates are compiled; what is left of that budget checks
+the memory of the next best rows. Every row is returned with what is known
+about it. The chosen configuration is the best *measured* one: a
 prediction only decides what is worth measuring.
 """
 
@@ -127,21 +129,46 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     rows.sort(key=lambda r: -r.predicted_entropyput)
 
     cache = FeasibilityCache(cache_path)
-    feasible: list[Row] = []
-    for row in rows:
-        if len(feasible) >= max_compile:
+    compiled = 0
+
+    def next_feasible() -> Row | None:
+        """The best-predicted row not yet measured that compiles within the budget."""
+        nonlocal compiled
+        for row in sorted(rows, key=lambda r: -r.predicted_entropyput):
+            if row.measured_s is not None or (row.feasibility is not None and not row.feasibility.fits):
+                continue
+            if row.feasibility is None:
+                if compiled >= max_compile:
+                    return None
+                compiled += 1
+                row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
+                if not row.feasibility.fits:
+                    log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
+                    continue
+            return row
+        return None
+
+    # Measure one candidate at a time, each the best the model predicts after the
+    # trials so far (a trial can reorder the rest: it recalibrates the model).
+    for _ in range(measure):
+        row = next_feasible()
+        if row is None:
             break
-        row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
-        if row.feasibility.fits:
-            feasible.append(row)
-        else:
-            log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
-    for row in feasible[:measure]:
         row.measured_s = measure_candidate(cfg, row.candidate, steps=trial_steps, model=model,
                                            devices=devices)
-        model_cost.observe(row.candidate, row.measured_s)
         log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms "
             f"(predicted {row.predicted.step_s * 1e3:.1f} ms)")
+        model_cost.observe(row.candidate, row.measured_s)
+        for other in rows:
+            other.predicted = model_cost.breakdown(other.candidate)
+    # The rest of the compile budget checks the memory of the next best rows (rows
+    # never compiled are shown as predicted only).
+    for row in sorted(rows, key=lambda r: -r.predicted_entropyput):
+        if compiled >= max_compile:
+            break
+        if row.feasibility is None:
+            compiled += 1
+            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
     # Predictions after the trials (the model has seen them), for every row.
     for row in rows:
         row.predicted = model_cost.breakdown(row.candidate)
