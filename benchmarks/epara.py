@@ -4,8 +4,9 @@
    measuring the whole valid space. Small GPT (d_model 64, 4 layers, 4 heads,
    seq 32, byte vocabulary); the space is every valid mesh over data x tensor x
    pipe, microbatches {1, 4}, 1F1B, no remat, global batch {16, 64}. Every
-   valid candidate is run for real (random init, synthetic tokens, compile + 2
-   warm-up steps, median of ``--trial-steps`` steps); entropyput = samples/s x
+   valid candidate is compiled and run for real (random init, synthetic tokens,
+   2 warm-up steps), then timed in ``--rounds`` interleaved rounds of
+   ``--trial-steps`` steps (median of all); entropyput = samples/s x
    efficiency(B) with B_noise from a noise probe on the stdlib corpus (or
    ``--b-noise``). Then ``tuner.tune`` runs as a user would (cost model, AOT
    memory check of the most promising, three trials) and its choice is scored by
@@ -45,7 +46,7 @@ from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearm
 from mindpipe_jax.tuner.noise import efficiency  # noqa: E402
 from mindpipe_jax.tuner.probe import estimate_b_noise  # noqa: E402
 from mindpipe_jax.tuner.space import enumerate_space  # noqa: E402
-from mindpipe_jax.tuner.trial import measure_candidate  # noqa: E402
+from mindpipe_jax.tuner.trial import Trial  # noqa: E402
 from mindpipe_jax.tuner.tune import tune  # noqa: E402
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=32",
@@ -76,12 +77,21 @@ def space_part(args) -> None:
     predicted = {c: model.step_time(c) for c in space.valid}
 
     t0 = time.perf_counter()
-    measured = {}
+    trials = {}
     for i, cand in enumerate(space.valid, 1):
-        measured[cand] = measure_candidate(cfg, cand, steps=args.trial_steps)
-        print(f"  [{i:2d}/{len(space.valid)}] {cand.label():40s} predicted {predicted[cand] * 1e3:7.1f} ms  "
-              f"measured {measured[cand] * 1e3:7.1f} ms", flush=True)
-    exhaustive_s = time.perf_counter() - t0
+        trials[cand] = Trial(cfg, cand)
+        trials[cand].run(args.trial_steps)
+        print(f"  [{i:2d}/{len(space.valid)}] compiled and timed {cand.label()}", flush=True)
+    exhaustive_s = time.perf_counter() - t0  # what an exhaustive search costs: one trial each
+    # More rounds, interleaved over all candidates, so the shared machine's drift
+    # hits every candidate alike; the median over all rounds counts.
+    for _ in range(args.rounds - 1):
+        for trial in trials.values():
+            trial.run(args.trial_steps)
+    measured = {c: t.median for c, t in trials.items()}
+    for c in space.valid:
+        print(f"  {c.label():40s} predicted {predicted[c] * 1e3:7.1f} ms  "
+              f"measured {measured[c] * 1e3:7.1f} ms (median of {len(trials[c].times)})")
 
     def entropyput(c, seconds):
         return c.global_batch / seconds * efficiency(c.global_batch, b_noise, b0)
@@ -121,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("space", "online", "all"), default="all")
     parser.add_argument("--trial-steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds over the space")
     parser.add_argument("--probe-steps", type=int, default=40)
     parser.add_argument("--b-noise", type=float, default=0.0, help="skip the probe and use this B_noise")
     parser.add_argument("--out", default=None, help="also write the report to this file")

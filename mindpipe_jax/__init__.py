@@ -17,10 +17,11 @@ from mindpipe_jax.config import (
     ParallelConfig,
     SupernetConfig,
     TrainConfig,
+    TunerConfig,
     load_config,
 )
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.models.gpt import GPT, flops_per_token
+from mindpipe_jax.models import GPT, MoEGPT, build_model, flops_per_token
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for
 from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
@@ -29,7 +30,8 @@ from mindpipe_jax.train.loop import TrainResult, train
 
 __all__ = [
     "Config", "DataConfig", "DistributedConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-    "TrainConfig", "load_config", "ConfigError", "GPT", "flops_per_token", "make_mesh",
+    "TrainConfig", "load_config", "ConfigError", "GPT", "MoEGPT", "build_model", "flops_per_token",
+    "make_mesh",
     "setup_runtime", "RULES", "check_sharded_as_rules", "constrain", "spec_for", "Checkpointer",
-    "TrainResult", "train", "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet",
+    "TrainResult", "train", "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet", "TunerConfig",
 ]
