@@ -13,13 +13,16 @@ data=8/expert, so the experts are spread over devices and tokens travel by
 all_to_all.
 
 Method: the train step the loop uses (``make_train_step``: loss, gradients,
-clipping, AdamW), compiled ahead of time per row. The rows train in turn, blocks
+clipping, AdamW; each batch as two accumulated microbatches, so the step also
+returns what the gradient noise scale needs), compiled ahead of time per row. The rows train in turn, blocks
 of ``--block`` steps round-robin (so a shared machine's drift hits all alike),
 each block timed by wall clock and divided by its steps; the first block of each
 row is dropped (warm-up). After ``--steps`` steps each row's validation loss is
 the next-token cross-entropy alone (the MoE's auxiliary loss left out) over the
 same ``--val-batches`` held-out batches. Reported: median ms/step, tokens/s, and
-the validation loss, each with its ratio to the dense row.
+the validation loss, each with its ratio to the dense row, and EPara's view: the
+gradient noise scale B_noise of each model, the statistical efficiency of the
+batch and entropyput = samples/s x efficiency.
 
 What this can show on a 2-core CPU: the routing overhead (router, one-hot
 dispatch/combine einsums, capacity padding, two all_to_alls per block) against
@@ -65,10 +68,12 @@ from mindpipe_jax.train.state import (  # noqa: E402
     state_shardings_for,
 )
 from mindpipe_jax.train.step import BATCH_AXES, check_step_config, make_train_step  # noqa: E402
+from mindpipe_jax.tuner.noise import NoiseScale, efficiency  # noqa: E402
 
 MODEL = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
          "model.top_k=1", "model.capacity_factor=1.25", "model.moe_aux_weight=0.01")
 BATCH = 32
+B0 = 8  # efficiency (and so entropyput) is relative to a batch of 8 sequences
 
 
 @dataclasses.dataclass
@@ -82,6 +87,7 @@ class Row:
     eval_ce: object
     params: int
     times: list = dataclasses.field(default_factory=list)
+    noise: NoiseScale = dataclasses.field(default_factory=lambda: NoiseScale(ema=0.95))
 
 
 def build_row(n_experts: int, steps: int) -> Row:
@@ -90,6 +96,7 @@ def build_row(n_experts: int, steps: int) -> Row:
     cfg = mp.Config().replace(*MODEL, f"model.n_experts={n_experts if moe else 0}",
                               f"parallel.expert={expert}", f"parallel.data={8 // expert}",
                               "parallel.tensor=1", f"train.global_batch={BATCH}", f"train.steps={steps}",
+                              "train.grad_accum=2",  # two microbatches: the noise scale's small batch
                               "optim.lr=3e-3", "optim.warmup_steps=10", "parallel.simulate_cpu_devices=0")
     mesh = make_mesh(cfg.parallel)
     check_step_config(cfg, mesh)
@@ -105,7 +112,8 @@ def build_row(n_experts: int, steps: int) -> Row:
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
     with jax.set_mesh(mesh):
-        step = jax.jit(make_train_step(spec, tx, cfg, mesh, steps), in_shardings=(shardings, rows),
+        step = jax.jit(make_train_step(spec, tx, cfg, mesh, steps, noise_stats=True),
+                       in_shardings=(shardings, rows),
                        out_shardings=(shardings, None), donate_argnums=0)
         compiled = step.lower(abstract, {"inputs": one, "targets": one}).compile()
         state = init_train_state(spec, create, tx, mesh, 0, shardings)
@@ -154,14 +162,20 @@ def main() -> None:
                      for b in batches[start:start + args.block]]
             t0 = time.perf_counter()
             with jax.set_mesh(row.mesh):
+                seen = []
                 for b in chunk:
                     row.state, metrics = row.step(row.state, b)
+                    seen.append(metrics)
                 jax.block_until_ready(metrics["loss"])
             row.times.append((time.perf_counter() - t0) / len(chunk))
+            for m in jax.device_get(seen):  # after the clock: the noise scale's inputs
+                row.noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]), float(m["batch"]),
+                                 float(m["grad_norm"]) ** 2)
 
     print(file=out)
     print(f"{'configuration':<40} {'params':>9} {'MFLOP/tok':>9} {'ms/step':>8} {'x dense':>7} "
-          f"{'tokens/s':>9} {'x dense':>7} {'val loss':>8} {'- dense':>7}", file=out)
+          f"{'tokens/s':>9} {'x dense':>7} {'val loss':>8} {'- dense':>7} {'B_noise':>7} {'eff':>5} "
+          f"{'entropyput':>10} {'x dense':>7}", file=out)
     base = None
     for row in rows:
         ms = 1e3 * statistics.median(row.times[1:])
@@ -171,11 +185,18 @@ def main() -> None:
                                   for b in val]))
         tps = BATCH * seq / (ms / 1e3)
         mflop = flops_per_token(row.cfg.model) / 1e6
-        base = base or (ms, tps, loss)
+        b_noise = row.noise.b_noise
+        eff = efficiency(BATCH, b_noise, B0) if b_noise is not None else float("nan")
+        ent = BATCH / (ms / 1e3) * eff  # samples/s x statistical efficiency
+        base = base or (ms, tps, loss, ent)
         print(f"{row.name:<40} {row.params:>9,} {mflop:>9.2f} {ms:>8.1f} {ms / base[0]:>7.2f} "
-              f"{tps:>9,.0f} {tps / base[1]:>7.2f} {loss:>8.4f} {loss - base[2]:>+7.4f}", file=out)
+              f"{tps:>9,.0f} {tps / base[1]:>7.2f} {loss:>8.4f} {loss - base[2]:>+7.4f} "
+              f"{b_noise or float('nan'):>7.1f} {eff:>5.2f} {ent:>10.1f} {ent / base[3]:>7.2f}", file=out)
     print("# MFLOP/tok: training FLOPs per token of the active parameters (flops_per_token); "
           "val loss: cross-entropy in nats per byte, aux loss excluded", file=out)
+    print(f"# B_noise: gradient noise scale over the run (EMA 0.95 of the two microbatches' vs the "
+          f"step's squared gradient norm); eff = efficiency({BATCH}) relative to b0={B0}; "
+          f"entropyput = samples/s x eff", file=out)
     print(f"# total {time.perf_counter() - t_start:.0f}s; load average at end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", file=out)
     if args.out:
