@@ -253,6 +253,28 @@ def test_lazy_adamw_is_optax_adamw_where_active_and_a_no_op_elsewhere(spec_creat
     assert np.asarray(opt2["count"]).sum() == np.asarray(opt["count"]).sum() + 1
 
 
+def test_per_unit_values_expand_like_an_index_and_slices_update_like_the_whole(spec_create):
+    """``expand`` (broadcasts, no gather) is ``values[unit_of]``; AdamW on one device's
+    slice (``offset``) is the same slice of the whole update, bit for bit."""
+    spec = spec_create[0]
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=(3, spec.num_units + 1)).astype(np.float32)
+    assert np.array_equal(np.asarray(spec.expand(values)), values[:, spec.unit_of])
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1)
+    p, g, mu = (jnp.asarray(rng.normal(size=spec.padded_size), jnp.float32) for _ in range(3))
+    opt = {"mu": mu, "nu": jnp.square(mu), "count": jnp.arange(spec.num_units + 1, dtype=jnp.int32)}
+    mask = np.zeros(spec.unit_grid, bool)
+    mask[0, 1] = mask[1, 2] = True
+    whole_p, whole_opt = adamw(spec, p, g, opt, mask, True, optim.lr, optim)
+    n = spec.padded_size // 8
+    for start in (0, 3 * n, 7 * n):
+        part = {"mu": opt["mu"][start:start + n], "nu": opt["nu"][start:start + n], "count": opt["count"]}
+        got_p, got_opt = adamw(spec, p[start:start + n], g[start:start + n], part, mask, True, optim.lr, optim,
+                               offset=jnp.int32(start))
+        assert np.asarray(got_p).tobytes() == np.asarray(whole_p[start:start + n]).tobytes()
+        assert np.asarray(got_opt["nu"]).tobytes() == np.asarray(whole_opt["nu"][start:start + n]).tobytes()
+
+
 # --- the plan: waves and rounds -----------------------------------------------------------------
 
 

@@ -124,6 +124,9 @@ class SupernetSpec:
     units_batch: Callable  # jitted int32[N, genes] -> bool[N, *unit_grid]
     unit_of: np.ndarray  # int32[Pp]: each raveled parameter's unit (raveled grid index), U if shared
     decay_flat: np.ndarray  # bool[Pp]
+    # unit_of as runs, in order: (per_unit, n) is a Candidate leaf of n elements, per_unit for
+    # each unit of the grid in turn; (0, n) is n consecutive shared elements.
+    segments: tuple[tuple[int, int], ...] = ()
 
     @property
     def space(self):
@@ -148,6 +151,25 @@ class SupernetSpec:
         parts = [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)]
         pad = self.padded_size - self.num_params
         return jnp.concatenate(parts + ([jnp.zeros((pad,), jnp.float32)] if pad else []))
+
+    def expand(self, values) -> jax.Array:
+        """Per-unit values ``[..., U + 1]`` (the last: shared) as per-element values
+        ``[..., padded_size]``: the same as ``values[..., unit_of]``, built from broadcasts.
+
+        (A gather over every parameter was most of the optimizer's time on the CPU:
+        ~10x optax's adamw. Broadcasting the per-unit values over :attr:`segments`
+        copies the same numbers, so the results are bitwise the same.)
+        """
+        values = jnp.asarray(values)
+        lead, n_units = values.shape[:-1], self.num_units
+        pieces = []
+        for per_unit, n in self.segments:
+            if per_unit:
+                block = jnp.broadcast_to(values[..., :n_units, None], (*lead, n_units, per_unit))
+                pieces.append(block.reshape(*lead, n))
+            else:
+                pieces.append(jnp.broadcast_to(values[..., n_units:], (*lead, n)))
+        return jnp.concatenate(pieces, axis=-1)
 
     def unravel(self, flat):
         """The inverse of :meth:`ravel`, in the parameters' own dtypes."""
@@ -226,17 +248,25 @@ def supernet_spec(model_or_factory, seed: int = 0):
                               f"its leading axes must be the unit grid {grid}")
     units_batch = jax.jit(jax.vmap(module.units))
     n_units = int(np.prod(grid))
-    unit_of, decay_flat = [], []
+    unit_of, decay_flat, segments = [], [], []
     for leaf, is_unit, decays in zip(jax.tree.leaves(abstract), marks, jax.tree.leaves(decay), strict=True):
         per_unit = leaf.size // n_units
         unit_of.append(np.repeat(np.arange(n_units, dtype=np.int32), per_unit) if is_unit
                        else np.full(leaf.size, n_units, np.int32))
         decay_flat.append(np.full(leaf.size, decays, bool))
+        segments.append((per_unit if is_unit else 0, leaf.size))
     pad = -sum(len(u) for u in unit_of) % PARAM_CHUNKS  # padding: a "shared" zero, never decayed
     unit_of.append(np.full(pad, n_units, np.int32))
     decay_flat.append(np.zeros(pad, bool))
+    segments.append((0, pad))
+    runs = []  # consecutive shared leaves as one run
+    for per_unit, n in segments:
+        if runs and per_unit == 0 and runs[-1][0] == 0:
+            runs[-1] = (0, runs[-1][1] + n)
+        elif n:
+            runs.append((per_unit, n))
     spec = SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch,
-                        np.concatenate(unit_of), np.concatenate(decay_flat))
+                        np.concatenate(unit_of), np.concatenate(decay_flat), tuple(runs))
     return spec, create
 
 
@@ -258,12 +288,12 @@ def init_state(spec: SupernetSpec, params) -> dict:
 
 
 def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, optim: OptimConfig,
-          unit_of=None, decay=None):
+          offset=None):
     """One lazy AdamW update of the flat params ``p`` with gradient ``g``.
 
-    ``p``, ``g``, ``opt["mu"]``, ``opt["nu"]`` are raveled vectors, or the same slice
-    of each with ``unit_of`` / ``decay`` the matching slices of ``spec.unit_of`` /
-    ``spec.decay_flat``; ``opt["count"]`` is always whole.
+    ``p``, ``g``, ``opt["mu"]``, ``opt["nu"]`` are raveled vectors, or (``offset``, may
+    be traced) the same slice ``[offset, offset + len(p))`` of each; ``opt["count"]``
+    is always whole.
 
     Updates the elements of the units where ``unit_mask`` (``bool[*unit_grid]``)
     is True, and the shared elements if ``shared``; every other element, its
@@ -272,12 +302,15 @@ def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, opti
     ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled weight decay on matrices).
     """
     sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])
-    unit_of = jnp.asarray(spec.unit_of) if unit_of is None else unit_of
-    decay = jnp.asarray(spec.decay_flat) if decay is None else decay
     count = opt["count"] + sel.astype(jnp.int32)
-    mask = sel[unit_of]
     cf = count.astype(jnp.float32)
-    bc1, bc2 = (1 - optim.b1 ** cf)[unit_of], (1 - optim.b2 ** cf)[unit_of]
+    # Per unit: selected, and the two bias corrections; then the same per element.
+    per_element = spec.expand(jnp.stack([sel.astype(jnp.float32), 1 - optim.b1 ** cf, 1 - optim.b2 ** cf]))
+    decay = jnp.asarray(spec.decay_flat)
+    if offset is not None:
+        per_element = lax.dynamic_slice_in_dim(per_element, offset, p.shape[0], axis=1)
+        decay = lax.dynamic_slice_in_dim(decay, offset, p.shape[0])
+    mask, bc1, bc2 = per_element[0] > 0, per_element[1], per_element[2]
     mu = (1 - optim.b1) * g + optim.b1 * opt["mu"]
     nu = (1 - optim.b2) * jnp.square(g) + optim.b2 * opt["nu"]
     update = (mu / bc1) / (jnp.sqrt(nu / bc2) + optim.eps)
@@ -447,7 +480,6 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     schedule = lr_schedule(optim, total_steps)
     units_of = jax.vmap(spec.module.units)
     no_units = jnp.zeros(spec.unit_grid, bool)
-    unit_of_all, decay_all = jnp.asarray(spec.unit_of), jnp.asarray(spec.decay_flat)
 
     def grad_one(params, subnet, shard):
         value, grads = jax.value_and_grad(
@@ -459,8 +491,6 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
         group = lax.axis_index("subnet")
         me = lax.axis_index(AXES)  # = group * n_data + data index: owner of chunk `me`
         subnets = plan["subnets"]
-        mine_unit_of = lax.dynamic_slice_in_dim(unit_of_all, me * chunk, chunk)
-        mine_decay = lax.dynamic_slice_in_dim(decay_all, me * chunk, chunk)
 
         def round_grads(params, r):
             """Loss and norm of every slot of round r (``[R]``), and its clipped gradient on
@@ -471,8 +501,11 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
             subs = jnp.take(subnets, ids, axis=0)
 
             def compute(_):
-                return lax.map(
+                losses, grads = lax.map(
                     lambda shard: jax.vmap(grad_one, in_axes=(None, 0, None))(local, subs, shard), vbatch)
+                # The fixed pairwise tree over the V shards: its lower levels on this device's
+                # contiguous shards (here), its upper levels over the devices, in device order.
+                return pairwise_sum((losses, grads))  # [W], [W, Pp]
 
             def padding(_):
                 return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), AXES, to="varying"),
@@ -480,21 +513,23 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
             # A device whose slots are all padding (a causal wave smaller than the round)
             # computes nothing: only the taken branch runs. No collective inside.
-            losses, grads = lax.cond(jnp.any(valid), compute, padding, None)  # [V/D, W], [V/D, W, Pp]
-            # The fixed pairwise tree over the V shards: its lower levels on this device's
-            # contiguous shards, its upper levels over the devices, in device order.
-            losses, grads = lax.optimization_barrier(pairwise_sum((losses, grads)))  # [W], [W, Pp]
-            grads = grads.reshape(w, n_sub, n_data, chunk)
-            grads = lax.all_to_all(jnp.moveaxis(grads, 2, 0), "data", 0, 0)  # [D(from), W, S, chunk]
-            grads = lax.optimization_barrier(pairwise_sum(grads)) * (1.0 / v)  # [W, S, chunk]
-            grads = lax.all_to_all(jnp.moveaxis(grads, 1, 0), "subnet", 0, 0)  # [S(from), W, chunk]
+            losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
+            # One exchange: device n receives chunk n of every device's W slots. Then the
+            # upper levels of the tree: each group's data devices, in order.
+            grads = lax.all_to_all(jnp.swapaxes(grads.reshape(w, n_dev, chunk), 0, 1), AXES, 0, 0)
+            grads = jnp.moveaxis(grads.reshape(n_sub, n_data, w, chunk), 1, 0)  # [D, S, W, chunk]
+            grads = lax.optimization_barrier(pairwise_sum(grads)) * (1.0 / v)  # [S, W, chunk]
             grads = grads.reshape(r_slots, chunk)  # slot order: group-major
-            losses = pairwise_sum(lax.all_gather(losses, "data", to="invarying")) * (1.0 / v)
-            losses = lax.all_gather(losses, "subnet", tiled=True, to="invarying")  # [R]
             # Norm: per fixed chunk (same shape on every mesh), then a fixed tree over the chunks.
             parts = lax.map(lambda row: jnp.sum(jnp.square(row)), grads.reshape(-1, per_fixed))
-            parts = lax.all_gather(parts.reshape(r_slots, -1), AXES, axis=1, tiled=True, to="invarying")
+            # One gather brings every device's norm parts and its slots' partial losses
+            # (collectives are the fixed cost of a round: fewer of them, fewer waits).
+            every = lax.all_gather(jnp.concatenate([parts, losses]), AXES, to="invarying")  # [N, ...]
+            parts = every[:, :-w].reshape(n_dev, r_slots, -1)  # [N, R, 64/N]
+            parts = jnp.moveaxis(parts, 0, 1).reshape(r_slots, PARAM_CHUNKS)  # columns in device order
             norms = jnp.sqrt(pairwise_sum(jnp.moveaxis(parts, 1, 0)))  # [R]
+            losses = jnp.moveaxis(every[:, -w:].reshape(n_sub, n_data, w), 1, 0)  # [D, S, W]
+            losses = (pairwise_sum(losses) * (1.0 / v)).reshape(r_slots)  # [R], group-major
             if optim.clip_norm:
                 # One scalar scale per slot, then a multiply (a vector division rounded
                 # differently in different fusions; a multiply by a scalar never does).
@@ -521,7 +556,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                  jnp.zeros((k + 1,), jnp.float32), jnp.zeros((k + 1,), jnp.float32)]
 
         def update(p, g, opt, unit_mask, shared):
-            return adamw(spec, p, g, opt, unit_mask, shared, lr, optim, mine_unit_of, mine_decay)
+            return adamw(spec, p, g, opt, unit_mask, shared, lr, optim, offset=me * chunk)
 
         if semantics == "sync":
             def body(r, bufs):
@@ -539,7 +574,10 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 # No two subnets of a wave share a unit, so each unit element has at most
                 # one nonzero term here: the sum is exact in any order. (Shared elements of
                 # acc are never applied; they come from the buffer at the end of the step.)
-                acc = acc + jnp.sum(jnp.where(valid[:, None], grads, 0), axis=0)
+                # Row by row: elementwise adds; a reduce over the slot axis was the slowest
+                # part of a causal round on the CPU.
+                for i in range(r_slots):
+                    acc = acc + jnp.where(valid[i], grads[i], 0)
                 used = units_of(jnp.take(subnets, ids, axis=0)) & valid.reshape((-1,) + (1,) * no_units.ndim)
                 wave_used = wave_used | jnp.any(used, axis=0)
                 bufs = store(bufs, [grads, losses, norms], ids)
