@@ -10,7 +10,10 @@ Subcommands:
   the model's layer costs on this machine and print the vPipe partition: layers, predicted time,
   memory and remat per stage, and the predicted utilization; draw it with ``--out``.
 * ``mindpipe supernet [--config FILE] [section.key=value ...]`` — SPara: train the reference
-  supernet (``mindpipe_jax.supernet.train_supernet``), then print the search's best subnets.
+  supernet (``mindpipe_jax.supernet.train_supernet``), checkpoint it into ``train.out_dir``,
+  then print the search's best subnets.
+* ``mindpipe search RUN_DIR [--step N] [section.key=value ...]`` — run the search again on a
+  saved supernet (``mindpipe_jax.supernet.search_checkpoint``) and print its best subnets.
 
 A user mistake (``ConfigError``) becomes one line on stderr and exit status 2; a
 run stopped by a non-finite loss exits 3, a multi-host run whose processes could
@@ -317,15 +320,47 @@ def build_parser() -> argparse.ArgumentParser:
             section) with supernet.subnets_per_step subnets per step, split over
             parallel.subnet device groups and each subnet's batch over parallel.data.
             The parameters are bitwise identical for any such split of the devices.
-            Then run the evolutionary search on the validation split and print the best
-            subnets with their validation loss and parameter count."""),
+            Checkpoints go to train.out_dir (every train.checkpoint_every steps and at
+            the end; a directory that already holds a run is refused). Then run the
+            evolutionary search on the validation split and print the best subnets with
+            their validation loss and parameter count; `mindpipe search` repeats it
+            later from the checkpoint."""),
         epilog=textwrap.dedent("""\
             examples:
               mindpipe supernet parallel.subnet=4 parallel.data=2 train.steps=100
               mindpipe supernet supernet.semantics=causal supernet.search_max_params=500000
+              mindpipe supernet train.out_dir=runs/super && mindpipe search runs/super
             """) + "\n" + "\n".join([_OVERRIDES_HELP, _sections_help(), _ERRORS]))
     _add_config_args(p_supernet)
     p_supernet.set_defaults(func=_cmd_supernet, parser=p_supernet)
+
+    p_search = sub.add_parser(
+        "search", formatter_class=fmt,
+        help="search a saved supernet (the train.out_dir of `mindpipe supernet`) for its best subnets",
+        description=textwrap.dedent("""\
+            Restore the supernet saved by `mindpipe supernet` in RUN_DIR (its newest
+            committed checkpoint, or --step N) onto this machine's devices and run the
+            evolutionary search on the validation split: subnets scored with the weights
+            they inherit, no retraining. Prints the best subnets (supernet.search_top_k)
+            with their validation loss and parameter count. The run's own config is
+            used; overrides may change how the search runs (supernet.search_population,
+            search_generations, search_top_k, search_max_params, search_eval_batches,
+            train.seed, parallel.*, data.*) but not the supernet (model.*,
+            supernet.ops, ffn_ratios, heads, min_depth). The same settings give the same
+            top-k as the search at the end of training, on any device count."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              mindpipe search runs/super
+              mindpipe search runs/super supernet.search_max_params=500000 supernet.search_top_k=10
+              mindpipe search runs/super --step 200 parallel.subnet=1 parallel.data=8
+            """) + "\n" + "\n".join([_OVERRIDES_HELP, _ERRORS]))
+    p_search.add_argument("run_dir", metavar="RUN_DIR",
+                          help="the train.out_dir of a `mindpipe supernet` run")
+    p_search.add_argument("--step", metavar="N", default=None,
+                          help="search the checkpoint of step N (default: the newest)")
+    p_search.add_argument("overrides", nargs="*", metavar="section.key=value",
+                          help="search settings; the value is a TOML literal (see below)")
+    p_search.set_defaults(func=_cmd_search, parser=p_search)
 
     from mindpipe_jax.tuner.command import add_parser as add_tune_parser
 
@@ -485,7 +520,7 @@ def _cmd_supernet(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from mindpipe_jax.supernet import train_supernet  # runs setup_runtime before any other JAX operation
 
-    result = train_supernet(config=cfg)  # prints progress and the search table
+    result = train_supernet(config=cfg, checkpoint=True)  # prints progress and the search table
 
     import jax
 
@@ -493,6 +528,23 @@ def _cmd_supernet(args: argparse.Namespace) -> int:
     if best is not None and jax.process_index() == 0:
         print(f"done: {cfg.train.steps} steps | best subnet {best['subnet']} ({best['arch']}) | "
               f"validation loss {best['loss']:.4f} | {best['params']:,} parameters", flush=True)
+    return 0
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    step = None if args.step is None else _positive_int(args.step, "--step")
+    from mindpipe_jax.supernet import search_checkpoint  # runs setup_runtime before any other JAX operation
+
+    result, _, step = search_checkpoint(args.run_dir, *args.overrides, step=step, log=print)
+
+    import jax
+
+    if jax.process_index() == 0:
+        print(result.table(), flush=True)
+        best = result.top[0]
+        print(f"done: searched step {step} | {result.evaluated} subnets scored | best subnet "
+              f"{best['subnet']} ({best['arch']}) | validation loss {best['loss']:.4f} | "
+              f"{best['params']:,} parameters", flush=True)
     return 0
 
 

@@ -6,7 +6,8 @@
 * ``spara.py``   — the vectorized multi-subnet step on the ``subnet`` × ``data`` mesh, its
   ``sync`` and ``causal`` semantics, and the sequential reference both are tested against;
 * ``search.py``  — validation scores with inherited weights and the evolutionary search;
-* ``trainer.py`` — ``train_supernet(config=...)``: the whole run from a config.
+* ``trainer.py`` — ``train_supernet(config=...)``: the whole run from a config (checkpoints
+  with ``checkpoint=True``); ``search_checkpoint(run_dir)``: the search of a saved run.
 """
 
 from mindpipe_jax.supernet.model import SuperGPT
@@ -24,11 +25,12 @@ from mindpipe_jax.supernet.spara import (
     reference_step,
     supernet_spec,
 )
-from mindpipe_jax.supernet.trainer import SupernetResult, supernet_factory, train_supernet
+from mindpipe_jax.supernet.trainer import SupernetResult, search_checkpoint, supernet_factory, train_supernet
 
 __all__ = [
     "SuperGPT", "STRATEGIES", "Sampler", "sample_subnets", "SearchResult", "evolutionary_search",
     "make_evaluator", "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
     "StepPlan", "causal_waves", "init_state", "jit_step", "make_spara_step", "plan_step",
-    "reference_step", "supernet_spec", "SupernetResult", "supernet_factory", "train_supernet",
+    "reference_step", "supernet_spec", "SupernetResult", "search_checkpoint", "supernet_factory",
+    "train_supernet",
 ]

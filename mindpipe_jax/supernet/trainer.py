@@ -1,15 +1,29 @@
-"""``train_supernet``: config → mesh → supernet → SPara steps → search.
+"""``train_supernet``: config → mesh → supernet → SPara steps → search; and
+``search_checkpoint``: a saved run → the same search.
 
 The loop is deliberately small: the SPara step does the work. Each step the
 host draws the step's subnets (a pure function of (seed, step)), plans its
 rounds and waves, and calls one jitted step; every process builds the same
 global batch and places its own rows, so the result does not depend on how
 devices are spread over processes.
+
+Checkpoints (``train_supernet(..., checkpoint=True)``, what ``mindpipe supernet``
+does): ``train.out_dir`` gets ``config.json``, ``checkpoints/<step>/`` every
+``train.checkpoint_every`` steps and at the end, and the search's result
+(``search.json``); the checkpoints go through the same orbax
+``Checkpointer`` as dense runs (state, loader state, meta with checksums). The
+meta says ``"kind": "supernet"`` and holds a fingerprint (parameter shapes and
+the search space's genes), so a dense run's checkpoint, or a supernet trained
+with another space, is refused by name. ``search_checkpoint`` (``mindpipe
+search``) restores the parameters onto the current mesh, bit for bit, and runs
+the search there: the same top-k as the search at the end of training, on any
+device count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config, DataConfig
+from mindpipe_jax.config import Config, DataConfig, from_dict
 from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
@@ -27,6 +41,8 @@ from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.sampler import Sampler
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import (
+    AXES,
+    SupernetSpec,
     check_layout,
     init_state,
     jit_step,
@@ -35,8 +51,14 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
+from mindpipe_jax.train.checkpoint import Checkpointer, committed_steps, read_meta, restore, verify_checksums
 
-__all__ = ["SupernetResult", "train_supernet", "supernet_factory"]
+__all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
+
+KIND = "supernet"  # meta["kind"] of a supernet checkpoint (dense runs have none)
+# What the supernet is: fixed by a checkpoint (the rest of a config only says how to
+# train or evaluate it, and may differ in a search).
+_ARCH_KEYS = ("supernet.ops", "supernet.ffn_ratios", "supernet.heads", "supernet.min_depth")
 
 
 @dataclasses.dataclass
@@ -47,6 +69,7 @@ class SupernetResult:
     config: Config
     mesh: Any
     spec: Any  # SupernetSpec: space, unit grid, merge(params) -> module
+    out_dir: Path | None = None  # where the checkpoints went (checkpoint=True)
 
     @property
     def space(self):
@@ -82,8 +105,34 @@ def _global_array(host: np.ndarray, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def fingerprint(spec: SupernetSpec) -> dict:
+    """Parameter paths and shapes, and the genes of the space: what a checkpoint must match.
+
+    (Widths, head counts and depths do not change any shape, so the genes are part of it.)
+    """
+    flat = jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
+    return {"params": {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat},
+            "genes": {g.name: list(g.choices) for g in spec.space.genes}}
+
+
+def _prepare_out_dir(cfg: Config) -> tuple[Path, Path]:
+    """(out_dir, checkpoint dir): refuse a file, another run, or a resume, before anything is written."""
+    out_dir = Path(cfg.train.out_dir).absolute()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} exists and is not a directory")
+    if cfg.train.resume:
+        raise ConfigError("train.resume=true: supernet runs cannot be resumed yet; drop train.resume "
+                          "and choose a new train.out_dir")
+    ckpt_dir = out_dir / "checkpoints"
+    found = read_meta(ckpt_dir)  # a foreign or unreadable directory is a ConfigError too
+    if found is not None:
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {found[0]}; "
+                          f"choose a new train.out_dir")
+    return out_dir, ckpt_dir
+
+
 def train_supernet(model=None, data=None, config: Config | None = None, *overrides: str,
-                   search: bool = True, log=print) -> SupernetResult:
+                   search: bool = True, log=print, checkpoint: bool = False) -> SupernetResult:
     """Train a supernet with SPara, then (``search=True``) run the evolutionary search.
 
     ``model``: None (the reference ``SuperGPT`` of ``config.model`` + ``config.supernet``),
@@ -92,6 +141,9 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     ``train.virtual_shards``, ``train.seed``, ``train.log_every``,
     ``train.eval_batches``, ``optim.*``, ``parallel.subnet`` / ``parallel.data``
     and the ``supernet`` section. ``log``: a callable for progress lines (None: quiet).
+    ``checkpoint``: save into ``train.out_dir`` (``train.checkpoint_every``,
+    ``train.keep_checkpoints``; a directory that already holds a run is refused), so
+    that ``search_checkpoint`` / ``mindpipe search`` can search it later.
     """
     cfg = config or Config()
     if overrides:
@@ -107,6 +159,9 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     spec, create = supernet_spec(factory, tr.seed)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
     splits = _resolve_data(data, cfg)
+    out_dir = ckpt_dir = None
+    if checkpoint:
+        out_dir, ckpt_dir = _prepare_out_dir(cfg)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")
     rows = NamedSharding(mesh, P("data"))
@@ -127,6 +182,15 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         f"{mesh.shape['subnet']} x data={mesh.shape['data']} | compiled in {time.perf_counter() - t0:.1f}s")
     history: list[dict] = []
     t_last, waves_sum, since = time.perf_counter(), 0, 0
+    # From here on files may be written: every user mistake has been caught above.
+    ckpt = None
+    if checkpoint:
+        if jax.process_index() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
+        meta = {"kind": KIND, "config": cfg.to_dict(), "fingerprint": fingerprint(spec),
+                "model": type(spec.module).__name__}
     try:
         for step in range(tr.steps):
             plan = plan_step(spec, sampler(step), sn.semantics, round_slots)
@@ -145,13 +209,26 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
                     f"{record['loss_max']:.3f}) | waves {record['waves']:.2f} | "
                     f"{record['step_time_s']:.3f} s/step")
                 t_last, waves_sum, since = now, 0, 0
+            if ckpt is not None and (step + 1 == tr.steps or (
+                    tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0)):
+                ckpt.save(step + 1, state, loader.get_state(), meta, force=True)
     finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the save in flight: an error never leaves half a step
         loader.close()
     result = None
     if search:
         result = search_subnets(spec, state["params"], splits, cfg, mesh)
         say("search (validation loss with inherited weights):\n" + result.table())
-    return SupernetResult(state, history, result, cfg, mesh, spec)
+    if checkpoint:
+        if result is not None and jax.process_index() == 0:
+            # The search's result beside the checkpoint it was made from (floats as JSON
+            # keeps them exactly): what a later `mindpipe search` of that step reproduces.
+            (out_dir / "search.json").write_text(json.dumps(
+                {"step": tr.steps, "top": result.top, "evaluated": result.evaluated,
+                 "best_per_generation": result.best_per_generation}, indent=1))
+        say(f"checkpoints: {ckpt_dir} (search them again with: mindpipe search {out_dir})")
+    return SupernetResult(state, history, result, cfg, mesh, spec, out_dir)
 
 
 def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> SearchResult:
@@ -167,3 +244,120 @@ def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> Sear
         spec.space, lambda subs: evaluate(params, subs, batches), module.active_params,
         population=sn.search_population, generations=sn.search_generations, top_k=sn.search_top_k,
         max_cost=sn.search_max_params, seed=tr.seed)
+
+
+# --- searching a saved run ------------------------------------------------------------------------
+
+
+def _run_config(run_dir: Path, overrides) -> Config:
+    """The run's config (``config.json``, plain JSON: read before JAX starts) with the
+    search's overrides; refuses overrides that would change the supernet."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} has no config.json: not the train.out_dir of a "
+                          f"`mindpipe supernet` run")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{str(path)!r} does not hold a config table")
+    tree = Config().to_dict()
+    for section, values in saved.items():
+        if isinstance(values, dict) and isinstance(tree.get(section), dict):
+            tree[section].update(values)
+        else:
+            tree[section] = values  # from_dict names what is wrong
+    base = from_dict(tree)
+    cfg = base.replace(*overrides) if overrides else base
+    fixed = [f"model.{k}" for k in dataclasses.asdict(cfg.model)] + list(_ARCH_KEYS)
+    for key in fixed:
+        section, name = key.split(".")
+        ours, theirs = getattr(getattr(cfg, section), name), getattr(getattr(base, section), name)
+        if ours != theirs:
+            raise ConfigError(f"{key}={_show(ours)}: the supernet in {str(run_dir)!r} was trained with "
+                              f"{key}={_show(theirs)}; a search can change supernet.search_*, "
+                              f"supernet.vmap_width, train.seed, train.global_batch, "
+                              f"train.virtual_shards, data.* and parallel.*, not the supernet")
+    return cfg
+
+
+def _show(value) -> str:
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,
+                      log=None) -> tuple[SearchResult, Config, int]:
+    """The evolutionary search on a saved supernet: ``(result, config, step)``.
+
+    ``run_dir``: the ``train.out_dir`` of ``train_supernet(..., checkpoint=True)`` /
+    ``mindpipe supernet``; ``step``: which committed checkpoint (default: the newest).
+    ``overrides`` change how the search runs (``supernet.search_*``, ``parallel.*``, the
+    validation data, ...), never the supernet itself. ``model``: the factory of a
+    custom supernet (default: the reference ``SuperGPT`` of the saved config); ``data``
+    as in ``train_supernet`` (default: the saved ``data`` section). ConfigError, one
+    line, for a missing or foreign directory, a dense run, a checkpoint of another
+    supernet, a damaged checkpoint or a bad override.
+    """
+    run_dir = Path(run_dir).absolute()
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
+                          else f"{str(run_dir)!r} is not a directory")
+    cfg = _run_config(run_dir, overrides)
+    if cfg.parallel.tensor == 0:
+        cfg = cfg.replace("parallel.tensor=1")
+    setup_runtime(cfg.parallel, cfg.distributed)
+    ckpt_dir = run_dir / "checkpoints"
+    found = read_meta(ckpt_dir)
+    if found is None:
+        raise ConfigError(f"{str(run_dir)!r} holds no committed checkpoint (checkpoints/<step>/); "
+                          f"train with `mindpipe supernet train.out_dir=...` first")
+    newest, meta = found
+    if meta.get("kind") != KIND:
+        raise ConfigError(f"{str(run_dir)!r} holds the checkpoint of a dense model (`mindpipe train`), "
+                          f"not of a supernet; search a run of `mindpipe supernet`")
+    steps = committed_steps(ckpt_dir)
+    if step is None:
+        step = newest
+    elif step not in steps:
+        raise ConfigError(f"--step {step}: {str(ckpt_dir)!r} has committed checkpoints at steps "
+                          f"{', '.join(map(str, steps))}")
+    mesh = make_mesh(cfg.parallel)
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    if others:
+        raise ConfigError(f"the search splits devices over parallel.subnet and parallel.data only; got "
+                          f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    v, d = cfg.train.virtual_shards, mesh.shape["data"]
+    if v % d or cfg.train.global_batch % v:
+        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.data={d}, and "
+                          f"train.global_batch={cfg.train.global_batch} (validation rows) by it")
+    factory = model if model is not None else supernet_factory(cfg)
+    spec, create = supernet_spec(factory, cfg.train.seed)
+    if meta.get("fingerprint") != fingerprint(spec):
+        raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
+                          f"{type(spec.module).__name__} of its config (parameter shapes or genes differ); "
+                          f"pass the model that wrote it")
+    shardings = state_shardings(mesh)
+    abstract = jax.eval_shape(lambda: init_state(spec, create()))
+    target = jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
+        shardings, abstract)
+    where = str(ckpt_dir / str(step))
+    try:
+        state, _, saved_meta = restore(ckpt_dir, step, target)
+    except Exception as err:  # truncated or missing array files, garbled metadata
+        detail = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: {detail}); "
+                          f"it is damaged") from None
+    if (leaf := verify_checksums(state, saved_meta)) is not None:
+        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
+                          f"match the checksum saved with them")
+    splits = _resolve_data(data, cfg)
+    say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
+    sn = cfg.supernet
+    say(f"search of {run_dir} at step {step}: {spec.space.num_architectures:,} architectures | population "
+        f"{sn.search_population}, {sn.search_generations} generations, top {sn.search_top_k}"
+        + (f", at most {sn.search_max_params:,} parameters" if sn.search_max_params else "")
+        + f" | mesh subnet={mesh.shape['subnet']} x data={mesh.shape['data']}")
+    return search_subnets(spec, state["params"], splits, cfg, mesh), cfg, step

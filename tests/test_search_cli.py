@@ -1,0 +1,143 @@
+"""``mindpipe search``: the search of a saved supernet, after ``mindpipe supernet``.
+
+One tiny supernet is trained once through the command line (checkpoints at steps 2
+and 4, the search at the end of training written to ``search.json``). Searching its
+checkpoint again — from the command line, from Python, on another split of the
+devices — must give the same top-k, bit for bit: the same subnets, the same
+validation losses, the same parameter counts. Bad input is one line on stderr, exit
+status 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+import mindpipe_jax as mp
+from mindpipe_jax.cli import main
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet import search_checkpoint
+
+TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+        'data.source="synthetic"', "data.synthetic_tokens=65536", "train.global_batch=16",
+        "parallel.tensor=1", "parallel.simulate_cpu_devices=0")
+SUPERNET = ("train.steps=4", "train.log_every=2", "train.checkpoint_every=2", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "parallel.subnet=4", "parallel.data=2",
+            "supernet.subnets_per_step=4", "supernet.semantics=causal", "supernet.search_population=6",
+            "supernet.search_generations=2", "supernet.search_top_k=3")
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _table(stdout: str) -> list[str]:
+    """The search table's rows (rank, val loss, params, subnet) from a command's output."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "val"])
+    return lines[start:start + 1 + 3]
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, str]:
+    """(out_dir, stdout) of `mindpipe supernet` (trains, searches, checkpoints)."""
+    out_dir = tmp_path_factory.mktemp("search_cli") / "super"
+    code, stdout, stderr = _cli("supernet", *TINY, *SUPERNET, f"train.out_dir={out_dir}")
+    assert code == 0, stderr
+    return out_dir, stdout
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("search_cli_dense") / "dense"
+    mp.train(None, None, mp.Config(), *TINY, "train.steps=2", "train.progress=false", "train.eval_every=0",
+             "train.tensorboard=false", f"train.out_dir={out_dir}")
+    return out_dir
+
+
+def test_supernet_command_saves_checkpoints_and_its_search(run):
+    out_dir, stdout = run
+    assert sorted(p.name for p in (out_dir / "checkpoints").iterdir()) == ["2", "4"]
+    saved = json.loads((out_dir / "search.json").read_text())
+    assert saved["step"] == 4 and len(saved["top"]) == 3
+    assert f"mindpipe search {out_dir}" in stdout
+
+
+def test_search_command_gives_the_top_k_of_the_search_after_training(run):
+    out_dir, train_stdout = run
+    code, stdout, stderr = _cli("search", str(out_dir))
+    assert code == 0 and stderr == "", stderr
+    assert _table(stdout) == _table(train_stdout)  # what the command prints
+    assert "done: searched step 4" in stdout
+    # ... and bit for bit: subnets, losses (JSON floats round-trip exactly), parameter counts.
+    saved = json.loads((out_dir / "search.json").read_text())
+    result, cfg, step = search_checkpoint(out_dir)
+    assert step == 4 and result.top == saved["top"]
+    assert result.best_per_generation == saved["best_per_generation"]
+    assert cfg.supernet.semantics == "causal"  # the run's own config
+
+
+def test_same_top_k_on_another_split_and_a_different_earlier_step(run):
+    out_dir, _ = run
+    saved = json.loads((out_dir / "search.json").read_text())
+    other, cfg, _ = search_checkpoint(out_dir, "parallel.subnet=1", "parallel.data=8")
+    assert (cfg.parallel.subnet, cfg.parallel.data) == (1, 8)
+    assert other.top == saved["top"]
+    # The comparison can fail: the supernet of step 2 scores differently.
+    earlier, _, step = search_checkpoint(out_dir, step=2)
+    assert step == 2
+    assert [t["loss"] for t in earlier.top] != [t["loss"] for t in saved["top"]]
+
+
+def _bad_cases(run_dir: Path, dense: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp / "empty").mkdir(exist_ok=True)
+    (tmp / "a_file").write_text("not a run")
+    return {
+        "missing dir": (["search", str(tmp / "nope")], "does not exist"),
+        "a file": (["search", str(tmp / "a_file")], "is not a directory"),
+        "not a run": (["search", str(tmp / "empty")], "has no config.json"),
+        "dense run": (["search", str(dense)], "checkpoint of a dense model"),
+        "model change": (["search", str(run_dir), "model.d_model=64"],
+                         "model.d_model=64: the supernet in"),
+        "space change": (["search", str(run_dir), "supernet.ops=['gelu']"],
+                         "was trained with supernet.ops=[\"gelu\", \"relu\", \"silu\"]"),
+        "unknown key": (["search", str(run_dir), "supernet.search_topk=2"], "unknown config key"),
+        "bad value": (["search", str(run_dir), "supernet.search_population=1"], "search_population=1"),
+        "no such step": (["search", str(run_dir), "--step", "3"], "committed checkpoints at steps 2, 4"),
+        "step not a number": (["search", str(run_dir), "--step", "last"], "--step must be an integer"),
+        "tensor axis": (["search", str(run_dir), "parallel.tensor=2", "parallel.subnet=2"],
+                        "got tensor=2"),
+        "train into a run": (["supernet", *TINY, *SUPERNET, f"train.out_dir={run_dir}"],
+                             "already holds checkpoints up to step 4"),
+        "resume": (["supernet", *TINY, *SUPERNET, f"train.out_dir={tmp / 'new'}", "train.resume=true"],
+                   "cannot be resumed yet"),
+    }
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, dense_run, tmp_path):
+    run_dir, _ = run
+    before = {d: _tree(d) for d in (run_dir, dense_run)}
+    for case, (argv, needle) in _bad_cases(run_dir, dense_run, tmp_path).items():
+        code, stdout, stderr = _cli(*argv)
+        assert code == 2, (case, stdout, stderr)
+        assert stderr.count("\n") == 1 and stderr.startswith("mindpipe: error: ") and needle in stderr, \
+            (case, stderr)
+    assert {d: _tree(d) for d in before} == before
+    assert not (tmp_path / "new").exists()
+    # A run killed before its first save: the config is there, no checkpoint.
+    (tmp_path / "unsaved").mkdir()
+    (tmp_path / "unsaved" / "config.json").write_text((run_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match="holds no committed checkpoint"):
+        search_checkpoint(tmp_path / "unsaved")
