@@ -22,7 +22,8 @@ pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-NOTEBOOKS = ["quickstart.ipynb", "pipeline_1f1b.ipynb", "afapab_3d.ipynb", "epara_tuner.ipynb"]
+NOTEBOOKS = ["quickstart.ipynb", "pipeline_1f1b.ipynb", "afapab_3d.ipynb", "epara_tuner.ipynb",
+             "supernet_search.ipynb"]
 KERNEL = "python3"
 CELL_TIMEOUT_S = 300
 
