@@ -13,12 +13,13 @@ batched) on each of its V/D shards (``lax.map``). Rounds hold R = S·W slots.
 Every cell's gradient is summed in one fixed order, never by an all-reduce: a
 balanced pairwise tree over the V shards whose lower levels are a device's own
 contiguous shards and whose upper levels run over the data devices in order
-(for power-of-two V and D that is the same tree on every mesh). Two
-``all_to_all`` exchanges deliver, to each of the N = S·D devices, the summed
+(for power-of-two V and D that is the same tree on every mesh). One
+``all_to_all`` gives each of the N = S·D devices every device's partial
 gradient of every slot of the round for the 1/N of the raveled parameters it
-owns; per-subnet norms are sums of 64 fixed chunks (``PARAM_CHUNKS``) in a fixed
-order; clipping, the ``[K, P/N]`` buffer, the pairwise sum over the K subnets
-and AdamW run on that 1/N; the new parameters are all-gathered. Each cell is
+owns, and it sums the data devices' partials in device order; per-subnet
+norms are sums of 64 fixed chunks (``PARAM_CHUNKS``) in a fixed order; clipping,
+the ``[K, P/N]`` buffer, the pairwise sum over the K subnets and AdamW run on that
+1/N; the new parameters are all-gathered. Each cell is
 computed by the same per-device program (the vmap width W and the shard shape
 are fixed by the config, not by the mesh; ``vmap`` of a different width *does*
 change the bits, measured), and every later operation is elementwise on the
@@ -461,11 +462,12 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     Metrics: per-subnet ``loss`` and ``grad_norm`` (``[K]``), ``lr``.
 
     Per round, each device computes its W slots on its V/D shards, sums its shards
-    (the lower levels of the fixed pairwise tree over V), and two ``all_to_all``
-    exchanges give it, for the 1/N of the raveled parameters it owns (N devices), the
-    data-summed gradient of every slot of the round (the upper levels of the tree,
-    summed in device order). Norms, clipping, the K-buffer, the sums over subnets and
-    AdamW then run on that 1/N only; the new parameters are all-gathered.
+    (the lower levels of the fixed pairwise tree over V), and one ``all_to_all`` gives
+    it, for the 1/N of the raveled parameters it owns (N devices), every device's
+    partial gradient of every slot of the round; it sums the data devices' partials in
+    device order (the upper levels of the tree). One ``all_gather`` brings the norms'
+    chunk sums and the slots' losses. Norms, clipping, the K-buffer, the sums over
+    subnets and AdamW then run on that 1/N only; the new parameters are all-gathered.
     """
     _check_semantics(semantics)
     check_layout(mesh, subnets_per_step=subnets_per_step, vmap_width=vmap_width,
