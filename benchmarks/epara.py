@@ -103,6 +103,7 @@ def space_part(args) -> None:
 
     t0 = time.perf_counter()
     result = tune(cfg, b_noise=b_noise, b0=b0, measure=3, max_compile=6, trial_steps=args.trial_steps,
+                  rounds=args.rounds,
                   hardware=hardware, costs=costs, log=lambda line: print("  tune: " + line), **SPACE)
     tune_s = time.perf_counter() - t0
     chosen = result.best.candidate
@@ -151,6 +152,7 @@ def main() -> None:
         online_part(args)
     print(f"\n# total {time.perf_counter() - t0:.0f} s; load average at end {os.getloadavg()}")
     if out:
+        sys.stdout = sys.__stdout__
         out.close()
 
 

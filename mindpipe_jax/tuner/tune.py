@@ -6,7 +6,9 @@ the top few → rank by entropyput.
 takes the best-predicted candidate not yet measured, compiles it on abstract
 shapes (an infeasible one — over the memory budget, or refused by the compiler —
 is skipped with its reason), runs it for a few real steps and feeds the time
-back into the cost model, which re-predicts every row before the next pick. At
+back into the cost model, which re-predicts every row before the next pick.
+The measured candidates are then timed again in ``rounds - 1`` interleaved
+rounds (median of all), so that the choice does not rest on one noisy trial. At
 most ``max_compile`` candidates are compiled; what is left of that budget checks
 the memory of the next best rows. Every row is returned with what is known
 about it. The chosen configuration is the best *measured* one: a
@@ -27,7 +29,7 @@ from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
 from mindpipe_jax.tuner.noise import efficiency
 from mindpipe_jax.tuner.space import Candidate, SpaceReport, enumerate_space
-from mindpipe_jax.tuner.trial import measure_candidate
+from mindpipe_jax.tuner.trial import Trial
 
 
 @dataclasses.dataclass
@@ -96,7 +98,8 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
          axes: Sequence[str] | None = None,
          microbatches: Sequence[int] = (1, 2, 4), schedules: Sequence[str] = ("1f1b", "interleaved"),
          virtual_stages: Sequence[int] = (1, 2), remats: Sequence[str] = ("none", "full"),
-         max_compile: int = 8, measure: int = 3, trial_steps: int = 5, b_noise: float | None = None,
+         max_compile: int = 8, measure: int = 3, trial_steps: int = 5, rounds: int = 3,
+         b_noise: float | None = None,
          b0: int | None = None, model=None, cache_path: str | None = None, hardware: Hardware | None = None,
          costs: ModelCosts | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Search the space of ``cfg``'s model on ``num_devices`` devices (default: all).
@@ -150,17 +153,27 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
 
     # Measure one candidate at a time, each the best the model predicts after the
     # trials so far (a trial can reorder the rest: it recalibrates the model).
+    trials: dict[int, Trial] = {}
     for _ in range(measure):
         row = next_feasible()
         if row is None:
             break
-        row.measured_s = measure_candidate(cfg, row.candidate, steps=trial_steps, model=model,
-                                           devices=devices)
+        trial = trials[id(row)] = Trial(cfg, row.candidate, model=model, devices=devices)
+        trial.run(trial_steps)
+        row.measured_s = trial.median
         log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms "
             f"(predicted {row.predicted.step_s * 1e3:.1f} ms)")
         model_cost.observe(row.candidate, row.measured_s)
         for other in rows:
             other.predicted = model_cost.breakdown(other.candidate)
+    # The measured candidates again, in interleaved rounds: a single trial on a shared
+    # machine can be off by half, and the choice must not be a lucky moment.
+    for _ in range(rounds - 1):
+        for trial in trials.values():
+            trial.run(trial_steps)
+    for row in rows:
+        if id(row) in trials:
+            row.measured_s = trials[id(row)].median
     # The rest of the compile budget checks the memory of the next best rows (rows
     # never compiled are shown as predicted only).
     for row in sorted(rows, key=lambda r: -r.predicted_entropyput):
