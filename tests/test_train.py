@@ -36,7 +36,8 @@ def test_stdlib_training_reduces_loss_and_writes_metrics(tmp_path):
     evals = [h["val_loss"] for h in result.history if "val_loss" in h]
     assert len(evals) == 2 and evals[-1] < 3.6 < np.log(256), evals  # ln 256 = 5.55 nats/byte
     lines = [json.loads(x) for x in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(lines[0])
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "train_s"} <= set(lines[0])
+    assert 0 < lines[0]["train_s"] < lines[-1]["train_s"]  # cumulative, evaluation and saving excluded
     assert any((result.out_dir / "tensorboard").iterdir())
     assert (result.checkpoint_dir / "40").is_dir()
 

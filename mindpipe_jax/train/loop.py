@@ -386,6 +386,9 @@ class _Run:
     def __call__(self, state, layout: Layout, first_step, feed, *, flops, tuner=None, reconfigure=None):
         self.layout, self.feed = layout, feed
         tr = layout.cfg.train
+        # train_s in each record: seconds since this call began (first compile, steps, tuner
+        # switches and recompiles included), less evaluation and checkpoint saving.
+        clock = _Interval()
         step_fn, compile_s = layout.compile(step=first_step)
         eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
@@ -452,14 +455,14 @@ class _Run:
                     record.update({"tuner": decision.to_dict(), **tuner.metrics()})
                     say(f"{decision.line()} | compiled in {compile_s:.1f}s")
                 if eval_now:
-                    with _aside(since_log, since_fetch):  # evaluation is not step time
+                    with _aside(since_log, since_fetch, clock):  # evaluation is not step time
                         self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)
                     record["val_loss"] = self.final_val
                 if save_now:
                     meta = {**self.meta, "step": done, "skipped_steps": self.skipped}
                     if tuner is not None:
                         meta["tuner"] = tuner.state_dict()
-                    with _aside(since_log, since_fetch):  # saving is not step time either
+                    with _aside(since_log, since_fetch, clock):  # saving is not step time either
                         self.ckpt.save(done, state, self.feed.loader.get_state(), meta, force=bool(stop))
                 par = layout.cfg.parallel
                 if par.repartition_after and done == par.repartition_after and not stop:
@@ -477,6 +480,7 @@ class _Run:
                     record["repartition"] = {"before": list(before), "after": list(counts)}
                     say(f"step {done} | repartition {list(before)} -> {list(counts)}")
                 if record:
+                    record["train_s"] = clock.elapsed()
                     self.history.append({"step": done, **record})
                     self.writer.write(done, record)
                     say(format_line(done, record))
