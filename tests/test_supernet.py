@@ -269,8 +269,8 @@ def test_per_unit_values_expand_like_an_index_and_slices_update_like_the_whole(s
     n = spec.padded_size // 8
     for start in (0, 3 * n, 7 * n):
         part = {"mu": opt["mu"][start:start + n], "nu": opt["nu"][start:start + n], "count": opt["count"]}
-        got_p, got_opt = adamw(spec, p[start:start + n], g[start:start + n], part, mask, True, optim.lr, optim,
-                               offset=jnp.int32(start))
+        got_p, got_opt = adamw(spec, p[start:start + n], g[start:start + n], part, mask, True, optim.lr,
+                               optim, offset=jnp.int32(start))
         assert np.asarray(got_p).tobytes() == np.asarray(whole_p[start:start + n]).tobytes()
         assert np.asarray(got_opt["nu"]).tobytes() == np.asarray(whole_opt["nu"][start:start + n]).tobytes()
 
