@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=fmt,
         description=textwrap.dedent("""\
-            Train Flax NNX models across data, fsdp and tensor parallelism in JAX.
+            Train Flax NNX models across data, fsdp, tensor, pipeline, supernet and
+            expert parallelism in JAX, and tune the layout (mindpipe tune).
 
             With no config file and no overrides, `mindpipe train` trains a small
             byte-level GPT on the Python standard library's own sources, on every
