@@ -1,6 +1,13 @@
 """What the benchmark scripts share for printing: output to the terminal and to a
 results file at once."""
 
+import contextlib
+import datetime
+import os
+import platform
+import sys
+import time
+
 
 class Tee:
     """A text stream that writes (and flushes) to several streams."""
@@ -16,3 +23,26 @@ class Tee:
     def flush(self):
         for s in self.streams:
             s.flush()
+
+
+@contextlib.contextmanager
+def report(title: str, out_path: str | None):
+    """Print to the terminal (and to ``out_path`` when given) between a header line —
+    title, date, host, devices, cores, load average, the command — and a footer with
+    the total time and the load average at the end."""
+    import jax
+
+    out = open(out_path, "w") if out_path else None  # noqa: SIM115
+    if out:
+        sys.stdout = Tee(sys.__stdout__, out)
+    try:
+        print(f"# {title}, {datetime.date.today()}, {platform.node()}, {len(jax.devices())} x "
+              f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores; load average {os.getloadavg()}")
+        print(f"# command: python {' '.join(sys.argv)}")
+        t0 = time.perf_counter()
+        yield
+        print(f"\n# total {time.perf_counter() - t0:.0f} s; load average at end {os.getloadavg()}")
+    finally:
+        if out:
+            sys.stdout = sys.__stdout__
+            out.close()

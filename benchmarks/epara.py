@@ -28,9 +28,7 @@ Usage: ``python benchmarks/epara.py [--part space|online|all] [--out FILE]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
@@ -39,7 +37,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _report import Tee  # noqa: E402
+from _report import report  # noqa: E402
 
 from mindpipe_jax.config import Config  # noqa: E402
 from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman  # noqa: E402
@@ -137,24 +135,13 @@ def main() -> None:
     parser.add_argument("--b-noise", type=float, default=0.0, help="skip the probe and use this B_noise")
     parser.add_argument("--out", default=None, help="also write the report to this file")
     args = parser.parse_args()
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115
-    if out:
-        sys.stdout = Tee(sys.__stdout__, out)
-    print(f"# EPara benchmark, {datetime.date.today()}, {platform.node()}, {len(jax.devices())} x "
-          f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores; load average {os.getloadavg()}")
-    print(f"# command: python {' '.join(sys.argv)}")
-    t0 = time.perf_counter()
-    if args.part in ("space", "all"):
-        print("\n## 1. tuner's choice vs exhaustive measurement of the space")
-        space_part(args)
-    if args.part in ("online", "all"):
-        print("\n## 2. time to target validation loss: online tuner vs fixed batch sizes")
-        online_part(args)
-    print(f"\n# total {time.perf_counter() - t0:.0f} s; load average at end {os.getloadavg()}")
-    if out:
-        sys.stdout = sys.__stdout__
-        out.close()
-
+    with report("EPara benchmark", args.out):
+        if args.part in ("space", "all"):
+            print("\n## 1. tuner's choice vs exhaustive measurement of the space")
+            space_part(args)
+        if args.part in ("online", "all"):
+            print("\n## 2. time to target validation loss: online tuner vs fixed batch sizes")
+            online_part(args)
 
 if __name__ == "__main__":
     main()

@@ -63,11 +63,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import platform
 import signal
 import sys
 import tempfile
@@ -424,25 +422,14 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _report import Tee
+    from _report import report
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_options(parser)
     parser.add_argument("--out", default=None, help="also write the report to this file")
     args = parser.parse_args()
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115
-    if out:
-        sys.stdout = Tee(sys.__stdout__, out)
-    print(f"# EPara online tuning benchmark, {datetime.date.today()}, {platform.node()}, "
-          f"{len(jax.devices())} x {jax.devices()[0].device_kind}, {os.cpu_count()} cores; "
-          f"load average {os.getloadavg()}")
-    print(f"# command: python {' '.join(sys.argv)}")
-    t0 = time.perf_counter()
-    run_online_comparison(args)
-    print(f"\n# total {time.perf_counter() - t0:.0f} s; load average at end {os.getloadavg()}")
-    if out:
-        sys.stdout = sys.__stdout__
-        out.close()
+    with report("EPara online tuning benchmark", args.out):
+        run_online_comparison(args)
 
 
 if __name__ == "__main__":

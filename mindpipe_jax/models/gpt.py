@@ -229,17 +229,7 @@ class GPT(nnx.Module):
 
     def run_blocks(self, h, key=None):
         """Apply the stacked blocks in order with ``lax.scan`` (one compiled block)."""
-        graphdef, layers = nnx.split(self.blocks)
-        n_layers = self.config.n_layers
-        keys = jax.random.split(key, n_layers) if key is not None else None
-
-        def body(x, xs):
-            layer_state, layer_key = xs
-            return nnx.merge(graphdef, layer_state)(x, layer_key), None
-
-        if self.config.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
-        h, _ = jax.lax.scan(body, h, (layers, keys))
+        h, _ = scan_blocks(self.blocks, h, key, self.config)
         return h
 
     def __call__(self, tokens, dropout_key=None):
@@ -250,6 +240,23 @@ class GPT(nnx.Module):
         k_embed, k_blocks = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         h = self.run_blocks(self.embed(inputs, k_embed), k_blocks)
         return self.head.loss(h, targets)
+
+
+def scan_blocks(blocks, h, key, cfg: ModelConfig):
+    """Run ``nnx.vmap``-stacked blocks in order with ``lax.scan`` (one compiled block),
+    each under ``cfg.remat``. A block returns the new hidden state, or (hidden state,
+    a per-layer output); returns (hidden state, the stacked per-layer outputs or None)."""
+    graphdef, layers = nnx.split(blocks)
+    keys = jax.random.split(key, cfg.n_layers) if key is not None else None
+
+    def body(x, xs):
+        layer_state, layer_key = xs
+        out = nnx.merge(graphdef, layer_state)(x, layer_key)
+        return out if isinstance(out, tuple) else (out, None)
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+    return jax.lax.scan(body, h, (layers, keys))
 
 
 def matmul_params(cfg: ModelConfig) -> int:

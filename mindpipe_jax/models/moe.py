@@ -45,7 +45,6 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import ModelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import (
-    _REMAT,
     DTYPES,
     Attention,
     Embed,
@@ -54,6 +53,7 @@ from mindpipe_jax.models.gpt import (
     _dropout,
     _param,
     matmul_params,
+    scan_blocks,
 )
 from mindpipe_jax.parallel.rules import constrain, spec_for
 
@@ -248,17 +248,7 @@ class MoEGPT(nnx.Module):
 
     def run_blocks(self, h, key=None):
         """(hidden states after the blocks, load-balancing loss averaged over layers)."""
-        graphdef, layers = nnx.split(self.blocks)
-        n_layers = self.config.n_layers
-        keys = jax.random.split(key, n_layers) if key is not None else None
-
-        def body(x, xs):
-            layer_state, layer_key = xs
-            return nnx.merge(graphdef, layer_state)(x, layer_key)
-
-        if self.config.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT[self.config.remat], prevent_cse=False)
-        h, aux = jax.lax.scan(body, h, (layers, keys))
+        h, aux = scan_blocks(self.blocks, h, key, self.config)
         return h, aux.mean()
 
     def __call__(self, tokens, dropout_key=None):

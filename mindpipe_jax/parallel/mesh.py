@@ -67,6 +67,8 @@ def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
         # make_mesh orders devices by physical topology on GPU/TPU.
         return jax.make_mesh(shape, MESH_ORDER, axis_types=auto, devices=devices)
     except (ValueError, NotImplementedError):
+        # jax.make_mesh refuses device lists it cannot lay out by topology (e.g. a
+        # subset of the devices, as the tuner's trials pass); keep the given order.
         return Mesh(np.asarray(devices).reshape(shape), MESH_ORDER, axis_types=auto)
 
 

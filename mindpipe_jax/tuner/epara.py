@@ -42,11 +42,6 @@ class StepModel(Protocol):
     def observe(self, candidate: Candidate, seconds: float) -> None: ...
 
 
-def _rows_per_device(c: Candidate) -> float:
-    from mindpipe_jax.train.step import BATCH_AXES  # the axes that split the batch
-    return c.global_batch / math.prod(c.axes[a] for a in BATCH_AXES)
-
-
 class MeasuredThroughput:
     """Step times measured in this run; unseen candidates by linear scaling.
 
@@ -75,7 +70,7 @@ class MeasuredThroughput:
         return statistics.median(times) if times else None
 
     def _overhead(self, ref_time: float) -> float:
-        points = [(_rows_per_device(c), statistics.median(t)) for c, t in self._seen.items()]
+        points = [(c.per_device_batch, statistics.median(t)) for c, t in self._seen.items()]
         if len({r for r, _ in points}) < 2:
             return self.overhead_prior * ref_time
         slope, intercept = np.polyfit(*zip(*points, strict=True), 1)
@@ -85,11 +80,11 @@ class MeasuredThroughput:
         known = self.measured(candidate)
         if known is not None or not self._seen:
             return math.nan if known is None else known
-        r = _rows_per_device(candidate)
+        r = candidate.per_device_batch
         same = lambda c: dataclasses.replace(c, global_batch=0)  # noqa: E731
         pool = [c for c in self._seen if same(c) == same(candidate)] or list(self._seen)
-        ref = min(pool, key=lambda c: abs(math.log(_rows_per_device(c) / r)))
-        t_ref, r_ref = self.measured(ref), _rows_per_device(ref)
+        ref = min(pool, key=lambda c: abs(math.log(c.per_device_batch / r)))
+        t_ref, r_ref = self.measured(ref), ref.per_device_batch
         a = self._overhead(t_ref)
         return a + (t_ref - a) * r / r_ref
 
