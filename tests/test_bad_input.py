@@ -80,9 +80,12 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
 
 
 def _flip_bytes(data: bytes) -> bytes:
-    # Orbax restores this without complaint, as different numbers: only the checksum sees it.
+    # One changed byte: it moves exactly one uint32 word of the checksum by a nonzero
+    # amount, so it cannot cancel out (several changed bytes could). In raw array bytes
+    # orbax restores it silently as other numbers and only the checksum sees it; where
+    # the store's layout puts encoded chunk bytes at that offset, the decoder refuses.
     mid = len(data) // 2
-    return data[:mid] + bytes(b ^ 0x55 for b in data[mid:mid + 8]) + data[mid + 8:]
+    return data[:mid] + bytes([data[mid] ^ 0x01]) + data[mid + 1:]
 
 
 def _truncate(data: bytes) -> bytes:
@@ -121,6 +124,10 @@ CASES = [
     ("stage layers", ["parallel.pipe=2", "parallel.data=4", "parallel.stage_layers=[1, 2]"], "[1, 2]",
      None),
     ("heads vs d_model", ["model.d_model=30", "model.n_heads=4"], "model.d_model=30", None),
+    ("attention kernel name", ["model.attention=flash"], "'flash'", None),
+    ("cudnn attention in float32", ["model.attention=cudnn"], "model.dtype bfloat16", None),
+    ("cudnn attention without a GPU", ["model.attention=cudnn", "model.dtype=bfloat16"], "devices are cpu",
+     None),
     ("heads vs tensor", ["model.n_heads=3", "model.d_model=48", "parallel.tensor=2", "parallel.data=4"],
      "heads=3", None),
     ("missing data path", ["data.source=text", "data.path={tmp}/missing"], "missing", None),
@@ -140,7 +147,7 @@ CASES = [
      ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true", "model.d_model=64"],
      "different model", None),
     ("checkpoint with changed bytes", ["train.out_dir={tmp}/flipped", "train.steps=4", "train.resume=true"],
-     "do not match the checksum", None),
+     ("do not match the checksum", "could not be restored"), None),
     ("truncated checkpoint", ["train.out_dir={tmp}/truncated", "train.steps=4", "train.resume=true"],
      "could not be restored", None),
     ("corrupt checkpoint metadata", ["train.out_dir={tmp}/bad_meta", "train.steps=4", "train.resume=true"],
@@ -200,7 +207,8 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(case, via, tmp_path, fin
         assert stderr.count("\n") == 1 and stderr.startswith("mindpipe: error: "), stderr
         assert "Traceback" not in stderr
         message = stderr.removeprefix("mindpipe: error: ").rstrip("\n")
-    assert "\n" not in message and needle in message, message
+    needles = (needle,) if isinstance(needle, str) else needle
+    assert "\n" not in message and any(n in message for n in needles), message
     assert _snapshot(tmp_path) == before  # nothing written, nothing modified
 
 

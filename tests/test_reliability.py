@@ -33,7 +33,13 @@ from cli_procs import Train, cli_env, run_train
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
 from mindpipe_jax.errors import NonFiniteError
-from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore, verify_checksums
+from mindpipe_jax.train.checkpoint import (
+    COMMIT_MARKER,
+    committed_steps,
+    restore,
+    state_checksums,
+    verify_checksums,
+)
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
@@ -214,6 +220,25 @@ def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_the_checkpoint(tmp
     state, _, meta = restore(ckpt, 1, abstract_train_state(spec, tx, mesh))
     assert verify_checksums(state, meta) is None and int(state["step"]) == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "float64", "bool"])
+def test_checksum_sees_any_single_changed_bit(dtype):
+    # The checkpoint's guard against bytes changed on disk: flipping any one bit of
+    # any one element changes that leaf's sum, and only that leaf's.
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(dtype == "float64"):
+        a = rng.standard_normal((7, 5)).astype(dtype) if dtype != "bool" else rng.random((7, 5)) > 0.5
+        state = {"w": jax.numpy.asarray(a), "step": jax.numpy.asarray(3, jax.numpy.int32)}
+        meta = {"checksums": state_checksums(state)}
+        assert verify_checksums(state, meta) is None
+        bits = np.frombuffer(a.tobytes(), np.uint8).copy()
+        for i in rng.choice(bits.size, 12, replace=False):
+            flipped = bits.copy()
+            flipped[i] ^= 1 << int(rng.integers(8 if dtype != "bool" else 1))
+            changed = np.frombuffer(flipped.tobytes(), a.dtype).reshape(a.shape)
+            bad = {**state, "w": jax.numpy.asarray(changed)}
+            assert verify_checksums(bad, meta) == "['w']", (dtype, int(i))
 
 
 def test_nonfinite_error_is_one_line_and_exit_3_on_the_command_line(monkeypatch, capsys):
