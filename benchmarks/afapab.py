@@ -64,14 +64,13 @@ import json
 import math
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _procs import add_worker_args, launch, start_worker  # noqa: E402  (benchmarks/ is on sys.path)
 from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,11 +89,8 @@ VARIANTS = ("compute only", "end", "chunk")
 
 # ====================================================================== worker
 def worker(args) -> None:
+    spec, log = start_worker(args)
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 1)
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                               process_id=args.worker, initialization_timeout=60)
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -111,10 +107,6 @@ def worker(args) -> None:
     from mindpipe_jax.parallel.pipeline.gradsync import sync_points
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
 
-    def log(msg):
-        print(f"[worker {args.worker}] {msg}", flush=True)
-
-    spec = json.loads(Path(args.spec).read_text())
     dims = spec["dims"]
     m, v = dims["m"], dims["v"]
     if dims["model"] == "gpt":
@@ -318,51 +310,6 @@ def _err_text(err) -> str:
     if isinstance(err, subprocess.CalledProcessError):
         return f"{' '.join(err.cmd)}: {(err.stderr or '').strip() or f'exit {err.returncode}'}"
     return str(err)
-
-
-def launch(spec: dict, timeout_s: float, ns: Namespace) -> list[dict]:
-    """Run the two workers (inside ``ns``); return their results. Kills only the
-    processes it started."""
-    tmp = tempfile.mkdtemp(prefix="afapab-")
-    spec_path = os.path.join(tmp, "spec.json")
-    Path(spec_path).write_text(json.dumps(spec))
-    port = random.randint(20000, 60000)
-    cores = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu",
-           "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    failed = None
-    try:
-        for i in range(2):
-            log = open(os.path.join(tmp, f"worker{i}.log"), "w")
-            cmd = ns.prefix() + [sys.executable, os.path.abspath(__file__), "--worker", str(i),
-                                 "--port", str(port), "--spec", spec_path,
-                                 "--result", os.path.join(tmp, f"result{i}.json")]
-            pin = (lambda core=cores[i]: os.sched_setaffinity(0, {core})) if len(cores) >= 2 else None
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           preexec_fn=pin), log))
-        deadline = time.monotonic() + timeout_s
-        for i, (proc, _) in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                failed = (i, rc)
-                break   # a dead peer leaves the other waiting until its own timeout
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        tails = "\n".join(f"--- worker {i} ---\n{Path(tmp, f'worker{i}.log').read_text()[-4000:]}"
-                          for i in range(2))
-        what = "timed out" if failed[1] is None else f"exited with {failed[1]}"
-        raise RuntimeError(f"afapab worker {failed[0]} {what}\n{tails}")
-    return [json.loads(Path(tmp, f"result{i}.json").read_text()) for i in range(2)]
 
 
 # ====================================================================== part 1
@@ -677,10 +624,7 @@ def main(argv=None):
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--out", default=None, help="also write the output to this file")
     parser.add_argument("--raw", default=None, help="write every measurement (JSON) to this file")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(parser)
     args = parser.parse_args(argv)
     if args.worker is not None:
         return worker(args)
@@ -711,7 +655,7 @@ def main(argv=None):
                                                       "all-gather": [mib, 8 * mib]})},
                     overlap_probe=not args.smoke, overlap_matmuls=60, overlap_bytes=8 * mib)
         with Namespace(args.rate, "512kb", "50ms") as ns:
-            results = launch(spec, args.timeout_s, ns)
+            results = launch(__file__, "afapab", spec, args.timeout_s, prefix=ns.prefix())
             if args.raw:
                 Path(args.raw).write_text(json.dumps(dict(spec=spec, results=results)))
             report_part1(out, args, dims, results, ns, analyse(dims, results))

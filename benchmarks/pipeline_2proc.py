@@ -67,14 +67,13 @@ import platform
 import random
 import re
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _procs import add_worker_args, launch, start_worker  # noqa: E402  (benchmarks/ is on sys.path)
 from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,11 +158,8 @@ def parse_trace(path: str, module: str, loop: str, permutes: list[str], ticks: i
 
 
 def worker(args) -> None:
+    spec, log = start_worker(args)
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 1)
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                               process_id=args.worker, initialization_timeout=60)
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -179,10 +175,6 @@ def worker(args) -> None:
     from mindpipe_jax.parallel.pipeline.contract import stage_fns
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
 
-    def log(msg):
-        print(f"[worker {args.worker}] {msg}", flush=True)
-
-    spec = json.loads(Path(args.spec).read_text())
     dims = spec["dims"]
     cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
                       n_layers=dims["layers"], n_heads=dims["heads"])
@@ -292,56 +284,6 @@ def worker(args) -> None:
 
 
 # ====================================================================== parent
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(spec: dict, timeout_s: float) -> list[dict]:
-    """Run the two workers; return their results. Kills only the processes it started."""
-    tmp = tempfile.mkdtemp(prefix="pipeline_2proc-")
-    spec_path = os.path.join(tmp, "spec.json")
-    Path(spec_path).write_text(json.dumps(spec))
-    port = free_port()
-    cores = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "JAX_PLATFORMS": "cpu",
-           "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    try:
-        for i in range(2):
-            log = open(os.path.join(tmp, f"worker{i}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--port", str(port),
-                   "--spec", spec_path, "--tmp", tmp, "--result", os.path.join(tmp, f"result{i}.json")]
-            # One core each when there are two, so the two stages really run in parallel.
-            pin = (lambda core=cores[i]: os.sched_setaffinity(0, {core})) if len(cores) >= 2 else None
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           preexec_fn=pin), log))
-        deadline = time.monotonic() + timeout_s
-        failed = None
-        for i, (proc, _) in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                failed = failed or (i, rc)
-                break   # a dead peer leaves the other waiting until its own timeout
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        tails = "\n".join(f"--- worker {i} ---\n{Path(tmp, f'worker{i}.log').read_text()[-4000:]}"
-                          for i in range(2))
-        what = "timed out" if failed[1] is None else f"exited with {failed[1]}"
-        raise RuntimeError(f"pipeline_2proc worker {failed[0]} {what}\n{tails}")
-    return [json.loads(Path(tmp, f"result{i}.json").read_text()) for i in range(2)]
-
-
 def _task_key(schedule, t: int, s: int):
     task = schedule.table[t][s]
     return "idle" if task is None else (task.kind.value, schedule.global_stage(s, task.chunk))
@@ -542,11 +484,7 @@ def main(argv=None):
     parser.add_argument("--raw", default=None, help="write every measurement (JSON) to this file")
     parser.add_argument("--diagnose", action="store_true",
                         help="also profile the predicted runs and print their per-task busy times")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--spec", help=argparse.SUPPRESS)
-    parser.add_argument("--tmp", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(parser)
     args = parser.parse_args(argv)
     if args.worker is not None:
         return worker(args)
@@ -571,7 +509,7 @@ def main(argv=None):
     command = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# command: python benchmarks/pipeline_2proc.py {command}\n", file=out)
     out.flush()
-    results = launch(spec, args.timeout_s)
+    results = launch(__file__, "pipeline_2proc", spec, args.timeout_s)
     if args.raw:
         Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
         Path(args.raw).write_text(json.dumps(dict(spec=spec, results=results)))

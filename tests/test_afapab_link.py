@@ -8,13 +8,12 @@ of the machine and is the benchmark's figure."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_procs import run_smoke
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
@@ -160,20 +159,10 @@ def _namespaces() -> set[str]:
 
 @pytest.mark.slow
 def test_smoke_run_prints_measured_and_predicted(tmp_path):
-    out = tmp_path / "smoke.txt"
     before = _namespaces()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     # Hard limits: the workers (--timeout-s) and the whole script (start-up, two
     # processes, three small compiles each, the probes and the scale table).
-    try:
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--timeout-s", "75",
-                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=90)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"afapab --smoke did not finish in {err.timeout} s")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = proc.stdout
-    assert out.read_text() == text   # --out records exactly what was printed
+    text = run_smoke(SCRIPT, tmp_path / "smoke.txt", worker_timeout_s=75, timeout_s=90)
     assert "rate-limited by `tc qdisc add dev lo root tbf rate 2gbit" in text or "UNTHROTTLED" in text
     assert not {n for n in _namespaces() - before if n.startswith("mpafapab")}, "namespace left behind"
 

@@ -6,12 +6,10 @@ machine's load and is the benchmark's figure, not a test."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_procs import run_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "pipeline_2proc.py"
@@ -30,21 +28,12 @@ def _rows(text: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_process_benchmark_prints_measured_and_predicted(tmp_path):
-    out = tmp_path / "smoke.txt"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     # The script bounds its own workers (--timeout-s) and kills them on failure; the
     # outer limit also covers its start-up. Two compiles take ~25 s on 2 idle cores.
-    try:
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--timeout-s", "200",
-                               "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=240)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"pipeline_2proc --smoke did not finish in {err.timeout} s")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = _rows(proc.stdout)
-    assert {r["role"] for r in rows} == {"calibration", "prediction"}, proc.stdout
+    text = run_smoke(SCRIPT, tmp_path / "smoke.txt", worker_timeout_s=200, timeout_s=240)
+    rows = _rows(text)
+    assert {r["role"] for r in rows} == {"calibration", "prediction"}, text
     for r in rows:
         for key in ("measured", "neighbour", "lockstep"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
-    assert "predictions within +-15%" in proc.stdout
-    assert out.read_text() == proc.stdout   # --out records exactly what was printed
+    assert "predictions within +-15%" in text
