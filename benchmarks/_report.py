@@ -1,5 +1,5 @@
 """What the benchmark scripts share for printing: output to the terminal and to a
-results file at once."""
+results file at once, and the header lines that say where and how a run was made."""
 
 import contextlib
 import datetime
@@ -46,3 +46,17 @@ def report(title: str, out_path: str | None):
         if out:
             sys.stdout = sys.__stdout__
             out.close()
+
+
+def cpu_header(out, title: str, script: str, argv=None) -> None:
+    """A CPU benchmark's first lines on ``out``: ``# title``, the machine and the
+    versions, and the command that reproduces the run (``argv``, or this process's)."""
+    import flax
+    import jax
+
+    print(f"# {title}", file=out)
+    print(f"# machine: {os.cpu_count()}-core CPU container ({platform.machine()}, Python "
+          f"{platform.python_version()}); jax {jax.__version__}, flax {flax.__version__}", file=out)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# command: python {script} {command}\n", file=out)
+    out.flush()

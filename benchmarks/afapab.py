@@ -63,7 +63,6 @@ import io
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -71,7 +70,7 @@ import time
 from pathlib import Path
 
 from _procs import add_worker_args, launch, start_worker  # noqa: E402  (benchmarks/ is on sys.path)
-from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _report import Tee, cpu_header  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -635,16 +634,8 @@ def main(argv=None):
     buffer = io.StringIO()
     out = Tee(sys.stdout, buffer)
     start = time.perf_counter()
-    print(f"# mindpipe_jax AFAPAB benchmark (gradient sync measured over a rate-limited link; prediction "
-          f"at scale), {args.date}", file=out)
-    import flax
-    import jax
-
-    print(f"# machine: {os.cpu_count()}-core CPU container ({platform.machine()}, Python "
-          f"{platform.python_version()}); jax {jax.__version__}, flax {flax.__version__}", file=out)
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"# command: python benchmarks/afapab.py {command}\n", file=out)
-    out.flush()
+    cpu_header(out, "mindpipe_jax AFAPAB benchmark (gradient sync measured over a rate-limited link; "
+               f"prediction at scale), {args.date}", "benchmarks/afapab.py", argv)
     if not args.scale_only:
         mib = 2**20
         spec = dict(dims=dims, rounds=args.rounds, probe_repeats=args.probe_repeats,

@@ -63,7 +63,6 @@ import gzip
 import io
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -74,7 +73,7 @@ import time
 from pathlib import Path
 
 from _procs import add_worker_args, launch, start_worker  # noqa: E402  (benchmarks/ is on sys.path)
-from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _report import Tee, cpu_header  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -500,15 +499,8 @@ def main(argv=None):
     buffer = io.StringIO()
     out = Tee(sys.stdout, buffer)
     start = time.perf_counter()
-    print(f"# mindpipe_jax 2-process pipeline benchmark (simulator vs measurement), {args.date}", file=out)
-    import flax
-    import jax
-
-    print(f"# machine: {os.cpu_count()}-core CPU container ({platform.machine()}, Python "
-          f"{platform.python_version()}); jax {jax.__version__}, flax {flax.__version__}", file=out)
-    command = " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"# command: python benchmarks/pipeline_2proc.py {command}\n", file=out)
-    out.flush()
+    cpu_header(out, f"mindpipe_jax 2-process pipeline benchmark (simulator vs measurement), {args.date}",
+               "benchmarks/pipeline_2proc.py", argv)
     results = launch(__file__, "pipeline_2proc", spec, args.timeout_s)
     if args.raw:
         Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
