@@ -50,6 +50,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"
+    # Attention kernel: "xla" (scores materialized, runs everywhere) or "cudnn" (fused
+    # flash attention on NVIDIA GPUs; needs dtype bfloat16 or float16 and head_dim <= 128).
+    attention: Literal["xla", "cudnn"] = "xla"
     # Tensor-parallel overlap (parallel/overlap.py): with parallel.tensor > 1 the
     # attention and MLP projections become collective matmuls, their all-gather /
     # reduce-scatter split into ppermute steps that can run under partial matmuls
@@ -78,6 +81,9 @@ class ModelConfig:
         _check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
         _check(self.d_model % self.n_heads == 0,
                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}")
+        _check(self.attention != "cudnn" or self.dtype in ("bfloat16", "float16"),
+               f"model.attention=cudnn needs model.dtype bfloat16 or float16, got {self.dtype}; "
+               f"use model.attention=xla for {self.dtype}")
 
     @property
     def ff_dim(self) -> int:
@@ -206,7 +212,9 @@ class OptimConfig:
 class TrainConfig:
     """The loop: steps, batch, evaluation, logging, checkpoints and what to do on a
     non-finite loss. SIGTERM or Ctrl-C stops after the current step with a checkpoint;
-    ``resume=true`` continues from the newest complete checkpoint."""
+    ``resume=true`` continues from the newest complete checkpoint (and refuses a
+    directory without one); ``resume="auto"`` continues when there is one and starts
+    fresh when there is none, for job scripts that are requeued after a preemption."""
 
     steps: int = 300
     global_batch: int = 32
@@ -218,7 +226,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     out_dir: str = "runs/default"
-    resume: bool = False
+    resume: bool | Literal["auto"] = False
     deterministic: bool = False
     virtual_shards: int = 8  # deterministic mode: fixed number of gradient shards
     # A step whose loss or gradient norm is not finite: "stop" ends the run with a
@@ -423,14 +431,27 @@ def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
         valid = _valid_keys(section)
         return f"unknown config key {where}{keys}; valid keys{(' in ' + section) if section else ''}: {valid}"
     if isinstance(err, dacite.WrongTypeError):
-        if typing.get_origin(err.field_type) is Literal:
-            valid = ", ".join(repr(v) for v in typing.get_args(err.field_type))
+        if typing.get_origin(err.field_type) is Literal or _is_bool_or_literal(err.field_type):
+            valid = ", ".join(str(v).lower() if isinstance(v, bool) else repr(v)
+                              for v in _flat_choices(err.field_type))
             return f"config key {err.field_path}={err.value!r} is not valid; valid: {valid}"
         expected = getattr(err.field_type, "__name__", None) or str(err.field_type).replace("typing.", "")
         return f"config key {err.field_path}={err.value!r} has the wrong type; expected {expected}"
     if isinstance(err, dacite.MissingValueError):
         return f"config key {err.field_path} is missing"
     return str(err)
+
+
+def _is_bool_or_literal(tp) -> bool:
+    args = typing.get_args(tp)
+    return bool(args) and all(a is bool or typing.get_origin(a) is Literal for a in args)
+
+
+def _flat_choices(tp) -> list:
+    """The values a ``Literal`` or ``bool | Literal[...]`` field takes."""
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    return [v for a in typing.get_args(tp) for v in ((True, False) if a is bool else typing.get_args(a))]
 
 
 def _find_section_with(data: dict[str, Any], keys) -> str:

@@ -152,6 +152,7 @@ CASES = [
      "could not be restored", None),
     ("corrupt checkpoint metadata", ["train.out_dir={tmp}/bad_meta", "train.steps=4", "train.resume=true"],
      "unreadable", None),
+    ("resume value", ["train.resume=yes"], "valid: true, false, 'auto'", None),
     ("resume with nothing to resume", ["train.out_dir={tmp}/never_ran", "train.resume=true"],
      "nothing to resume", None),
     ("resume from an interrupted first save", ["train.out_dir={tmp}/partial", "train.resume=true"],

@@ -56,6 +56,24 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert resumed.history[-1]["loss"] == full.history[-1]["loss"]
 
 
+def test_resume_auto_starts_fresh_or_continues(tmp_path):
+    common = ("train.steps=4", "train.checkpoint_every=2", "train.eval_every=0", "train.log_every=2")
+    fresh = run(tmp_path, *common, name="plain")
+    # An empty out_dir: "auto" starts a new run (train.resume=true would refuse it).
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        run(tmp_path, *common, "train.resume=true", name="auto")
+    auto = run(tmp_path, *common, "train.resume=auto", name="auto")
+    assert_bitwise(fresh.state, auto.state)
+    # A requeued job: the same command continues from the newest complete checkpoint.
+    shutil.rmtree(auto.checkpoint_dir / "4")
+    again = run(tmp_path, *common, "train.resume=auto", name="auto")
+    assert [h["step"] for h in again.history] == [4]
+    assert_bitwise(fresh.state, again.state)
+    # Finished: there is nothing left to do, said in one line.
+    with pytest.raises(ConfigError, match=r"train.resume=auto: .* at step 4, and train.steps=4"):
+        run(tmp_path, *common, "train.resume=auto", name="auto")
+
+
 def test_restore_onto_a_different_mesh(tmp_path):
     first = run(tmp_path, "train.steps=3", "train.eval_every=0", "parallel.data=2", "parallel.fsdp=4",
                 "train.checkpoint_every=3")

@@ -31,6 +31,7 @@ take precedence when installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import importlib.util
 import math
@@ -42,6 +43,7 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+T_START = time.perf_counter()
 sys.path.insert(0, str(REPO))
 
 
@@ -94,6 +96,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--remat", choices=("none", "dots", "full"), default="none")
+    p.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                   help="auto: cudnn flash attention on a GPU, xla elsewhere")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip re-timing the step with XLA attention at the same batch")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="skip the optional parts (comparison, per-layer costs) past this many seconds")
     p.add_argument("--batch", type=int, default=0, help="0: choose from memory_analysis")
     p.add_argument("--mem-frac", type=float, default=0.85, help="share of device memory to fill")
     p.add_argument("--max-batch", type=int, default=256)
@@ -159,13 +167,16 @@ def device_capacity() -> int | None:
     return stats.get("bytes_limit") or None
 
 
-def choose_batch(step, params, opt_state, seq: int, args, log: Log) -> tuple[int, object]:
+def choose_batch(step, params, opt_state, seq: int, args, log: Log, given: int = 0,
+                 fit: bool = False) -> tuple[int, object]:
     cap = device_capacity()
-    if args.batch:
-        need, compiled = compiled_bytes(step, params, opt_state, args.batch, seq)
-        log(f"batch {args.batch} (given): XLA memory {need / 2**30:.2f} GiB"
+    while given:
+        need, compiled = compiled_bytes(step, params, opt_state, given, seq)
+        log(f"batch {given} (given): XLA memory {need / 2**30:.2f} GiB"
             + (f" of {cap / 2**30:.1f} GiB" if cap else ""))
-        return args.batch, compiled
+        if not (fit and cap and need > args.mem_frac * cap and given > 1):
+            return given, compiled
+        given //= 2
     if cap is None:
         raise SystemExit("no device memory limit known: pass --batch")
     budget = args.mem_frac * cap
@@ -200,6 +211,23 @@ def time_steps(compiled, params, opt_state, tokens, targets, steps: int, warmup:
     return times, losses
 
 
+def matmul_ceiling(n: int, repeats: int = 10) -> float:
+    """Measured bf16 matrix-product rate (FLOP/s) of an n x n x n product on random data:
+    the ceiling this device reaches in practice, beside its datasheet peak."""
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    for _ in range(3):
+        mm(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
 def device_slug(dev) -> str:
     kind = dev.device_kind
     for name in PEAK_TFLOPS:
@@ -223,30 +251,90 @@ def main(argv=None) -> int:
     if STUBBED:
         log(f"# not installed, stood in for (unused here): {', '.join(STUBBED)}")
 
+    attention = args.attention
+    if attention == "auto":
+        attention = "cudnn" if dev.platform == "gpu" else "xla"
     cfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
                       n_layers=args.layers, n_heads=args.heads, dtype="bfloat16",
-                      param_dtype="float32", remat=args.remat)
+                      param_dtype="float32", remat=args.remat, attention=attention)
     n_params = matmul_params(cfg) + cfg.vocab_size * cfg.d_model + cfg.seq_len * cfg.d_model
     fpt = flops_per_token(cfg)
     log(f"model: d_model={cfg.d_model} heads={cfg.n_heads} layers={cfg.n_layers} "
-        f"seq={cfg.seq_len} vocab={cfg.vocab_size} ff={cfg.ff_dim} remat={cfg.remat}, "
+        f"seq={cfg.seq_len} vocab={cfg.vocab_size} ff={cfg.ff_dim} remat={cfg.remat} "
+        f"attention={cfg.attention}, "
         f"bf16 compute, fp32 params; ~{n_params / 1e9:.3f} B params; "
         f"{fpt / 1e9:.3f} GFLOP/token (train)")
 
+    out = args.out or os.environ.get("OUT") or ("" if args.smoke else str(REPO / "benchmarks" / "results"))
+    path = Path(out) / f"{now:%Y-%m-%d}-{device_slug(dev)}-{dev.platform}.txt" if out else None
+
+    def save():
+        # After every section, so a run cut short by its time limit still leaves its numbers.
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(log.lines) + "\n")
+
+    n = 1024 if args.smoke else 8192
+    ceiling = matmul_ceiling(n)
+    log(f"bf16 {n}x{n}x{n} matmul, random data, median of 10: {ceiling / 1e12:.1f} TFLOP/s measured")
+    args.ceiling = ceiling
+
+    try:
+        cfg, batch, stats = run_section(cfg, args, log, args.batch)
+    except Exception as e:  # noqa: BLE001 - a kernel the image lacks must not cost the whole run
+        if cfg.attention != "cudnn":
+            raise
+        log(f"attention=cudnn failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"falling back to attention=xla")
+        cfg = dataclasses.replace(cfg, attention="xla")
+        cfg, batch, stats = run_section(cfg, args, log, args.batch)
+    save()
+    elapsed = lambda: time.perf_counter() - T_START  # noqa: E731
+
+    if cfg.attention == "cudnn" and not args.no_compare:
+        if elapsed() > args.budget_s * 0.55:
+            log(f"skipped: attention=xla comparison ({elapsed():.0f} s spent of {args.budget_s:.0f})")
+        else:
+            xla_cfg = dataclasses.replace(cfg, attention="xla")
+            try:
+                _, xla_batch, xla = run_section(xla_cfg, args, log, batch, fit=True)
+                log(f"cudnn / xla attention: tokens/s {stats['tok_s'] / xla['tok_s']:.3f}x "
+                    f"(batch {batch} vs {xla_batch}), step time at batch {batch}: "
+                    + (f"{xla['med'] / stats['med']:.3f}x" if xla_batch == batch else "n/a"))
+            except Exception as e:  # noqa: BLE001
+                log(f"attention=xla comparison failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        save()
+
+    if not args.no_layers:
+        if elapsed() > args.budget_s * 0.75:
+            log(f"skipped: per-layer costs ({elapsed():.0f} s spent of {args.budget_s:.0f})")
+        else:
+            layer_costs(cfg, batch, stats["med"], args, log)
+        save()
+
+    log(f"# total {elapsed():.0f} s")
+    save()
+    if path is not None:
+        print(f"results written to {path}")
+    return 0
+
+
+def run_section(cfg: ModelConfig, args, log: Log, given_batch: int, fit: bool = False):
+    """Compile the train step for ``cfg`` (batch given, or chosen from memory), time it,
+    log tokens/s, TFLOP/s and MFU. ``fit``: halve a given batch until it fits."""
     t0 = time.perf_counter()
     step, params, opt_state = make_step(cfg)
-    batch, compiled = choose_batch(step, params, opt_state, cfg.seq_len, args, log)
+    log(f"-- attention={cfg.attention}")
+    batch, compiled = choose_batch(step, params, opt_state, cfg.seq_len, args, log, given_batch, fit)
     log(f"compile + batch choice: {time.perf_counter() - t0:.1f} s")
-
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len)), jnp.int32)
     targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len)), jnp.int32)
-    times, losses = time_steps(compiled, params, opt_state, tokens, targets,
-                               args.steps, args.warmup)
-    del params, opt_state
+    times, losses = time_steps(compiled, params, opt_state, tokens, targets, args.steps, args.warmup)
+    del params, opt_state, compiled
     med = statistics.median(times)
     tok_s = batch * cfg.seq_len / med
-    tflops = tok_s * fpt / 1e12
+    tflops = tok_s * flops_per_token(cfg) / 1e12
     peak = peak_flops_per_device(args.peak_tflops)
     log(f"train step: batch {batch} x seq {cfg.seq_len} = {batch * cfg.seq_len} tokens; "
         f"median {med * 1e3:.2f} ms over {len(times)} steps (min {min(times) * 1e3:.2f}, "
@@ -254,36 +342,31 @@ def main(argv=None) -> int:
     log(f"tokens/s: {tok_s:.1f}")
     log(f"TFLOP/s: {tflops:.3f} (model FLOPs, 6N + attention)")
     if peak:
-        log(f"MFU: {100 * tflops * 1e12 / peak:.2f}% of {peak / 1e12:.0f} TFLOP/s bf16 dense peak")
+        log(f"MFU: {100 * tflops * 1e12 / peak:.2f}% of {peak / 1e12:.0f} TFLOP/s bf16 dense peak "
+            f"({100 * tflops * 1e12 / args.ceiling:.1f}% of the measured matmul rate)")
     else:
-        log(f"MFU: n/a (no published peak for {dev.device_kind}; pass --peak-tflops)")
+        log(f"MFU: n/a (no published peak for {jax.devices()[0].device_kind}; pass --peak-tflops)")
     if not all(math.isfinite(x) for x in losses):
         log("WARNING: non-finite loss")
+    return cfg, batch, {"med": med, "tok_s": tok_s, "tflops": tflops}
 
-    if not args.no_layers:
-        t1 = time.perf_counter()
-        prof = measure_layer_costs(cfg, microbatch=batch, repeats=args.layer_repeats, dots=False)
-        log(f"per-layer costs (measure_layer_costs, microbatch {batch}, median of "
-            f"{args.layer_repeats}; {time.perf_counter() - t1:.1f} s):")
-        parts = [("embed", prof.embed), ("layer", prof.layers[0]), ("head", prof.head)]
-        for name, c in parts:
-            log(f"  {name:5s} F {c.F * 1e3:9.3f} ms  B {c.B * 1e3:9.3f} ms  W {c.W * 1e3:9.3f} ms  "
-                f"BW {c.fused * 1e3:9.3f} ms  act {c.activation_bytes / 2**20:9.1f} MiB  "
-                f"params {c.param_bytes / 2**20:9.1f} MiB")
-        lay = prof.layers[0]
-        total = prof.embed.F + prof.embed.fused + prof.head.F + prof.head.fused \
-            + cfg.n_layers * (lay.F + lay.fused)
-        log(f"  sum F+BW over embed + {cfg.n_layers} layers + head: {total * 1e3:.2f} ms "
-            f"(train step {med * 1e3:.2f} ms; the rest is the optimizer and fusion differences)")
-        log(f"  residual bytes per layer: {prof.residual_bytes[0] / 2**20:.1f} MiB")
 
-    out = args.out or os.environ.get("OUT") or ("" if args.smoke else str(REPO / "benchmarks" / "results"))
-    if out:
-        path = Path(out) / f"{now:%Y-%m-%d}-{device_slug(dev)}-{dev.platform}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(log.lines) + "\n")
-        print(f"results written to {path}")
-    return 0
+def layer_costs(cfg: ModelConfig, batch: int, step_s: float, args, log: Log) -> None:
+    t1 = time.perf_counter()
+    prof = measure_layer_costs(cfg, microbatch=batch, repeats=args.layer_repeats, dots=False)
+    log(f"per-layer costs (measure_layer_costs, attention={cfg.attention}, microbatch {batch}, "
+        f"median of {args.layer_repeats}; {time.perf_counter() - t1:.1f} s):")
+    parts = [("embed", prof.embed), ("layer", prof.layers[0]), ("head", prof.head)]
+    for name, c in parts:
+        log(f"  {name:5s} F {c.F * 1e3:9.3f} ms  B {c.B * 1e3:9.3f} ms  W {c.W * 1e3:9.3f} ms  "
+            f"BW {c.fused * 1e3:9.3f} ms  act {c.activation_bytes / 2**20:9.1f} MiB  "
+            f"params {c.param_bytes / 2**20:9.1f} MiB")
+    lay = prof.layers[0]
+    total = prof.embed.F + prof.embed.fused + prof.head.F + prof.head.fused \
+        + cfg.n_layers * (lay.F + lay.fused)
+    log(f"  sum F+BW over embed + {cfg.n_layers} layers + head: {total * 1e3:.2f} ms "
+        f"(train step {step_s * 1e3:.2f} ms; the rest is the optimizer and fusion differences)")
+    log(f"  residual bytes per layer: {prof.residual_bytes[0] / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -83,13 +83,17 @@ class Attention(nnx.Module):
         self.out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), out_std, pd)
         self.out_bias = _zeros((d,), ("embed",), pd)
         self.dtype = DTYPES[cfg.dtype]
+        self.attention = cfg.attention
+
+    def _attend(self, q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
 
     def __call__(self, x):
         dt = self.dtype
         qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.qkv[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
         q, k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in qkv)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = self._attend(q, k, v)
         y = constrain(y, ("batch", "length", "heads", "kv"))
         return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(dt)) + self.out_bias[...].astype(dt)
 
@@ -103,7 +107,7 @@ class Attention(nnx.Module):
                                         ("batch", "length", None, "heads", "kv"))
         qkv = qkv + self.qkv_bias[...].astype(dt)
         q, k, v = (constrain(qkv[:, :, i], ("batch", "length", "heads", "kv")) for i in range(3))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = self._attend(q, k, v)
         y = constrain(y, ("batch", "length", "heads", "kv"))
         out = overlap.matmul_reduce_scatter("btnh,nhd->btd", y, self.out[...].astype(dt),
                                             ("batch", "length", "heads", "kv"), ("heads", "kv", "embed"))

@@ -104,7 +104,7 @@ class ElasticAttention(Attention):
         qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.qkv[...].astype(dt))
         qkv = qkv + self.qkv_bias[...].astype(dt)[:, None, None]
         q, k, v = (constrain(t, ("batch", "length", "heads", "kv")) for t in qkv)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = self._attend(q, k, v)
         if heads is not None:
             y = jnp.where(prefix_mask(heads, y.shape[2])[:, None], y, 0)
         y = constrain(y, ("batch", "length", "heads", "kv"))

@@ -119,22 +119,24 @@ def _prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | 
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"train.out_dir {str(out_dir)!r} exists and is not a directory")
     found = read_meta(ckpt_dir)
+    resume = cfg.train.resume  # True, False or "auto" (resume if there is a checkpoint)
     if found is None:
-        if cfg.train.resume:
+        if resume is True:
             partial = incomplete_steps(ckpt_dir)
             why = (f"only an incomplete checkpoint ({partial[0].name}, its save was interrupted)"
                    if partial else "no checkpoint")
             raise ConfigError(f"train.resume=true but train.out_dir {str(out_dir)!r} holds {why}; "
-                              f"nothing to resume: drop train.resume to start a new run there")
+                              f"nothing to resume: drop train.resume (or use train.resume=\"auto\") "
+                              f"to start a new run there")
         return out_dir, ckpt_dir, None, {}
     step, meta = found
     check_same_model(ckpt_dir, meta, fingerprint)
-    if not cfg.train.resume:
+    if not resume:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {step}; "
                           f"set train.resume=true to continue it or choose a new train.out_dir")
     if step >= cfg.train.steps:
-        raise ConfigError(f"train.resume=true: the newest checkpoint in {str(ckpt_dir)!r} is at step "
-                          f"{step}, and train.steps={cfg.train.steps}; nothing to resume: set "
+        raise ConfigError(f"train.resume={str(resume).lower()}: the newest checkpoint in {str(ckpt_dir)!r} "
+                          f"is at step {step}, and train.steps={cfg.train.steps}; nothing to resume: set "
                           f"train.steps above {step} to train further")
     return out_dir, ckpt_dir, step, meta
 

@@ -167,6 +167,11 @@ def check_step_config(cfg: Config, mesh) -> None:
             f"parallel subnet={mesh.shape['subnet']}: the train step does not use this axis (it "
             f"belongs to `mindpipe supernet` / mp.train_supernet); set it to 1")
     _check_moe(cfg, mesh)
+    # The tuner's space check passes a shape-only mesh stand-in.
+    platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else jax.default_backend()
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs; this mesh's devices are "
+                          f"{platform}: use model.attention=xla")
     if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
         raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
                           f"between pipeline stages; it needs parallel.pipe > 1")
