@@ -122,7 +122,7 @@ def _bad_cases(run_dir: Path, dense: Path, tmp: Path) -> dict[str, tuple[list[st
         "train into a run": (["supernet", *TINY, *SUPERNET, f"train.out_dir={run_dir}"],
                              "already holds checkpoints up to step 4"),
         "resume": (["supernet", *TINY, *SUPERNET, f"train.out_dir={tmp / 'new'}", "train.resume=true"],
-                   "cannot be resumed yet"),
+                   "nothing to resume"),
     }
 
 

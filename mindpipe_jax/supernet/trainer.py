@@ -18,10 +18,19 @@ with another space, is refused by name. ``search_checkpoint`` (``mindpipe
 search``) restores the parameters onto the current mesh, bit for bit, and runs
 the search there: the same top-k as the search at the end of training, on any
 device count.
+
+Resuming (``train.resume=true``, ``mindpipe supernet --resume``) works as for dense
+runs and with the dense loop's own helpers: the newest committed step is restored
+(state and the loader's position; the sampler needs only the step) and its
+checksums verified before anything is written, then training continues to
+``train.steps``: the parameters, and the search at the end, are bitwise those of an
+uninterrupted run on the same mesh. SIGTERM or a first Ctrl-C stops after the
+current step with a checkpoint (``SupernetResult.stopped``), as in ``train``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -51,7 +60,17 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.checkpoint import Checkpointer, committed_steps, read_meta, restore, verify_checksums
+from mindpipe_jax.train.checkpoint import (
+    Checkpointer,
+    committed_steps,
+    read_meta,
+    remove_incomplete,
+    restore,
+    verify_checksums,
+)
+from mindpipe_jax.train.loop import _prepare_out_dir as _dense_prepare_out_dir
+from mindpipe_jax.train.loop import _restore as _restore_verified
+from mindpipe_jax.train.loop import _StopSignals
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -70,6 +89,7 @@ class SupernetResult:
     mesh: Any
     spec: Any  # SupernetSpec: space, unit grid, merge(params) -> module
     out_dir: Path | None = None  # where the checkpoints went (checkpoint=True)
+    stopped: str | None = None  # "SIGTERM"/"SIGINT" when a signal ended the run early (no search)
 
     @property
     def space(self):
@@ -115,20 +135,35 @@ def fingerprint(spec: SupernetSpec) -> dict:
             "genes": {g.name: list(g.choices) for g in spec.space.genes}}
 
 
-def _prepare_out_dir(cfg: Config) -> tuple[Path, Path]:
-    """(out_dir, checkpoint dir): refuse a file, another run, or a resume, before anything is written."""
-    out_dir = Path(cfg.train.out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"train.out_dir {str(out_dir)!r} exists and is not a directory")
-    if cfg.train.resume:
-        raise ConfigError("train.resume=true: supernet runs cannot be resumed yet; drop train.resume "
-                          "and choose a new train.out_dir")
-    ckpt_dir = out_dir / "checkpoints"
-    found = read_meta(ckpt_dir)  # a foreign or unreadable directory is a ConfigError too
+def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int | None]:
+    """(out_dir, checkpoint dir, step to resume from or None), before anything is written.
+
+    The dense loop's rules (a file, a foreign directory, another model, a run without
+    ``train.resume``, nothing to resume, a finished run), after two of a supernet's
+    own: a dense run's checkpoint, or one of another supernet class, is refused by name.
+    """
+    found = read_meta(Path(cfg.train.out_dir).absolute() / "checkpoints")  # foreign/unreadable: ConfigError
     if found is not None:
-        raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {found[0]}; "
-                          f"choose a new train.out_dir")
-    return out_dir, ckpt_dir
+        step, meta = found
+        where = f"train.out_dir {str(Path(cfg.train.out_dir).absolute())!r}"
+        if meta.get("kind") != KIND:
+            raise ConfigError(f"{where} holds the checkpoint of a dense model (`mindpipe train`, step "
+                              f"{step}), not of a supernet; choose another train.out_dir")
+        ours = type(spec.module).__name__
+        if meta.get("model", ours) != ours:
+            raise ConfigError(f"{where} holds a checkpoint of the supernet {meta['model']}, not of {ours}; "
+                              f"pass the model that wrote it or choose another train.out_dir")
+    out_dir, ckpt_dir, step, _ = _dense_prepare_out_dir(cfg, fingerprint(spec))
+    return out_dir, ckpt_dir, step
+
+
+def _abstract_state(spec: SupernetSpec, create, mesh):
+    """The train state's shapes on ``mesh``'s shardings: what a checkpoint restores onto."""
+    abstract = jax.eval_shape(lambda: init_state(spec, create()))
+    return jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
+        state_shardings(mesh), abstract)
 
 
 def train_supernet(model=None, data=None, config: Config | None = None, *overrides: str,
@@ -142,8 +177,10 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     ``train.eval_batches``, ``optim.*``, ``parallel.subnet`` / ``parallel.data``
     and the ``supernet`` section. ``log``: a callable for progress lines (None: quiet).
     ``checkpoint``: save into ``train.out_dir`` (``train.checkpoint_every``,
-    ``train.keep_checkpoints``; a directory that already holds a run is refused), so
-    that ``search_checkpoint`` / ``mindpipe search`` can search it later.
+    ``train.keep_checkpoints``; a directory that already holds a run is refused unless
+    ``train.resume`` continues it), so that ``search_checkpoint`` / ``mindpipe search``
+    can search it later. With ``checkpoint``, SIGTERM or a first Ctrl-C stops after the
+    current step with a checkpoint and returns with ``stopped`` set (no search).
     """
     cfg = config or Config()
     if overrides:
@@ -151,6 +188,9 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     if cfg.parallel.tensor == 0:
         cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
     sn, tr = cfg.supernet, cfg.train
+    if tr.resume and not checkpoint:
+        raise ConfigError(f"train.resume={_show(tr.resume)} needs checkpoints: call "
+                          f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
     setup_runtime(cfg.parallel, cfg.distributed)
     mesh = make_mesh(cfg.parallel)
     check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
@@ -159,17 +199,29 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     spec, create = supernet_spec(factory, tr.seed)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
     splits = _resolve_data(data, cfg)
-    out_dir = ckpt_dir = None
+    out_dir = ckpt_dir = resume_step = None
     if checkpoint:
-        out_dir, ckpt_dir = _prepare_out_dir(cfg)
+        out_dir, ckpt_dir, resume_step = _prepare_out_dir(cfg, spec)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")
+    if resume_step is not None:
+        # Read completely (checksums verified, the loader's position checked against this
+        # run's data) before anything is written; the sampler needs only the step.
+        try:
+            target = _abstract_state(spec, create, mesh)
+            state, data_state, _ = _restore_verified(ckpt_dir, resume_step, target)
+            loader.set_state(data_state)
+        except BaseException:
+            loader.close()
+            raise
     rows = NamedSharding(mesh, P("data"))
     step_fn = jit_step(make_spara_step(
         spec, mesh, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
         vmap_width=sn.vmap_width, virtual_shards=tr.virtual_shards, global_batch=tr.global_batch,
         optim=cfg.optim, total_steps=tr.steps), mesh)
-    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
+    if resume_step is None:
+        state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
+    start = int(np.asarray(jax.device_get(state["step"].addressable_data(0))))
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     round_slots = mesh.shape["subnet"] * sn.vmap_width
     # Ahead-of-time compile, so that step times are step times.
@@ -179,48 +231,66 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     step_fn = step_fn.lower(state, plan0, {"inputs": tokens, "targets": tokens}).compile()
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
         f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh subnet="
-        f"{mesh.shape['subnet']} x data={mesh.shape['data']} | compiled in {time.perf_counter() - t0:.1f}s")
+        f"{mesh.shape['subnet']} x data={mesh.shape['data']} | compiled in {time.perf_counter() - t0:.1f}s"
+        + (f" | resuming at step {start}" if start else ""))
     history: list[dict] = []
     t_last, waves_sum, since = time.perf_counter(), 0, 0
     # From here on files may be written: every user mistake has been caught above.
-    ckpt = None
+    ckpt, stopped = None, None
     if checkpoint:
         if jax.process_index() == 0:
+            removed = remove_incomplete(ckpt_dir)
+            if removed:
+                say(f"removed what interrupted saves left in {ckpt_dir}: {', '.join(removed)}")
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("mindpipe: supernet checkpoint dir ready")
         ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
         meta = {"kind": KIND, "config": cfg.to_dict(), "fingerprint": fingerprint(spec),
                 "model": type(spec.module).__name__}
+    # Signals stop the loop only where a checkpoint keeps its work.
+    signals = _StopSignals(jax.process_count() > 1) if ckpt is not None else contextlib.nullcontext()
     try:
-        for step in range(tr.steps):
-            plan = plan_step(spec, sampler(step), sn.semantics, round_slots)
-            batch = {k: _global_array(v, rows) for k, v in next(loader).items()}
-            state, metrics = step_fn(state, plan.arrays(), batch)
-            waves_sum, since = waves_sum + plan.num_waves, since + 1
-            if (step + 1) % tr.log_every == 0 or step + 1 == tr.steps:
-                values = jax.device_get(metrics)  # the only host sync of the interval
-                now = time.perf_counter()
-                losses = values["loss"]
-                record = {"step": step + 1, "loss": float(np.mean(losses)), "loss_min": float(np.min(losses)),
-                          "loss_max": float(np.max(losses)), "lr": float(values["lr"]),
-                          "waves": waves_sum / since, "step_time_s": (now - t_last) / since}
-                history.append(record)
-                say(f"step {step + 1:>5} | loss {record['loss']:.4f} (subnets {record['loss_min']:.3f}.."
-                    f"{record['loss_max']:.3f}) | waves {record['waves']:.2f} | "
-                    f"{record['step_time_s']:.3f} s/step")
-                t_last, waves_sum, since = now, 0, 0
-            if ckpt is not None and (step + 1 == tr.steps or (
-                    tr.checkpoint_every and (step + 1) % tr.checkpoint_every == 0)):
-                ckpt.save(step + 1, state, loader.get_state(), meta, force=True)
+        with signals:
+            for step in range(start, tr.steps):
+                plan = plan_step(spec, sampler(step), sn.semantics, round_slots)
+                batch = {k: _global_array(v, rows) for k, v in next(loader).items()}
+                state, metrics = step_fn(state, plan.arrays(), batch)
+                waves_sum, since, done = waves_sum + plan.num_waves, since + 1, step + 1
+                stop = signals.reached(done) if ckpt is not None else None
+                if done % tr.log_every == 0 or done == tr.steps:
+                    values = jax.device_get(metrics)  # the only host sync of the interval
+                    now = time.perf_counter()
+                    losses = values["loss"]
+                    record = {"step": done, "loss": float(np.mean(losses)), "loss_min": float(np.min(losses)),
+                              "loss_max": float(np.max(losses)), "lr": float(values["lr"]),
+                              "waves": waves_sum / since, "step_time_s": (now - t_last) / since}
+                    history.append(record)
+                    say(f"step {done:>5} | loss {record['loss']:.4f} (subnets {record['loss_min']:.3f}.."
+                        f"{record['loss_max']:.3f}) | waves {record['waves']:.2f} | "
+                        f"{record['step_time_s']:.3f} s/step")
+                    t_last, waves_sum, since = now, 0, 0
+                if ckpt is not None and (stop or done == tr.steps or (
+                        tr.checkpoint_every and done % tr.checkpoint_every == 0)):
+                    ckpt.save(done, state, loader.get_state(), {**meta, "step": done}, force=True)
+                if stop and done < tr.steps:
+                    ckpt.wait()
+                    stopped = stop
+                    say(f"stopped by {stop} after step {done} of {tr.steps}: checkpoint saved in "
+                        f"{ckpt_dir / str(done)}; continue with train.resume=true "
+                        f"(mindpipe supernet ... --resume)")
+                    break
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the save in flight: an error never leaves half a step
         loader.close()
     result = None
-    if search:
+    if search and stopped is None:
         result = search_subnets(spec, state["params"], splits, cfg, mesh)
         say("search (validation loss with inherited weights):\n" + result.table())
-    if checkpoint:
+    if checkpoint and stopped is None:
         if result is not None and jax.process_index() == 0:
             # The search's result beside the checkpoint it was made from (floats as JSON
             # keeps them exactly): what a later `mindpipe search` of that step reproduces.
@@ -228,7 +298,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
                 {"step": tr.steps, "top": result.top, "evaluated": result.evaluated,
                  "best_per_generation": result.best_per_generation}, indent=1))
         say(f"checkpoints: {ckpt_dir} (search them again with: mindpipe search {out_dir})")
-    return SupernetResult(state, history, result, cfg, mesh, spec, out_dir)
+    return SupernetResult(state, history, result, cfg, mesh, spec, out_dir, stopped)
 
 
 def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> SearchResult:
@@ -337,12 +407,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
                           f"{type(spec.module).__name__} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
-    shardings = state_shardings(mesh)
-    abstract = jax.eval_shape(lambda: init_state(spec, create()))
-    target = jax.tree.map(
-        lambda sharding, sub: jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
-        shardings, abstract)
+    target = _abstract_state(spec, create, mesh)
     where = str(ckpt_dir / str(step))
     try:
         state, _, saved_meta = restore(ckpt_dir, step, target)

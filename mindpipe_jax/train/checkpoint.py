@@ -211,9 +211,14 @@ def check_same_model(directory, meta: dict, fingerprint: dict) -> None:
                           f"use a new train.out_dir or the model config that wrote it")
 
 
-def _first_difference(theirs: dict, ours: dict) -> str:
+def _first_difference(theirs: dict, ours: dict, prefix: str = "") -> str:
+    """The first differing entry; nested tables (a supernet's params and genes) are
+    entered, so the line names one leaf rather than printing a whole table."""
     for key in sorted(set(theirs) | set(ours)):
         a, b = theirs.get(key), ours.get(key)
-        if a != b:
-            return f"{key}: checkpoint {a}, model {b}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            if a != b:
+                return _first_difference(a, b, f"{prefix}{key}.")
+        elif a != b:
+            return f"{prefix}{key}: checkpoint {a}, model {b}"
     return "same"
