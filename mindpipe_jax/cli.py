@@ -322,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
             parallel.subnet device groups and each subnet's batch over parallel.data.
             The parameters are bitwise identical for any such split of the devices.
             Checkpoints go to train.out_dir (every train.checkpoint_every steps and at
-            the end; a directory that already holds a run is refused). Then run the
+            the end; a directory that already holds a run is refused unless --resume
+            continues it, to the same bits as an uninterrupted run). SIGTERM or Ctrl-C
+            stops after the current step with a checkpoint. Then run the
             evolutionary search on the validation split and print the best subnets with
             their validation loss and parameter count; `mindpipe search` repeats it
             later from the checkpoint."""),
@@ -331,8 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
               mindpipe supernet parallel.subnet=4 parallel.data=2 train.steps=100
               mindpipe supernet supernet.semantics=causal supernet.search_max_params=500000
               mindpipe supernet train.out_dir=runs/super && mindpipe search runs/super
+              mindpipe supernet train.out_dir=runs/super train.steps=200 --resume
             """) + "\n" + "\n".join([_OVERRIDES_HELP, _sections_help(), _ERRORS]))
     _add_config_args(p_supernet)
+    p_supernet.add_argument("--resume", action="store_true",
+                            help="continue the supernet run in train.out_dir from its newest complete "
+                                 "checkpoint (the same as train.resume=true)")
     p_supernet.set_defaults(func=_cmd_supernet, parser=p_supernet)
 
     p_search = sub.add_parser(
@@ -518,13 +524,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_supernet(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
+    cfg = load_config(args.config, overrides)
     from mindpipe_jax.supernet import train_supernet  # runs setup_runtime before any other JAX operation
 
     result = train_supernet(config=cfg, checkpoint=True)  # prints progress and the search table
 
     import jax
 
+    if result.stopped is not None:
+        return 0  # stopped by a signal: the loop said where it saved
     best = result.search.top[0] if result.search and result.search.top else None
     if best is not None and jax.process_index() == 0:
         print(f"done: {cfg.train.steps} steps | best subnet {best['subnet']} ({best['arch']}) | "
