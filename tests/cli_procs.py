@@ -5,7 +5,8 @@ programs are compiled again and again otherwise), and a background reader that
 collects each child's output so a test can act when it reaches a given step.
 
 Every wait is bounded; on a timeout the child is killed (only that child) and
-the test fails with the end of its output.
+the test fails with the end of its output. ``command="supernet"`` runs ``mindpipe
+supernet`` the same way (its step lines pad the step number: ``step     3 |``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_STEP_LINE = re.compile(r"^step (\d+) \|")
+_STEP_LINE = re.compile(r"^step +(\d+) \|")
 
 
 def cli_env(cache_dir: Path | None = None, **extra: str) -> dict[str, str]:
@@ -39,11 +40,11 @@ def cli_env(cache_dir: Path | None = None, **extra: str) -> dict[str, str]:
 
 
 class Train:
-    """One ``mindpipe train`` child; its stdout and stderr are read line by line."""
+    """One ``mindpipe train`` (or ``command``) child; its stdout and stderr are read line by line."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str], cwd: Path):
+    def __init__(self, args: list[str], *, env: dict[str, str], cwd: Path, command: str = "train"):
         self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", "mindpipe_jax", "train", *args], cwd=cwd,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mindpipe_jax", command, *args], cwd=cwd,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
         self.lines: list[str] = []
@@ -102,8 +103,9 @@ class Train:
         self._reader.join(timeout=10)
 
 
-def run_train(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float = 240) -> tuple[int, str]:
-    """Run one ``mindpipe train`` to the end: (exit status, output)."""
-    child = Train(args, env=env, cwd=cwd)
+def run_train(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float = 240,
+              command: str = "train") -> tuple[int, str]:
+    """Run one ``mindpipe train`` (or ``command``) to the end: (exit status, output)."""
+    child = Train(args, env=env, cwd=cwd, command=command)
     rc = child.wait(timeout)
     return rc, child.output
