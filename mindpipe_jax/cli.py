@@ -201,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
             train.eval_every steps and checkpoint into train.out_dir. Every check
             (keys, types, mesh against the devices, batch divisibility, data path,
             an existing run in train.out_dir) happens before any file is written.
-            Continue a run with train.resume=true (or --resume). SIGTERM or Ctrl-C
-            stops after the current step with a checkpoint."""),
+            Continue a run with train.resume=true (or --resume); train.resume=auto
+            continues when there is a checkpoint and starts fresh when there is none
+            (a job script that is requeued). SIGTERM or Ctrl-C stops after the current
+            step with a checkpoint."""),
         epilog="\n".join([_OVERRIDES_HELP, _sections_help(), _EXAMPLES, _ERRORS]))
     _add_config_args(p_train)
     p_train.add_argument("--resume", action="store_true",

@@ -330,7 +330,9 @@ class TunerConfig:
     ``lr_scaling``: how the learning rate follows the batch (tuner/noise.py):
     ``adascale`` = (B/b0) x efficiency(B), ``sqrt`` = sqrt(B/b0), ``linear`` = B/b0,
     ``none`` = 1. ``ema`` smooths the noise estimate per step; ``warmup`` steps pass
-    before the first decision.
+    before the first decision. ``amortize``: a switch must also pay back its
+    recompile (the last compile time) within the remaining ``train.steps``; false
+    switches on the predicted gain alone (demos, tests of switching).
     """
 
     enabled: bool = False
@@ -344,6 +346,7 @@ class TunerConfig:
     ema: float = 0.9
     meshes: bool = False
     warmup: int = 50
+    amortize: bool = True
 
     def __post_init__(self):
         _positive("tuner", every=self.every)

@@ -89,6 +89,50 @@ def test_decision_maximizes_entropyput_and_respects_threshold():
     assert quiet.decide(10) is None
 
 
+def test_a_switch_must_pay_back_its_compile_before_the_run_ends():
+    cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
+                              "tuner.enabled=true", "tuner.every=10", "tuner.warmup=10", "train.steps=300",
+                              "tuner.batch_sizes=[16, 32, 64, 128]")
+    cur = Candidate(data=8, global_batch=16)
+
+    def tuner_with(compile_s):
+        model = MeasuredThroughput()
+        for c in [dataclasses.replace(cur, global_batch=b) for b in (16, 32, 64, 128)]:
+            model.observe(c, 1.0 + 0.01 * c.global_batch)
+        tuner = OnlineTuner(cfg, cur, 8, step_model=model)
+        tuner.restart(0, compile_s)
+        _feed(tuner, b_noise=100.0, steps=20, b_small=8, b_big=16)
+        return tuner
+
+    d = tuner_with(0.0).decide(10)
+    assert d is not None and d.gain > 0.5
+    # 290 steps left at 1.16 s: the switch saves remaining x gain / (1 + gain) seconds.
+    saves = 290 * 1.16 * d.gain / (1 + d.gain)
+    assert f"saves ~{saves:.1f} s of the remaining {290 * 1.16:.1f} s" in d.reason
+    paid = tuner_with(0.99 * saves).decide(10)
+    assert paid is not None and paid.after == d.after and paid.gain == d.gain
+    assert tuner_with(1.01 * saves).decide(10) is None  # a compile that long never pays back
+    # A compile that pays back with 290 steps left does not with 10 left.
+    assert tuner_with(0.5 * saves).decide(10) is not None
+    assert tuner_with(0.5 * saves).decide(290) is None
+
+
+def test_decisions_trust_measurements_and_anchor_the_model_to_them():
+    cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
+                              "tuner.enabled=true", "tuner.batch_sizes=[16, 32]")
+    b16, b32 = Candidate(data=8, global_batch=16), Candidate(data=8, global_batch=32)
+    # A model that is 2x optimistic about everything and thinks B32 is as fast as B16.
+    model = PreferStub(lambda c: True)
+    tuner = OnlineTuner(cfg, b16, 8, step_model=model)
+    assert tuner.step_time(b32) == 0.5  # nothing measured: the model as it is
+    tuner.observe([], 1.0, 5)  # B16 measured at 1.0 s (the model said 0.5)
+    assert tuner.step_time(b16) == 1.0 and tuner.step_time(b32) == pytest.approx(1.0)  # 0.5 x 1.0 / 0.5
+    # Once B32 has run, its measurement counts, whatever the model says.
+    tuner.current = b32
+    tuner.observe([], 3.0, 6)
+    assert tuner.step_time(b32) == 3.0 and tuner.step_time(b16) == 1.0
+
+
 def test_without_noise_estimate_only_the_current_batch_is_compared():
     cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
                               "parallel.microbatches=2", "tuner.enabled=true", "tuner.meshes=true",
@@ -176,7 +220,7 @@ def test_step_after_mesh_switch_matches_a_fresh_run_on_the_new_mesh(tmp_path):
     stub = PreferStub(lambda c: (c.data, c.tensor, c.fsdp) == (4, 2, 1))
     tuned = mp.train(None, None, mp.Config(), *common, "parallel.data=8", "parallel.tensor=1",
                      f"train.out_dir={tmp_path / 'tuned'}", "tuner.enabled=true", "tuner.meshes=true",
-                     "tuner.every=2", "tuner.warmup=2", step_model=stub)
+                     "tuner.every=2", "tuner.warmup=2", "tuner.amortize=false", step_model=stub)
     switched = [h["tuner"] for h in tuned.history if "tuner" in h]
     assert [(s["step"], s["from"].split(" | ")[0], s["to"].split(" | ")[0]) for s in switched] == \
         [(2, "d8", "d4 t2")]
@@ -194,8 +238,9 @@ def test_step_after_mesh_switch_matches_a_fresh_run_on_the_new_mesh(tmp_path):
 
 
 BATCH_SWITCH = (*TINY, "train.steps=10", "train.grad_accum=2", "train.log_every=2",
-                "train.checkpoint_every=6", "tuner.enabled=true", "tuner.every=4", "tuner.warmup=4",
-                "tuner.ema=0.5", "tuner.batch_sizes=[16, 32]", "parallel.data=4", "parallel.tensor=2")
+                "train.checkpoint_every=6", "tuner.enabled=true", "tuner.every=5", "tuner.warmup=4",
+                "tuner.ema=0.5", "tuner.batch_sizes=[16, 32]", "parallel.data=4", "parallel.tensor=2",
+                "tuner.amortize=false")
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +254,10 @@ def batch_switch_run(tmp_path_factory):
 def test_tuner_switches_batch_end_to_end(batch_switch_run, capsys):
     result = batch_switch_run
     decisions = [h for h in result.history if "tuner" in h]
-    assert len(decisions) == 1 and decisions[0]["step"] == 4
+    # One decision point (step 5; step 10 ends the run): once both batches have run, the
+    # tuner would trust their measured times over the stub, and this machine's timing
+    # would decide.
+    assert len(decisions) == 1 and decisions[0]["step"] == 5
     d = decisions[0]["tuner"]
     assert d["from"].endswith("B16") and d["to"].endswith("B32") and d["b_noise"] > 0
     assert d["lr_gain"] == pytest.approx(2 * efficiency(32, d["b_noise"], 16))  # AdaScale
@@ -219,9 +267,10 @@ def test_tuner_switches_batch_end_to_end(batch_switch_run, capsys):
     assert after and all(h["batch"] == 32 and h["tuner/batch"] == 32 and h["micro_batch"] == 16
                          and h["tuner/lr_gain"] == d["lr_gain"] for h in after)
     assert result.config.train.global_batch == 32 and result.step == 10
-    # The loader went on with batches of 32: 4 x 16 samples = batch 2 of 32, then 6 more.
+    # The loader went on with batches of 32: 5 x 16 samples = 2.5 batches of 32, so it
+    # continues at batch 2 (a half batch is seen again), then 5 more.
     data = json.loads((result.checkpoint_dir / "10" / "data" / "metadata").read_text())
-    assert (data["global_batch"], data["step"]) == (32, 8)
+    assert (data["global_batch"], data["step"]) == (32, 7)
     meta = json.loads((result.checkpoint_dir / "10" / "meta" / "metadata").read_text())
     assert meta["tuner"]["candidate"]["global_batch"] == 32 and meta["tuner"]["lr_gain"] == d["lr_gain"]
     written = [json.loads(x) for x in (result.out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -232,7 +281,7 @@ def test_resume_after_a_switch_continues_with_the_switched_config(batch_switch_r
     full = batch_switch_run
     out = tmp_path / "run"
     shutil.copytree(full.out_dir, out)
-    shutil.rmtree(out / "checkpoints" / "10")  # resume from step 6, after the switch at step 4
+    shutil.rmtree(out / "checkpoints" / "10")  # resume from step 6, after the switch at step 5
     resumed = mp.train(None, None, mp.Config(), *BATCH_SWITCH, f"train.out_dir={out}",
                        "train.resume=true", step_model=PreferStub(lambda c: c.global_batch == 32))
     assert resumed.config.train.global_batch == 32 and resumed.step == 10

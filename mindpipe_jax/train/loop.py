@@ -403,7 +403,7 @@ class _Run:
         say(f"mesh {dict(layout.mesh.shape)} | {len(jax.devices())} devices | compiled step in "
             f"{compile_s:.1f}s" + (f" | resuming at step {start}" if start else ""))
         if tuner is not None:
-            tuner.restart(start)
+            tuner.restart(start, compile_s)
             if tuner.note:
                 say(tuner.note)
         # Metrics of the steps not yet seen on the host: fetched together (one sync)
@@ -452,7 +452,7 @@ class _Run:
                         step_fn, compile_s = layout.compile()
                         eval_fn = layout.eval_fn(self.feed)
                     self.layout = layout
-                    tuner.accept(decision, layout.cfg)
+                    tuner.accept(decision, layout.cfg, compile_s)
                     self.meta["config"] = layout.cfg.to_dict()
                     record.update({"tuner": decision.to_dict(), **tuner.metrics()})
                     say(f"{decision.line()} | compiled in {compile_s:.1f}s")

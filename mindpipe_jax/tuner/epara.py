@@ -15,6 +15,14 @@ Step times come from a pluggable ``StepModel``: anything with
 tuner/costmodel.py's ``CostModel``. The default, ``MeasuredThroughput``, knows only
 what this run measured.
 
+Two guards keep a model's errors from costing the run (on this project's CPU
+benchmark a cost model that over-predicted a batch sent the job 8 -> 16 -> 32 -> 8,
+three recompiles for nothing): a candidate this run has measured is judged by its
+measured time, and an unmeasured one by the model's time *relative* to the current
+candidate, scaled by the current candidate's measured time, so the model's absolute
+error cancels. And a switch must pay for itself: the time it saves over the
+remaining steps, at the predicted gain, must exceed what the last compile took.
+
 Without a noise estimate (pipelines, a single microbatch, or too few steps yet)
 the efficiency of another batch size is unknown, so only candidates with the
 current batch are compared (their efficiency is equal).
@@ -165,6 +173,8 @@ class OnlineTuner:
         self.candidates = self._candidates()
         self.note = self._noise_note()
         self._discard_until = -1  # time of the first step after a (re)compile is not representative
+        self.switch_cost_s = 0.0  # what a switch costs: the last compile time the loop reported
+        self._times: dict[Candidate, list[float]] = {}  # this run's step times per candidate
 
     # -- what is compared ------------------------------------------------------
     def _candidates(self) -> list[Candidate]:
@@ -194,9 +204,12 @@ class OnlineTuner:
                 f"batch {self.current.global_batch} are compared")
 
     # -- measurements --------------------------------------------------------
-    def restart(self, step: int) -> None:
-        """A new step program runs from ``step``: discard the time of its first step."""
+    def restart(self, step: int, compile_s: float | None = None) -> None:
+        """A new step program runs from ``step``: discard the time of its first step.
+        ``compile_s``: what compiling it took, the price of the next switch."""
         self._discard_until = step + 1
+        if compile_s is not None and math.isfinite(compile_s) and compile_s >= 0:
+            self.switch_cost_s = float(compile_s)
 
     def fetch_due(self, step: int) -> bool:
         return step == self._discard_until or self.due(step)
@@ -213,6 +226,24 @@ class OnlineTuner:
         discard = last_step - len(metrics) < self._discard_until <= last_step
         if seconds_per_step is not None and not discard:
             self.model.observe(self.current, seconds_per_step)
+            if math.isfinite(seconds_per_step) and seconds_per_step > 0:
+                times = self._times.setdefault(self.current, [])
+                times.append(seconds_per_step)
+                del times[:-8]
+
+    def step_time(self, c: Candidate) -> float:
+        """``c``'s step time as decisions see it: measured in this run if it was, else the
+        step model's prediction relative to the current candidate's, times the current
+        candidate's measured time (the model's absolute error cancels)."""
+        if seen := self._times.get(c):
+            return statistics.median(seen)
+        predicted = self.model.step_time(c)
+        here = self._times.get(self.current)
+        if here and predicted > 0:
+            model_here = self.model.step_time(self.current)
+            if model_here > 0 and math.isfinite(model_here):
+                return predicted * statistics.median(here) / model_here
+        return predicted
 
     @property
     def b_noise(self) -> float | None:
@@ -234,41 +265,50 @@ class OnlineTuner:
         if not self.due(step):
             return None
         bn = self.b_noise
-        now = self.model.step_time(self.current)
+        now = self.step_time(self.current)
         best, best_e = None, math.nan
         if now > 0:
             best_e = now_e = self._entropyput(self.current, now, bn)
             for c in self.candidates:
                 if c == self.current or (bn is None and c.global_batch != self.current.global_batch):
                     continue
-                t = self.model.step_time(c)
+                t = self.step_time(c)
                 if t > 0 and (e := self._entropyput(c, t, bn)) > best_e:
                     best, best_e, best_t = c, e, t
-        index = self.candidates.index(best) if best is not None else -1
         gain = best_e / now_e - 1 if best is not None else 0.0
+        # Reaching the same progress at 1 + gain the rate saves remaining x gain / (1 + gain).
+        remaining = max(self.cfg.train.steps - step, 0) * now if now > 0 else 0.0
+        saves = remaining * gain / (1 + gain) if best is not None else 0.0
+        if best is not None and self.cfg.tuner.amortize and saves <= self.switch_cost_s:
+            best = None  # it would not pay back the recompile before the run ends
+        index = self.candidates.index(best) if best is not None else -1
         if jax.process_count() > 1:  # every process must make process 0's choice
             from jax.experimental import multihost_utils
             index, gain = multihost_utils.broadcast_one_to_all(np.asarray([index, gain], np.float32))
             index, gain = int(index), float(gain)
             best = self.candidates[index] if index >= 0 else None
-            best_t = self.model.step_time(best) if best is not None else math.nan
+            best_t = self.step_time(best) if best is not None else math.nan
+            saves = max(self.cfg.train.steps - step, 0) * now * gain / (1 + gain)
         if best is None or not gain > self.cfg.tuner.threshold:
             return None
         eff = (lambda c: efficiency(c.global_batch, bn, self.b0)) if bn is not None else (lambda c: 1.0)
         reason = (f"predicted {best.global_batch / best_t:,.1f} samples/s x efficiency {eff(best):.3f} vs "
-                  f"{self.current.global_batch / now:,.1f} x {eff(self.current):.3f} now")
+                  f"{self.current.global_batch / now:,.1f} x {eff(self.current):.3f} now; saves "
+                  f"~{saves:.1f} s of the remaining {remaining:.1f} s against ~{self.switch_cost_s:.1f} s "
+                  f"to switch")
         rule = self.cfg.tuner.lr_scaling
         # Without a noise estimate only the mesh can change (same batch): AdaScale keeps its gain.
         new_gain = self.lr_gain if bn is None and rule == "adascale" else lr_gain(
             rule, best.global_batch, self.b0, bn)
         return Decision(step, self.current, best, gain, bn, new_gain, reason)
 
-    def accept(self, decision: Decision, cfg: Config) -> None:
-        """The loop switched to ``decision.after``; ``cfg`` is the run's new config."""
+    def accept(self, decision: Decision, cfg: Config, compile_s: float | None = None) -> None:
+        """The loop switched to ``decision.after`` (compiling it took ``compile_s``);
+        ``cfg`` is the run's new config."""
         self.cfg, self.current, self.lr_gain = cfg, decision.after, decision.lr_gain
         self.decisions += 1
         self.note = self._noise_note()
-        self.restart(decision.step)
+        self.restart(decision.step, compile_s)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps so ``train.resume=true`` continues as tuned (JSON)."""
