@@ -15,7 +15,7 @@ from mindpipe_jax.cli import main
 from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh
-from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline import get_schedule, partmem
 from mindpipe_jax.parallel.pipeline import partition as partition_mod
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
 from mindpipe_jax.parallel.pipeline.partition import (
@@ -338,8 +338,8 @@ def test_measured_memory_decides_the_fit():
 
     def measure(remat, counts):
         calls.append((remat, counts))
-        return 1.6 * partition_mod._spmd_memory(
-            partition_mod._Model(prof, 4, False), get_schedule("1f1b", 4, 8),
+        return 1.6 * partmem.spmd_memory(
+            partmem.StageModel(prof, 4, False), get_schedule("1f1b", 4, 8),
             [range(sum(counts[:g]), sum(counts[:g + 1])) for g in range(4)], list(remat), PARAM_COPIES)[0]
 
     by_model = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=budget)

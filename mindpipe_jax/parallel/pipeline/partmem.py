@@ -1,0 +1,271 @@
+"""The partitioner's stage and memory model: a global stage's time and bytes under
+each remat policy (``StageModel``), a device's peak of in-flight microbatches
+(``device_peak``), the fastest per-device remat that fits a budget
+(``choose_remat``) and the SPMD runtime's buffers (``spmd_memory``,
+``fit_spmd_budget``).
+
+The memory model, per device ``s`` (all bytes, per device)::
+
+    params_state = param_copies x params of its layers (+ embed on stage 0, + head
+                   on the last; weights, gradients and Adam's two moments: 4 copies)
+    in_flight    = k_s x per_microbatch  (k_s = the schedule's peak number of
+                   microbatches forwarded whose last backward task has not run:
+                   Schedule.peak_in_flight(), which is peak_live_activations() for
+                   every schedule without a B/W split; under ZB-H1 a microbatch's
+                   residuals stay until its deferred W)
+    per_microbatch: remat "none": stage input + the stage's forward residuals
+                    remat "full": stage input only
+                    remat "dots": stage input + the matmul outputs kept by
+                                  ``dots_with_no_batch_dims_saveable``
+                    the last stage keeps only its input whatever the policy (its
+                    forward runs inside its backward): "none" rebuilds all its
+                    residuals there (transient), the others its "dots" share
+    transient    = what a recomputing backward rebuilds while it runs: the runtime
+                   differentiates every re-run forward with the "dots" checkpoint per
+                   layer, so one layer's residuals that "dots" does not keep, plus,
+                   under "full", the stage's kept matmul outputs
+
+and remat adds its recompute to the stage's backward: "full" re-runs the stage's
+forward (+F, + the "dots" recompute when the profile has it), "dots" the measured
+difference between the policy's backward and the plain one. With ``v > 1`` a
+device's peak is found by walking its task list with each chunk's own
+per-microbatch size.
+
+The SPMD runtime runs one program on every device, so each policy's residual
+buffer is as deep as the deepest stage using it needs. ``plan.spmd_memory_bytes``
+is that figure, from the runtime's own slot plan (``tickplan.make_plan``); when a
+budget is given, the plan is also made to fit it: while the SPMD figure is over,
+the stage that sets the biggest buffer's depth moves to the next policy that
+keeps less (none -> dots -> full). Embed and head parameters are modelled on the
+devices that use them (as an MPMD runtime would hold them); the SPMD runtime
+replicates them, which the SPMD figure counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.profile import ProfiledModel
+from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
+
+REMAT_POLICIES = ("none", "dots", "full")
+PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
+MB = float(2 ** 20)  # what the plan's table and the messages call a megabyte
+
+
+class StageModel:
+    """Prefix sums over the profile, and one stage's figures for a remat policy."""
+
+    def __init__(self, prof: ProfiledModel, G: int, split: bool):
+        self.prof, self.G, self.split = prof, G, split
+        L = prof.num_layers
+        self.L = L
+
+        def prefix(values):
+            out = [0.0]
+            for x in values:
+                out.append(out[-1] + x)
+            return out
+
+        ls = prof.layers
+        self.F = prefix(x.F for x in ls)
+        self.back = prefix((x.B + x.W) if split else x.fused for x in ls)
+        self.params = prefix(x.param_bytes for x in ls)
+        self.res = prefix(prof.residual_bytes)
+        self.dres = prefix(prof.dots_residual_bytes or (0.0,) * L)
+        # What a per-layer "dots" checkpoint rebuilds of each layer in its backward.
+        self.rest = [r - d for r, d in zip(prof.residual_bytes, prof.dots_residual_bytes or
+                                           prof.residual_bytes, strict=True)]
+        self.drec = prefix(prof.dots_recompute_s or (0.0,) * L)
+        self.act_in = [prof.embed.activation_bytes] + [x.activation_bytes for x in ls]  # input of layer i
+
+    def _sum(self, arr, i, j):
+        return arr[j] - arr[i]
+
+    def stage(self, g: int, i: int, j: int, policy: str) -> dict[str, float]:
+        """Figures of global stage ``g`` holding layers ``[i, j)`` under ``policy``."""
+        prof, first, last = self.prof, g == 0, g == self.G - 1
+        e, h = prof.embed, prof.head
+        fwd = self._sum(self.F, i, j) + first * e.F + last * h.F
+        eb = (e.B + e.W) if self.split else e.fused
+        hb = (h.B + h.W) if self.split else h.fused
+        back = self._sum(self.back, i, j) + first * eb + last * hb
+        res = self._sum(self.res, i, j) + first * prof.embed_residual_bytes + last * prof.head_residual_bytes
+        act = self.act_in[i]
+        kept = self._sum(self.dres, i, j) if prof.has_dots else res
+        one_layer = max(self.rest[i:j], default=0.0)
+        if last:  # its forward runs inside its backward: it keeps its input, recomputes no F
+            if policy == "none":
+                recompute, per_mb, transient = 0.0, act, res
+            else:
+                recompute, per_mb, transient = self._sum(self.drec, i, j), act, kept + one_layer
+        elif policy == "none":
+            recompute, per_mb, transient = 0.0, act + res, 0.0
+        elif policy == "full":   # re-run the stage's forward (embed included) under "dots"
+            recompute = self._sum(self.F, i, j) + first * e.F + self._sum(self.drec, i, j)
+            per_mb, transient = act, kept + one_layer
+        else:                    # dots: matmul outputs kept, the rest recomputed layer by layer
+            recompute = self._sum(self.drec, i, j)
+            per_mb, transient = act + kept + first * prof.embed_residual_bytes \
+                + last * prof.head_residual_bytes, one_layer
+        params = self._sum(self.params, i, j) + first * e.param_bytes + last * h.param_bytes
+        return {"F": fwd, "back": back, "recompute": recompute, "time": fwd + back + recompute,
+                "params": params, "per_mb": per_mb, "transient": transient}
+
+
+def device_peak(schedule: Schedule, s: int, per_mb_by_chunk: Sequence[float]) -> float:
+    """Peak in-flight bytes on device ``s``: +per_mb[c] at a chunk's F, - at its last
+    backward task (BW, or W when the schedule splits the backward)."""
+    level = peak = 0.0
+    for _, task in schedule.tasks_of(s):
+        if task.kind is Kind.F:
+            level += per_mb_by_chunk[task.chunk]
+        elif task.kind in (Kind.BW, Kind.W):
+            level -= per_mb_by_chunk[task.chunk]
+        peak = max(peak, level)
+    return peak
+
+
+def memory_per_device(sched: Schedule, spans, figs, param_copies: float):
+    """Per device: (params+optimizer, in-flight activations, transient) bytes."""
+    p, v = sched.num_stages, sched.virtual_stages
+    params, acts, trans = [], [], []
+    for s in range(p):
+        gs = [c * p + s for c in range(v)]
+        params.append(param_copies * sum(figs[g]["params"] for g in gs))
+        acts.append(device_peak(sched, s, [figs[g]["per_mb"] for g in gs]))
+        trans.append(max(figs[g]["transient"] for g in gs))
+    return tuple(params), tuple(acts), tuple(trans)
+
+
+def choose_remat(model: StageModel, sched: Schedule, spans, options, budget, param_copies,
+                  inflight) -> list[str]:
+    """Per global stage, the fastest policy that lets its device fit."""
+    p, v, G = sched.num_stages, sched.virtual_stages, sched.num_global_stages
+    chosen = ["none"] * G
+    for s in range(p):
+        gs = [c * p + s for c in range(v)]
+        if len(options) ** v <= 1024:
+            combos = list(itertools.product(options, repeat=v))
+        else:
+            combos = [(o,) * v for o in options]
+        best, best_key, least = None, None, None
+        for combo in combos:
+            figs = [model.stage(g, spans[g].start, spans[g].stop, o) for g, o in zip(gs, combo, strict=True)]
+            mem = param_copies * sum(f["params"] for f in figs) \
+                + device_peak(sched, s, [f["per_mb"] for f in figs]) + max(f["transient"] for f in figs)
+            if least is None or mem < least[0]:
+                least = (mem, combo)
+            if budget is not None and mem > budget:
+                continue
+            key = (max(f["time"] for f in figs), sum(f["recompute"] for f in figs))
+            if best_key is None or key < best_key:
+                best, best_key = combo, key
+        if best is None:
+            assert least is not None
+            raise ConfigError(
+                f"memory budget {budget / MB:.1f} MB per device is too small: "
+                f"{'stage' if v == 1 else 'device'} {s} ({describe_stages(spans, gs, G, v > 1)}) "
+                f"needs at least "
+                f"{least[0] / MB:.1f} MB with remat {'/'.join(least[1])} ({inflight[s]} microbatches in "
+                f"flight); tried remat {', '.join(options)}"
+                f"{' on every split' if v == 1 else ' on the candidate splits'}; raise the budget, "
+                f"add stages or use fewer microbatches in flight")
+        for g, o in zip(gs, best, strict=True):
+            chosen[g] = o
+    return chosen
+
+
+def describe_stages(spans, gs, G, name_stages: bool = False) -> str:
+    parts = []
+    for g in gs:
+        r = spans[g]
+        if len(r) > 1:
+            text = f"layers {r.start}-{r.stop - 1}"
+        else:
+            text = f"layer {r.start}" if len(r) else "no layers"
+        text += " + embed" if g == 0 else ""
+        text += " + head" if g == G - 1 else ""
+        parts.append(f"global stage {g}: {text}" if name_stages else text)
+    return "; ".join(parts)
+
+
+def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies: float):
+    """(bytes per device, {policy: buffer bytes, and which stage sets its depth}) as
+    the SPMD runtime lays them out: one program, so every buffer is as deep as its
+    deepest stage and as wide as its widest; all parameters of a device's stages
+    plus embed and head (replicated); the largest transient of any stage."""
+    from mindpipe_jax.parallel.pipeline.tickplan import make_plan
+
+    p, G = sched.num_stages, sched.num_global_stages
+    plan = make_plan(sched, tuple(chosen))
+    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    width = max(len(r) for r in spans) or 1
+    # Per-microbatch bytes beyond the stage input, per layer slot of the padded stage.
+    residual = {r: max((f["per_mb"] - model.act_in[spans[g].start]) / max(len(spans[g]), 1)
+                       for g, f in enumerate(figs) if chosen[g] == r and g != G - 1)
+                for r in plan.res_slots}
+    # n slots, plus the slot each tick reads into the branch and the one it writes back.
+    buffers = {r: (n + 2) * width * residual[r] for r, n in plan.res_slots.items()}
+    owner = {}
+    inflight = sched.peak_in_flight()
+    for r in plan.res_slots:
+        stages = [g for g in range(G - 1) if chosen[g] == r]
+        owner[r] = max(stages, key=lambda g: (inflight[g % p], -g))
+    act = max(model.act_in)
+    e, h = model.prof.embed, model.prof.head
+    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in range(s, G, p))
+                 for s in range(p)) + e.param_bytes + h.param_bytes
+    total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
+        + max(f["transient"] for f in figs)
+    return total, {r: (buffers[r], owner[r]) for r in buffers}
+
+
+def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,
+              measure: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None):
+    """Make the SPMD runtime fit the budget: while it does not, move the stage whose
+    next leaner policy in ``options`` saves the most modelled bytes per second of
+    recompute added. "Fits" is judged by ``measure(remat, counts)`` (e.g. the compiled
+    program's temp bytes) when given, else by the model (``spmd_memory``).
+    Returns (policies, the figure that was judged)."""
+    chosen = list(chosen)
+    counts = tuple(len(r) for r in spans)
+    less = {"none": ("dots", "full"), "dots": ("full",)}
+    while True:
+        modelled, _ = spmd_memory(model, sched, spans, chosen, param_copies)
+        total = float(measure(tuple(chosen), counts)) if measure is not None else modelled
+        if budget is None or total <= budget:
+            return chosen, total
+        # A move: stage g, with every stage of the same policy holding at least as many
+        # microbatches in flight, goes to its next leaner policy (moving only the
+        # stage that sets a buffer's depth may save nothing while the next sets it).
+        inflight = sched.peak_in_flight()
+        p = sched.num_stages
+        best = None
+        for g in range(len(spans)):
+            nxt = next((o for o in less.get(chosen[g], ()) if o in options), None)
+            if nxt is None:
+                continue
+            group = [k for k in range(len(spans)) if chosen[k] == chosen[g]
+                     and inflight[k % p] >= inflight[g % p]]
+            trial = chosen.copy()
+            for k in group:
+                trial[k] = nxt
+            saved = modelled - spmd_memory(model, sched, spans, trial, param_copies)[0]
+            if saved <= 0:
+                continue
+            added = sum(model.stage(k, spans[k].start, spans[k].stop, nxt)["time"]
+                        - model.stage(k, spans[k].start, spans[k].stop, chosen[k])["time"] for k in group)
+            key = max(added, 0.0) / saved
+            if best is None or key < best[0]:
+                best = (key, group, nxt)
+        if best is None:
+            raise ConfigError(
+                f"memory budget {budget / MB:.1f} MB per device is too small for the SPMD runtime: "
+                f"remat {'/'.join(chosen)} needs {total / MB:.1f} MB ({'compiled' if measure else 'model'}"
+                f"; each policy's buffer as deep as its deepest stage); raise the budget, allow remat "
+                f"{', '.join(REMAT_POLICIES)}, add stages or use fewer microbatches")
+        for k in best[1]:
+            chosen[k] = best[2]

@@ -1,0 +1,125 @@
+"""The partitioner's result: ``PipelinePlan``, its figures per stage and per device,
+the ``StageLayout`` it runs as and the table ``mindpipe plan`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindpipe_jax.parallel.pipeline.partmem import MB, PARAM_COPIES
+from mindpipe_jax.parallel.pipeline.simulate import SimResult, StageCosts
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Layers, remat and predictions per stage. Per global stage ``g`` (tuples of
+    ``p * v``): ``counts``, ``layers`` (a ``range``), ``device``, ``remat``,
+    ``forward_s``/``backward_s``/``recompute_s`` and ``stage_time_s`` (their sum:
+    the stage's work per microbatch). Per device (tuples of ``p``):
+    ``memory_bytes`` = ``memory_params_bytes`` + ``memory_activations_bytes`` +
+    ``memory_transient_bytes`` (the model is in ``partmem``) and ``in_flight``.
+    Predictions from ``simulate.simulate`` with these stage costs and ``link``:
+    ``step_time_s`` and ``utilization`` for ``"async"`` (an MPMD executor) and
+    ``"lockstep"`` (the SPMD runtime's tick loop). ``remat`` is what
+    ``pipeline_grads(remat=plan.remat)`` and ``parallel.stage_remat`` take;
+    ``spmd_memory_bytes`` the per-device figure of the SPMD runtime (see
+    ``partmem``). ``even_split``: the same figures for an even split without remat."""
+
+    schedule: str
+    p: int
+    v: int
+    m: int
+    counts: tuple[int, ...]
+    layers: tuple[range, ...]
+    device: tuple[int, ...]
+    remat: tuple[str, ...]
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    recompute_s: tuple[float, ...]
+    stage_time_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    memory_params_bytes: tuple[float, ...]
+    memory_activations_bytes: tuple[float, ...]
+    memory_transient_bytes: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    memory_budget_bytes: float | None
+    spmd_memory_bytes: float
+    step_time_s: dict[str, float]
+    utilization: dict[str, float]
+    even_split: dict[str, Any]
+    costs: StageCosts = field(repr=False)
+    simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
+    note: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def slowest_stage_s(self) -> float:
+        return max(self.stage_time_s)
+
+    def layout(self):
+        """The ``StageLayout`` for ``pipeline_grads(..., layout=plan.layout())``."""
+        from mindpipe_jax.parallel.pipeline.layout import StageLayout
+
+        return StageLayout(self.counts, self.p, self.v)
+
+    def table(self) -> str:
+        """The per-stage table ``mindpipe plan`` prints."""
+        G = self.p * self.v
+        last = G - 1
+
+        def span(g: int) -> str:
+            r = self.layers[g]
+            parts = (["embed"] if g == 0 else []) + \
+                ([f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"] if len(r) else []) + \
+                (["head"] if g == last else [])
+            return " + ".join(parts) if parts else "(none)"
+
+        head = ["stage", "device", "layers", "n", "F ms", "bwd ms", "recomp ms", "time ms", "remat",
+                "in flight", "memory MB"]
+        rows = []
+        for g in range(G):
+            s = self.device[g]
+            dev = str(s) if self.v == 1 else f"{s}.{g // self.p}"
+            rows.append([str(g), dev, span(g), str(self.counts[g]),
+                         f"{1e3 * self.forward_s[g]:.3f}", f"{1e3 * self.backward_s[g]:.3f}",
+                         f"{1e3 * self.recompute_s[g]:.3f}", f"{1e3 * self.stage_time_s[g]:.3f}",
+                         self.remat[g], str(self.in_flight[s]), f"{self.memory_bytes[s] / MB:.1f}"])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        left = {2, 8}
+
+        def line(cells):
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+        budget = ("none" if self.memory_budget_bytes is None
+                  else f"{self.memory_budget_bytes / MB:.1f} MB per device")
+        out = [f"vPipe plan: {self.schedule}  p={self.p} v={self.v} m={self.m}, {self.num_layers} layers, "
+               f"memory budget {budget}"]
+        if self.note:
+            out.append(f"costs: {self.note}")
+        out += ["", line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        if self.v > 1:
+            out.append("(device s.c = chunk c of device s; in flight and memory are the device's)")
+        ms = 1e3
+        out += ["",
+                f"slowest stage {ms * self.slowest_stage_s:.3f} ms; memory = params+grads+Adam "
+                f"({PARAM_COPIES:g} copies) + in-flight microbatches + one rebuilt microbatch under remat",
+                f"predicted step: async {ms * self.step_time_s['async']:.3f} ms (utilization "
+                f"{self.utilization['async']:.3f}), lockstep {ms * self.step_time_s['lockstep']:.3f} ms "
+                f"(utilization {self.utilization['lockstep']:.3f})"]
+        even = self.even_split
+        out.append(f"even split {list(even['counts'])}, no remat: slowest stage "
+                   f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
+                   f"{even['utilization_async']:.3f}, lockstep {even['utilization_lockstep']:.3f}; "
+                   f"peak memory {even['peak_memory_bytes'] / MB:.1f} MB")
+        out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (every device holds "
+                   f"each remat policy's buffer as deep as its deepest stage needs, and embed + head)")
+        remat = "[" + ", ".join(f'"{r}"' for r in self.remat) + "]"
+        out.append(f"run it: pipeline_grads(..., remat={tuple(self.remat)}, "
+                   f"layout=StageLayout({self.counts}, {self.p}, {self.v})); "
+                   f"train: parallel.stage_layers={list(self.counts)} "
+                   f"parallel.stage_remat='{remat}'")
+        return "\n".join(out)
