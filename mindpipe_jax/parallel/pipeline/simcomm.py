@@ -53,7 +53,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.gradsync import sync_points
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
 from mindpipe_jax.parallel.pipeline.simcosts import _Resolved
-from mindpipe_jax.parallel.pipeline.simengine import Event, SimResult, _per_device
+from mindpipe_jax.parallel.pipeline.simengine import Event, SimResult, _crossing_bytes, _per_device, _Trace
 from mindpipe_jax.parallel.pipeline.simnetwork import Collective, Link, fit_alpha_beta
 
 __all__ = ["CommOp", "RingGeometry", "sync_ops", "simulate_sync", "fit_collective", "op_time",
@@ -206,8 +206,7 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
     if not isinstance(dp_link, Link):
         raise ConfigError(f"dp_link must be a Link, got {dp_link!r}")
     pipe_link = Link() if pipe_link is None else pipe_link
-    p, v, ticks, G = (schedule.num_stages, schedule.virtual_stages, schedule.num_ticks,
-                      schedule.num_global_stages)
+    p, v = schedule.num_stages, schedule.virtual_stages
     overhead = _per_device(tick_overhead, "tick_overhead", p)
     cc = _Resolved(costs, schedule)
     if chunk_elems is None:
@@ -223,28 +222,19 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
     def cost(op: CommOp) -> float:
         return op_time(op, data_ranks, dp_link) if op.axis == "data" else op_time(op, p, pipe_link)
 
-    owner = [schedule.owner(g)[0] for g in range(G)]
-    crossing = [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+    crossing = _crossing_bytes(schedule, cc)
     buffer = max(crossing, default=0.0)
     occ = pipe_link.occupancy(buffer)
-    start = [[None] * p for _ in range(ticks)]
-    end = [[None] * p for _ in range(ticks)]
-    busy, net = [0.0] * p, [0.0] * p
-    events: list[Event] = []
+    trace = _Trace(schedule)
+    net = [0.0] * p
+    events = trace.events
     clock, lane = [0.0] * p, [0.0] * p
     compute_end = 0.0
     for t, row in enumerate(schedule.table):
         tick_start = list(clock)
         ready = []
         for s, task in enumerate(row):
-            d = 0.0
-            if task is not None:
-                g = schedule.global_stage(s, task.chunk)
-                d = cc.duration(s, task, g)
-                start[t][s], end[t][s] = clock[s], clock[s] + d
-                busy[s] += d
-                events.append(Event(s, "compute", task.kind.value, clock[s], clock[s] + d, t,
-                                    task.microbatch, task.chunk, g))
+            d = 0.0 if task is None else trace.compute(cc, t, s, task, clock[s])
             ready.append(clock[s] + d + overhead[s])
         if crossing:
             for shift in (1, -1):   # forward ppermute to s + 1, then backward to s - 1
@@ -273,8 +263,7 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
                                     else None, nbytes=op.nbytes))
         clock = ready
     mode = "tick-overlap" if overlap else "tick-blocking"
-    return SimResult(schedule.name, mode, max(clock, default=0.0), compute_end, tuple(busy), tuple(net),
-                     tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+    return trace.result(mode, max(clock, default=0.0), compute_end, net)
 
 
 def fit_collective(kind: str, ranks: int, sizes_bytes: Sequence[float], times_s: Sequence[float]) -> Link:

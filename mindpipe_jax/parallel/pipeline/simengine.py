@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mindpipe_jax.errors import ConfigError
@@ -149,6 +149,35 @@ class _Lanes:
             self.drain(s)
 
 
+class _Trace:
+    """What a replay records and returns: per tick and device when its task ran,
+    per device the time its tasks took, and every event."""
+
+    def __init__(self, schedule: Schedule):
+        p, ticks = schedule.num_stages, schedule.num_ticks
+        self.schedule = schedule
+        self.start: list[list[float | None]] = [[None] * p for _ in range(ticks)]
+        self.end: list[list[float | None]] = [[None] * p for _ in range(ticks)]
+        self.busy = [0.0] * p
+        self.events: list[Event] = []
+
+    def compute(self, cc: _Resolved, t: int, s: int, task: Task, at: float) -> float:
+        """Record device ``s`` running ``task`` (tick ``t``) from ``at``; returns its duration."""
+        g = self.schedule.global_stage(s, task.chunk)
+        d = cc.duration(s, task, g)
+        self.start[t][s], self.end[t][s] = at, at + d
+        self.busy[s] += d
+        self.events.append(Event(s, "compute", task.kind.value, at, at + d, t, task.microbatch,
+                                 task.chunk, g))
+        return d
+
+    def result(self, mode: str, step_time: float, compute_time: float,
+               network_busy: Sequence[float]) -> SimResult:
+        return SimResult(self.schedule.name, mode, step_time, compute_time, tuple(self.busy),
+                         tuple(network_busy), tuple(self.events), tuple(map(tuple, self.start)),
+                         tuple(map(tuple, self.end)))
+
+
 MODES = ("async", "lockstep", "neighbour")
 
 
@@ -209,6 +238,48 @@ def _last_grad_ticks(schedule: Schedule) -> dict[tuple[int, int], int]:
     return last
 
 
+def _finished_in(last_grad: dict[tuple[int, int], int]) -> dict[int, list[tuple[int, int]]]:
+    """tick -> the (device, chunk)s whose last weight-gradient task runs in it."""
+    finished_in: dict[int, list[tuple[int, int]]] = {}
+    for (s, c), t in last_grad.items():
+        finished_in.setdefault(t, []).append((s, c))
+    return finished_in
+
+
+def _request_syncs(lanes: _Lanes, schedule: Schedule, cc: _Resolved, chunks: Iterable[tuple[int, int]],
+                   at: Sequence[float], dp: DPSync) -> None:
+    """Queue the gradient sync of each (device, chunk) in ``chunks``, device ``s``'s from ``at[s]``."""
+    for s, c in chunks:
+        g = schedule.global_stage(s, c)
+        lanes.request_sync(s, c, g, cc.params[g], at[s], dp)
+
+
+def _by_finish(last_grad: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
+    """``dp.when == "end"``: the (device, chunk)s in the order their gradients became final."""
+    return sorted(last_grad, key=last_grad.get)
+
+
+def _crossing_bytes(schedule: Schedule, cc: _Resolved) -> list[float]:
+    """The activation bytes of every global stage whose output goes to another device:
+    a tick mode's exchange buffer is sized for the largest (none: no exchange)."""
+    G = schedule.num_global_stages
+    owner = [schedule.owner(g)[0] for g in range(G)]
+    return [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+
+
+def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None):
+    """What both tick modes start from: the trace, the network lanes, each chunk's
+    last weight-gradient tick (and, per tick, the chunks finished in it), whether
+    any activation crosses devices, and the exchange buffer (the largest that does:
+    every exchange sends one of that size) with its lane occupancy."""
+    trace = _Trace(schedule)
+    lanes = _Lanes(schedule.num_stages, trace.events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    crossing = _crossing_bytes(schedule, cc)
+    buffer = max(crossing, default=0.0)
+    return trace, lanes, last_grad, _finished_in(last_grad), bool(crossing), buffer, link.occupancy(buffer)
+
+
 def _consumer(schedule: Schedule, task: Task, g: int) -> tuple[int, int] | None:
     """(device, global stage whose output is sent) of the task's cross-stage output."""
     G = schedule.num_global_stages
@@ -221,12 +292,10 @@ def _consumer(schedule: Schedule, task: Task, g: int) -> tuple[int, int] | None:
 
 def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                contention: bool) -> SimResult:
-    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
-    start = [[None] * p for _ in range(ticks)]
-    end = [[None] * p for _ in range(ticks)]
-    busy = [0.0] * p
+    p, G = schedule.num_stages, schedule.num_global_stages
+    trace = _Trace(schedule)
     free = [0.0] * p
-    events: list[Event] = []
+    events = trace.events
     lanes = _Lanes(p, events)
     last_grad = _last_grad_ticks(schedule) if dp is not None else {}
     done: dict[tuple[str, int, int], tuple[float, int]] = {}   # key -> (end, device)
@@ -240,13 +309,8 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
             for key in _inputs(task.kind, task.microbatch, g, G):
                 finish, where = done[key]
                 ready = max(ready, finish if where == s else arrival[key])
-            d = cc.duration(s, task, g)
-            stop = ready + d
-            start[t][s], end[t][s] = ready, stop
+            stop = ready + trace.compute(cc, t, s, task, ready)
             free[s] = stop
-            busy[s] += d
-            events.append(Event(s, "compute", task.kind.value, ready, stop, t, task.microbatch,
-                                task.chunk, g))
             if task.kind is Kind.W:
                 key = ("W", task.microbatch, g)
             else:
@@ -268,43 +332,24 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                 lanes.request_sync(s, task.chunk, g, cc.params[g], stop, dp)
     compute = max(free, default=0.0)
     if dp is not None and dp.when == "end":
-        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
-            g = schedule.global_stage(s, c)
-            lanes.request_sync(s, c, g, cc.params[g], free[s], dp)
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), free, dp)
     lanes.finish()
-    return SimResult(schedule.name, "async", max(compute, lanes.last), compute, tuple(busy),
-                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+    return trace.result("async", max(compute, lanes.last), compute, lanes.busy)
 
 
 def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                   contention: bool, overhead: Sequence[float]) -> SimResult:
-    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
-    start = [[None] * p for _ in range(ticks)]
-    end = [[None] * p for _ in range(ticks)]
-    busy = [0.0] * p
-    events: list[Event] = []
-    lanes = _Lanes(p, events)
-    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
-    finished_in: dict[int, list[tuple[int, int]]] = {}
-    for (s, c), t in last_grad.items():
-        finished_in.setdefault(t, []).append((s, c))
-    owner = [schedule.owner(g)[0] for g in range(G)]
-    crossing = [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
-    buffer = max(crossing, default=0.0)
-    occ = link.occupancy(buffer)
+    p, ticks = schedule.num_stages, schedule.num_ticks
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    events = trace.events
     clock = 0.0
     for t, row in enumerate(schedule.table):
         longest = max(overhead, default=0.0)
         for s, task in enumerate(row):
             if task is None:
                 continue
-            g = schedule.global_stage(s, task.chunk)
-            d = cc.duration(s, task, g)
-            start[t][s], end[t][s] = clock, clock + d
-            busy[s] += d
+            d = trace.compute(cc, t, s, task, clock)
             longest = max(longest, d + overhead[s])
-            events.append(Event(s, "compute", task.kind.value, clock, clock + d, t, task.microbatch,
-                                task.chunk, g))
         compute_end = clock + longest
         clock = compute_end
         if t < ticks - 1 and crossing:
@@ -317,17 +362,12 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
                 events.append(Event(s, "network", "exchange", leave, arrive, t, nbytes=buffer))
             clock = arrive
         if dp is not None and dp.when == "overlap":
-            for s, c in finished_in.get(t, ()):
-                g = schedule.global_stage(s, c)
-                lanes.request_sync(s, c, g, cc.params[g], compute_end, dp)
+            _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), [compute_end] * p, dp)
     compute = clock
     if dp is not None and dp.when == "end":
-        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
-            g = schedule.global_stage(s, c)
-            lanes.request_sync(s, c, g, cc.params[g], compute, dp)
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), [compute] * p, dp)
     lanes.finish()
-    return SimResult(schedule.name, "lockstep", max(compute, lanes.last), compute, tuple(busy),
-                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+    return trace.result("lockstep", max(compute, lanes.last), compute, lanes.busy)
 
 
 def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
@@ -338,36 +378,17 @@ def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | N
     ppermute once its own message has left its lane and its neighbour's has arrived.
     Nothing waits for devices further away, so a delay travels one hop per
     ppermute instead of stopping every device at once."""
-    p, ticks, G = schedule.num_stages, schedule.num_ticks, schedule.num_global_stages
-    start = [[None] * p for _ in range(ticks)]
-    end = [[None] * p for _ in range(ticks)]
-    busy = [0.0] * p
-    events: list[Event] = []
-    lanes = _Lanes(p, events)
-    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
-    finished_in: dict[int, list[tuple[int, int]]] = {}
-    for (s, c), t in last_grad.items():
-        finished_in.setdefault(t, []).append((s, c))
-    owner = [schedule.owner(g)[0] for g in range(G)]
-    crossing = [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+    p = schedule.num_stages
     # Every device sends one buffer, sized for the largest activation that crosses
     # devices, in each of the two ppermutes of every tick, whether or not it carries
     # anything (the scan body is the same each tick, the last one included).
-    buffer = max(crossing, default=0.0)
-    occ = link.occupancy(buffer)
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    events = trace.events
     clock = [0.0] * p
     for t, row in enumerate(schedule.table):
         ready = []
         for s, task in enumerate(row):
-            if task is not None:
-                g = schedule.global_stage(s, task.chunk)
-                d = cc.duration(s, task, g)
-                start[t][s], end[t][s] = clock[s], clock[s] + d
-                busy[s] += d
-                events.append(Event(s, "compute", task.kind.value, clock[s], clock[s] + d, t,
-                                    task.microbatch, task.chunk, g))
-            else:
-                d = 0.0
+            d = 0.0 if task is None else trace.compute(cc, t, s, task, clock[s])
             ready.append(clock[s] + d + overhead[s])
         compute_end = list(ready)
         if crossing:
@@ -384,14 +405,9 @@ def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | N
                 ready = [max(leave[s] + occ, arrive[(s - shift) % p]) for s in range(p)]
         clock = ready
         if dp is not None and dp.when == "overlap":
-            for s, c in finished_in.get(t, ()):
-                g = schedule.global_stage(s, c)
-                lanes.request_sync(s, c, g, cc.params[g], compute_end[s], dp)
+            _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), compute_end, dp)
     if dp is not None and dp.when == "end":
-        for (s, c), _ in sorted(last_grad.items(), key=lambda item: item[1]):
-            g = schedule.global_stage(s, c)
-            lanes.request_sync(s, c, g, cc.params[g], clock[s], dp)
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), clock, dp)
     compute = max(clock, default=0.0)
     lanes.finish()
-    return SimResult(schedule.name, "neighbour", max(compute, lanes.last), compute, tuple(busy),
-                     tuple(lanes.busy), tuple(events), tuple(map(tuple, start)), tuple(map(tuple, end)))
+    return trace.result("neighbour", max(compute, lanes.last), compute, lanes.busy)
