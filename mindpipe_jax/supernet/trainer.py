@@ -63,14 +63,14 @@ from mindpipe_jax.supernet.spara import (
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     committed_steps,
+    prepare_out_dir,
     read_meta,
     remove_incomplete,
     restore,
+    restore_verified,
     verify_checksums,
 )
-from mindpipe_jax.train.loop import _prepare_out_dir as _dense_prepare_out_dir
-from mindpipe_jax.train.loop import _restore as _restore_verified
-from mindpipe_jax.train.loop import _StopSignals
+from mindpipe_jax.train.signals import StopSignals
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -153,7 +153,7 @@ def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int |
         if meta.get("model", ours) != ours:
             raise ConfigError(f"{where} holds a checkpoint of the supernet {meta['model']}, not of {ours}; "
                               f"pass the model that wrote it or choose another train.out_dir")
-    out_dir, ckpt_dir, step, _ = _dense_prepare_out_dir(cfg, fingerprint(spec))
+    out_dir, ckpt_dir, step, _ = prepare_out_dir(cfg, fingerprint(spec))
     return out_dir, ckpt_dir, step
 
 
@@ -209,7 +209,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         # run's data) before anything is written; the sampler needs only the step.
         try:
             target = _abstract_state(spec, create, mesh)
-            state, data_state, _ = _restore_verified(ckpt_dir, resume_step, target)
+            state, data_state, _ = restore_verified(ckpt_dir, resume_step, target)
             loader.set_state(data_state)
         except BaseException:
             loader.close()
@@ -251,7 +251,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         meta = {"kind": KIND, "config": cfg.to_dict(), "fingerprint": fingerprint(spec),
                 "model": type(spec.module).__name__}
     # Signals stop the loop only where a checkpoint keeps its work.
-    signals = _StopSignals(jax.process_count() > 1) if ckpt is not None else contextlib.nullcontext()
+    signals = StopSignals(jax.process_count() > 1) if ckpt is not None else contextlib.nullcontext()
     try:
         with signals:
             for step in range(start, tr.steps):

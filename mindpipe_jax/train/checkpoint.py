@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mindpipe_jax.config import Config
 
 # orbax's commit marker (orbax.checkpoint._src.path.atomicity_types.COMMIT_SUCCESS_FILE).
 COMMIT_MARKER = "commit_success.txt"
@@ -222,3 +226,51 @@ def _first_difference(theirs: dict, ours: dict, prefix: str = "") -> str:
         elif a != b:
             return f"{prefix}{key}: checkpoint {a}, model {b}"
     return "same"
+
+
+def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | None, dict]:
+    """(out_dir, checkpoint dir, step to resume from or None, its meta), for a run about to
+    write into ``cfg.train.out_dir``; refuses (``ConfigError``, before anything is
+    written) a file, a foreign directory, another model, an existing run without
+    ``train.resume``, nothing to resume with ``train.resume=true``, and a finished run."""
+    out_dir = Path(cfg.train.out_dir).absolute()
+    ckpt_dir = out_dir / "checkpoints"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} exists and is not a directory")
+    found = read_meta(ckpt_dir)
+    resume = cfg.train.resume  # True, False or "auto" (resume if there is a checkpoint)
+    if found is None:
+        if resume is True:
+            partial = incomplete_steps(ckpt_dir)
+            why = (f"only an incomplete checkpoint ({partial[0].name}, its save was interrupted)"
+                   if partial else "no checkpoint")
+            raise ConfigError(f"train.resume=true but train.out_dir {str(out_dir)!r} holds {why}; "
+                              f"nothing to resume: drop train.resume (or use train.resume=\"auto\") "
+                              f"to start a new run there")
+        return out_dir, ckpt_dir, None, {}
+    step, meta = found
+    check_same_model(ckpt_dir, meta, fingerprint)
+    if not resume:
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {step}; "
+                          f"set train.resume=true to continue it or choose a new train.out_dir")
+    if step >= cfg.train.steps:
+        raise ConfigError(f"train.resume={str(resume).lower()}: the newest checkpoint in {str(ckpt_dir)!r} "
+                          f"is at step {step}, and train.steps={cfg.train.steps}; nothing to resume: set "
+                          f"train.steps above {step} to train further")
+    return out_dir, ckpt_dir, step, meta
+
+
+def restore_verified(ckpt_dir: Path, step: int, abstract_state):
+    """Restore a committed step, reading only; a damaged one is a user-facing error."""
+    where = str(ckpt_dir / str(step))
+    advice = "delete that step directory to resume from an earlier checkpoint, or choose a new train.out_dir"
+    try:
+        state, data_state, meta = restore(ckpt_dir, step, abstract_state)
+    except Exception as err:  # truncated or missing array files, garbled metadata
+        detail = (str(err).strip().splitlines() or [""])[0].split(" See full")[0][:160]
+        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: "
+                          f"{detail}); it is damaged: {advice}") from None
+    if (leaf := verify_checksums(state, meta)) is not None:
+        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
+                          f"match the checksum saved with them; {advice}")
+    return state, data_state, meta

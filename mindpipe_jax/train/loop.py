@@ -30,9 +30,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,15 +45,14 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
-    check_same_model,
-    incomplete_steps,
+    prepare_out_dir,
     read_meta,
     remove_incomplete,
-    restore,
-    verify_checksums,
+    restore_verified,
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, switch
+from mindpipe_jax.train.signals import StopSignals
 from mindpipe_jax.train.state import init_train_state
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
@@ -112,51 +108,6 @@ def _host(tree):
     return jax.device_get(jax.tree.map(local, tree))
 
 
-def _prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | None, dict]:
-    """(out_dir, checkpoint dir, step to resume from or None, its meta)."""
-    out_dir = Path(cfg.train.out_dir).absolute()
-    ckpt_dir = out_dir / "checkpoints"
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"train.out_dir {str(out_dir)!r} exists and is not a directory")
-    found = read_meta(ckpt_dir)
-    resume = cfg.train.resume  # True, False or "auto" (resume if there is a checkpoint)
-    if found is None:
-        if resume is True:
-            partial = incomplete_steps(ckpt_dir)
-            why = (f"only an incomplete checkpoint ({partial[0].name}, its save was interrupted)"
-                   if partial else "no checkpoint")
-            raise ConfigError(f"train.resume=true but train.out_dir {str(out_dir)!r} holds {why}; "
-                              f"nothing to resume: drop train.resume (or use train.resume=\"auto\") "
-                              f"to start a new run there")
-        return out_dir, ckpt_dir, None, {}
-    step, meta = found
-    check_same_model(ckpt_dir, meta, fingerprint)
-    if not resume:
-        raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {step}; "
-                          f"set train.resume=true to continue it or choose a new train.out_dir")
-    if step >= cfg.train.steps:
-        raise ConfigError(f"train.resume={str(resume).lower()}: the newest checkpoint in {str(ckpt_dir)!r} "
-                          f"is at step {step}, and train.steps={cfg.train.steps}; nothing to resume: set "
-                          f"train.steps above {step} to train further")
-    return out_dir, ckpt_dir, step, meta
-
-
-def _restore(ckpt_dir: Path, step: int, abstract_state):
-    """Restore a committed step, reading only; a damaged one is a user-facing error."""
-    where = str(ckpt_dir / str(step))
-    advice = "delete that step directory to resume from an earlier checkpoint, or choose a new train.out_dir"
-    try:
-        state, data_state, meta = restore(ckpt_dir, step, abstract_state)
-    except Exception as err:  # truncated or missing array files, garbled metadata
-        detail = (str(err).strip().splitlines() or [""])[0].split(" See full")[0][:160]
-        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: "
-                          f"{detail}); it is damaged: {advice}") from None
-    if (leaf := verify_checksums(state, meta)) is not None:
-        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
-                          f"match the checksum saved with them; {advice}")
-    return state, data_state, meta
-
-
 def _saved_tuning(cfg: Config) -> dict:
     """The tuner's state in the checkpoint ``train.resume=true`` continues from, or {}."""
     if not cfg.train.resume:
@@ -201,9 +152,9 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     feed = make_feed(splits, layout, val_rows=val_rows)
     fingerprint = layout.spec.fingerprint()
     first_step = layout.make_step()  # checks schedule and contract
-    out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, fingerprint)
+    out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     if resume_step is not None:
-        state, data_state, _ = _restore(ckpt_dir, resume_step, layout.abstract_state)
+        state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
         feed.loader.set_state(data_state)
 
     # From here on files may be written: every user mistake has been caught above.
@@ -299,54 +250,6 @@ def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     return tuple(plan.counts)
 
 
-class _StopSignals:
-    """SIGTERM and SIGINT ask the loop to stop after the current step with a checkpoint.
-
-    One process: a Python handler sets a flag the loop reads after each step.
-    Several processes must stop after the *same* step, or their collective save
-    would deadlock: JAX's preemption service (started by ``jax.distributed``)
-    catches SIGTERM on any process and agrees on a step, which
-    ``reached_preemption_sync_point`` reports; Ctrl-C is handed to it as SIGTERM.
-    A second Ctrl-C raises ``KeyboardInterrupt`` at once. Handlers are installed
-    only from the main thread and put back on exit.
-    """
-
-    def __init__(self, multi_process: bool):
-        self.multi = multi_process
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            ours = (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM)
-            for sig in ours:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # asked twice: stop now, without a checkpoint
-        self.received = self.received or signal.Signals(signum).name
-        if self.multi:
-            os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells the other processes
-
-    def reached(self, step: int) -> str | None:
-        """The signal's name if the loop should stop after ``step``."""
-        if not self.multi:
-            return self.received
-        from jax.experimental import multihost_utils
-        try:
-            if multihost_utils.reached_preemption_sync_point(step):
-                return self.received or "SIGTERM"
-        except RuntimeError:  # the preemption service is switched off
-            pass
-        return None
-
-
 class _Run:
     """The loop's state between steps: history, skipped-step count, stop reason."""
 
@@ -410,7 +313,7 @@ class _Run:
         # at a logging, evaluation, checkpoint or tuner step, so no step is left unchecked.
         pending: list[tuple[int, dict]] = []
         since_log, since_fetch = _Interval(), _Interval()  # step time for the log, for the tuner
-        with _StopSignals(jax.process_count() > 1) as signals:
+        with StopSignals(jax.process_count() > 1) as signals:
             for step in range(start, tr.steps):
                 state, metrics = step_fn(state, layout.batches(next(self.feed.loader)))
                 pending.append((step + 1, metrics))
