@@ -118,7 +118,8 @@ def main(argv=None) -> int:
                            n_layers=args.layers, n_heads=args.heads, dtype="bfloat16",
                            param_dtype="float32", attention=attention)
     log(f"# mindpipe_jax.train loop vs bare step, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
-    log(f"# device: {dev.device_kind} ({dev.platform}), {jax.device_count()} device(s); jax {jax.__version__}")
+    log(f"# device: {dev.device_kind} ({dev.platform}), {jax.device_count()} device(s); "
+        f"jax {jax.__version__}")
     log(f"# command: python benchmarks/gpu/train_loop.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     log(f"model: d_model={cfg.d_model} heads={cfg.n_heads} layers={cfg.n_layers} seq={cfg.seq_len} "
         f"vocab={cfg.vocab_size} attention={cfg.attention}, batch {args.batch}")
