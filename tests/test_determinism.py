@@ -24,6 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# One xdist worker runs all of this file's tests, so its expensive module fixture runs
+# once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
+pytestmark = pytest.mark.xdist_group("determinism")
+
 WORKER = Path(__file__).with_name("determinism_worker.py")
 TIMEOUT_S = 300
 # Device count -> modes the worker trains. ``plain`` only where the control needs it.

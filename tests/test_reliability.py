@@ -43,6 +43,10 @@ from mindpipe_jax.train.checkpoint import (
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
+# One xdist worker runs all of this file's tests, so its expensive module fixture runs
+# once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
+pytestmark = pytest.mark.xdist_group("reliability")
+
 STEPS = 40
 EVERY = 4
 BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",

@@ -21,6 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# One xdist worker runs all of this file's tests, so its expensive module fixture runs
+# once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
+pytestmark = pytest.mark.xdist_group("supernet_determinism")
+
 WORKER = Path(__file__).with_name("supernet_worker.py")
 TIMEOUT_S = 1500  # ~4 CPU-minutes of compiling; a shared 2-core machine can triple that
 DEVICES = (1, 2, 4, 8)

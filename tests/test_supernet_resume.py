@@ -37,6 +37,10 @@ from mindpipe_jax.supernet import supernet_factory, supernet_spec, train_superne
 from mindpipe_jax.supernet.trainer import _abstract_state
 from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore
 
+# One xdist worker runs all of this file's tests, so its expensive module fixture runs
+# once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
+pytestmark = pytest.mark.xdist_group("supernet_resume")
+
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         'data.source="synthetic"', "data.synthetic_tokens=65536", "train.global_batch=16",
         "parallel.tensor=1", "parallel.subnet=4", "parallel.data=2", "supernet.subnets_per_step=4",

@@ -251,6 +251,7 @@ def batch_switch_run(tmp_path_factory):
     return result
 
 
+@pytest.mark.xdist_group("batch_switch_run")  # one worker builds the shared run
 def test_tuner_switches_batch_end_to_end(batch_switch_run, capsys):
     result = batch_switch_run
     decisions = [h for h in result.history if "tuner" in h]
@@ -277,6 +278,7 @@ def test_tuner_switches_batch_end_to_end(batch_switch_run, capsys):
     assert any("tuner" in r for r in written) and "tuner/b_noise" in written[-1]
 
 
+@pytest.mark.xdist_group("batch_switch_run")  # one worker builds the shared run
 def test_resume_after_a_switch_continues_with_the_switched_config(batch_switch_run, tmp_path):
     full = batch_switch_run
     out = tmp_path / "run"
