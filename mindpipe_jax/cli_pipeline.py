@@ -1,0 +1,175 @@
+"""``mindpipe schedule`` and ``mindpipe plan``: the pipeline's subcommands.
+
+``add_parsers`` adds both to the top-level parser's subcommands; each handler
+checks every argument before it touches JAX or writes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from mindpipe_jax.cli_common import ERRORS_HELP, OVERRIDES_HELP, add_config_args, positive_int
+from mindpipe_jax.config import load_config
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
+
+
+def add_parsers(sub, fmt) -> None:
+    """Add ``schedule`` and ``plan`` to ``sub``, the top-level parser's subparsers (help in ``fmt``)."""
+    names = ",".join(SCHEDULES)
+    p_schedule = sub.add_parser(
+        "schedule", formatter_class=fmt,
+        help="print (and with --out draw) a pipeline schedule: timeline, bubble, live activations",
+        description=textwrap.dedent("""\
+            Build a pipeline schedule table for P stages (devices on the pipe axis) and M
+            microbatches and print it: the timeline (one row per stage, one column per
+            tick; F3 = forward of microbatch 3, BW3 = its fused backward, B3/W3 = input /
+            weight gradient, '..' = idle, and with --virtual V > 1 a letter names the
+            chunk: F3a, F3b), the tick count, the bubble fraction counting every task as
+            one tick and replayed with durations F=B=W=1, BW=2, and the peak number of
+            live activations (microbatches forwarded but not yet backwarded) per stage.
+            With --out, also draw the timeline as a picture. Nothing needs JAX devices."""),
+        epilog=textwrap.dedent("""\
+            schedules:
+              gpipe        all forwards, then all backwards (bubble (p-1)/(m+p-1), m live)
+              1f1b         PipeDream-flush one-forward-one-backward (same bubble, <= p live)
+              interleaved  Megatron interleaved 1F1B with V chunks per stage; needs M
+                           divisible by P (bubble (p-1)/(V*m+p-1) in ticks)
+              zb-h1        zero bubble H1: backward split into B and W, W's fill the
+                           bubbles (about (p-1)/(3m+p-1) with F=B=W)
+
+            examples:
+              mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8
+              mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
+              mindpipe schedule --schedule interleaved --stages 4 --microbatches 8 --virtual 2 --out il.svg
+              mindpipe schedule --schedule zb-h1 --stages 4 --microbatches 8 --weighted --out zb.pdf
+
+            pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
+            """) + "\n" + ERRORS_HELP)
+    p_schedule.add_argument("--schedule", required=True, metavar=f"{{{names}}}",
+                            help="which schedule to build")
+    p_schedule.add_argument("--stages", required=True, metavar="P",
+                            help="pipeline stages (devices along the pipe axis), an integer >= 1")
+    p_schedule.add_argument("--microbatches", required=True, metavar="M",
+                            help="microbatches per step, an integer >= 1")
+    p_schedule.add_argument("--virtual", default="1", metavar="V",
+                            help="model chunks per stage (interleaved only; default: 1)")
+    p_schedule.add_argument("--out", metavar="FILE", default=None,
+                            help="also draw the timeline to FILE (.png, .svg or .pdf); its "
+                                 "directory must exist")
+    p_schedule.add_argument("--weighted", action="store_true",
+                            help="in the picture, size boxes by duration (F=B=W=1, BW=2, "
+                                 "as-soon-as-possible replay) instead of one tick per task")
+    p_schedule.set_defaults(func=run_schedule, parser=p_schedule)
+
+    p_plan = sub.add_parser(
+        "plan", formatter_class=fmt,
+        help="measure layer costs and print the pipeline partition (vPipe plan); draw it with --out",
+        description=textwrap.dedent("""\
+            Measure the configured GPT's layer costs on this machine (one block, the
+            embedding and the head: forward, input-gradient, weight-gradient and fused
+            backward times, FLOPs, activation, residual and parameter bytes; JAX's
+            default device, median of --repeats runs) and split the layers over the
+            pipeline: parallel.pipe stages (must be > 1) x parallel.virtual_stages
+            chunks, parallel.microbatches microbatches, parallel.schedule. The split
+            minimises the slowest stage (embed on the first stage, head on the last, so
+            those get fewer blocks); each stage then takes the cheapest remat policy
+            that fits --budget-mb per device. Prints one row per stage: layers,
+            predicted time, memory and remat policy, and the predicted utilization
+            (event simulation of the schedule with these costs).
+
+            The microbatch size is train.global_batch / parallel.microbatches: the
+            whole global batch goes through one pipeline (no data-parallel split).
+            Memory counts parameters with gradients and Adam state (4 copies), the
+            microbatches in flight and, under remat, one microbatch rebuilt."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              mindpipe plan parallel.pipe=4 parallel.microbatches=16
+              mindpipe plan parallel.pipe=4 parallel.microbatches=16 --budget-mb 20 --out plan.png
+              mindpipe plan --config my.toml parallel.pipe=2 parallel.schedule=interleaved \\
+                  parallel.virtual_stages=2 parallel.microbatches=8
+
+            pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
+            """) + "\n" + OVERRIDES_HELP + "\n" + ERRORS_HELP)
+    add_config_args(p_plan)
+    p_plan.add_argument("--budget-mb", metavar="N", default=None,
+                        help="memory budget per device in MB (1 MB = 2^20 bytes); default: unlimited")
+    p_plan.add_argument("--remat", metavar="LIST", default="none,dots,full",
+                        help="remat policies to choose from, comma-separated, of none, dots, full "
+                             "(default: all three; dots needs one more measurement)")
+    p_plan.add_argument("--repeats", metavar="N", default="5",
+                        help="timed runs per measurement, the median is used (default: 5)")
+    p_plan.add_argument("--out", metavar="FILE", default=None,
+                        help="also draw per-stage time and per-device memory bars to FILE "
+                             "(.png, .svg or .pdf); its directory must exist")
+    p_plan.set_defaults(func=run_plan, parser=p_plan)
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    from mindpipe_jax import viz
+    from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, get_schedule
+
+    # Every check before any output, so that a mistake writes nothing.
+    p = positive_int(args.stages, "--stages")
+    m = positive_int(args.microbatches, "--microbatches")
+    v = positive_int(args.virtual, "--virtual")
+    schedule = get_schedule(args.schedule, p, m, v)
+    if args.out is not None:
+        viz.check_picture_path(args.out)
+        viz.require_matplotlib()
+    print(viz.schedule_summary(schedule), flush=True)
+    if args.out is not None:
+        path = viz.draw_schedule(schedule, args.out, cost=DEFAULT_COST if args.weighted else None)
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import math
+
+    from mindpipe_jax import viz
+    from mindpipe_jax.parallel.pipeline.partition import MB, REMAT_POLICIES
+    from mindpipe_jax.parallel.pipeline.schedules import get_schedule
+
+    # Every check before touching JAX or writing anything.
+    cfg = load_config(args.config, args.overrides)
+    par = cfg.parallel
+    if par.pipe < 2:
+        raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "
+                          f"parallel.pipe={par.pipe}; e.g. mindpipe plan parallel.pipe=4")
+    p, v, m = par.pipe, par.virtual_stages, par.microbatches
+    get_schedule(par.schedule, p, m, v)  # refuses an unknown schedule or a bad (p, m, v)
+    if cfg.train.global_batch % m:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
+                          f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")
+    budget = None
+    if args.budget_mb is not None:
+        try:
+            budget_mb = float(args.budget_mb)
+        except ValueError:
+            budget_mb = math.nan
+        if not 0 < budget_mb < math.inf:
+            raise ConfigError(f"--budget-mb must be a number > 0 (MB per device), got {args.budget_mb!r}")
+        budget = budget_mb * MB
+    options = tuple(o.strip() for o in args.remat.split(",") if o.strip())
+    if not options or any(o not in REMAT_POLICIES for o in options):
+        raise ConfigError(f"--remat must list policies from {', '.join(REMAT_POLICIES)}, got {args.remat!r}")
+    repeats = positive_int(args.repeats, "--repeats")
+    if args.out is not None:
+        viz.check_picture_path(args.out)
+        viz.require_matplotlib()
+
+    from mindpipe_jax.parallel.mesh import setup_runtime
+
+    setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
+    from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition
+
+    profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
+                                  dots="dots" in options)
+    plan = partition(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
+                     remat_options=options)
+    print(plan.table(), flush=True)
+    if args.out is not None:
+        print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
+    return 0
