@@ -26,7 +26,8 @@ from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for
 from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
 from mindpipe_jax.train.checkpoint import Checkpointer
-from mindpipe_jax.train.loop import TrainResult, train
+from mindpipe_jax.train.loop import TrainResult
+from mindpipe_jax.tuner.epara import train  # the loop with EPara's online tuner plugged in
 
 __all__ = [
     "Config", "DataConfig", "DistributedConfig", "ModelConfig", "OptimConfig", "ParallelConfig",

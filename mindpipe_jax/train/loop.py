@@ -32,7 +32,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -116,14 +116,30 @@ def _saved_tuning(cfg: Config) -> dict:
     return (found[1].get("tuner") or {}) if found else {}
 
 
+class OnlineTuning(Protocol):
+    """What the loop needs from an online tuner (``tuner.epara.EParaTuning``). The loop
+    does not import ``tuner/`` (imports point from tuner to train): ``mindpipe_jax.train``
+    plugs it in."""
+
+    def resume(self, cfg: Config, saved: dict) -> Config:
+        """``cfg`` as the tuned run was when ``saved`` (a checkpoint's tuner state) was written."""
+
+    def initial_gain(self, cfg: Config) -> float:
+        """The learning-rate gain a fresh tuned run starts with."""
+
+    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model):
+        """The tuner object the loop feeds and asks (``tuner.epara.OnlineTuner``)."""
+
+
 def train(model=None, data=None, config: Config | None = None, *overrides: str,
-          step_model=None) -> TrainResult:
+          step_model=None, tuning: OnlineTuning | None = None) -> TrainResult:
     """Train ``model`` (an ``nnx.Module``, a factory ``rngs -> Module``, or None for the
     reference model of ``config.model``) on ``data`` (None = ``config.data``, a path,
     a ``DataConfig`` or ``TokenSplits``). ``overrides`` are ``key=value`` strings.
-    ``step_model`` predicts step times for the online tuner (``tuner.enabled``): any
-    object with ``step_time(candidate)`` and ``observe(candidate, seconds)``; default:
-    what this run measures (``tuner.epara.MeasuredThroughput``).
+    ``tuning``: the online tuner ``tuner.enabled`` needs (``mindpipe_jax.train`` passes
+    EPara's). ``step_model`` predicts step times for it: any object with
+    ``step_time(candidate)`` and ``observe(candidate, seconds)``; default: what this run
+    measures (``tuner.epara.MeasuredThroughput``).
     """
     cfg = config or Config()
     if overrides:
@@ -132,12 +148,13 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
     setup_runtime(cfg.parallel, cfg.distributed)
     tuned = _saved_tuning(cfg)
+    if (tuned or cfg.tuner.enabled) and tuning is None:
+        raise ConfigError("tuner.enabled=true (or resuming a tuned run) needs the online tuner: call "
+                          "mindpipe_jax.train, which plugs it in, not mindpipe_jax.train.loop.train")
     if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had
-        from mindpipe_jax.tuner.space import Candidate
-        cfg = Candidate(**tuned["candidate"]).apply(cfg)
+        cfg = tuning.resume(cfg, tuned)
     if tuned or cfg.tuner.enabled:
-        from mindpipe_jax.tuner.epara import initial_lr_gain
-        gain = tuned["lr_gain"] if tuned else initial_lr_gain(cfg)
+        gain = tuned["lr_gain"] if tuned else tuning.initial_gain(cfg)
     else:
         gain = 1.0
 
@@ -175,11 +192,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
-    tuner = None
-    if cfg.tuner.enabled:
-        from mindpipe_jax.tuner.epara import OnlineTuner, candidate_of
-        tuner = OnlineTuner.from_state(cfg, candidate_of(cfg, layout.mesh), len(jax.devices()), tuned,
-                                       lr_gain=gain, step_model=step_model)
+    tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model) if cfg.tuner.enabled else None
 
     def reconfigure(state, layout: Layout, feed, decision):
         return switch(state, layout, feed, decision.after.apply(layout.cfg), decision.lr_gain,

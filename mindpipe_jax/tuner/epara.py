@@ -337,3 +337,26 @@ def cost_model_for(cfg: Config):
     from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts
 
     return CostModel(ModelCosts.measure(cfg), Hardware.calibrate(), cfg.model.seq_len)
+
+
+class EParaTuning:
+    """EPara's online tuner as the training loop takes it (``train.loop.OnlineTuning``)."""
+
+    def resume(self, cfg: Config, saved: dict) -> Config:
+        return Candidate(**saved["candidate"]).apply(cfg)
+
+    def initial_gain(self, cfg: Config) -> float:
+        return initial_lr_gain(cfg)
+
+    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model) -> OnlineTuner:
+        return OnlineTuner.from_state(cfg, candidate_of(cfg, mesh), len(jax.devices()), saved,
+                                      lr_gain=lr_gain, step_model=step_model)
+
+
+def train(model=None, data=None, config: Config | None = None, *overrides: str,
+          step_model: StepModel | None = None):
+    """``mindpipe_jax.train``: the training loop (``train.loop.train``, same arguments) with
+    EPara's online tuner plugged in for ``tuner.enabled`` and for resuming tuned runs."""
+    from mindpipe_jax.train.loop import train as train_loop
+
+    return train_loop(model, data, config, *overrides, step_model=step_model, tuning=EParaTuning())
