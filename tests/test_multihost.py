@@ -9,6 +9,8 @@ compared with the same config trained in this single process:
 * data=4 x tensor=2, preempted (SIGTERM to process 1 only: JAX's preemption
   service makes both stop after the same step), then resumed: equal to the
   uninterrupted single-process run within float32 rounding of the all-reduce;
+* Ctrl-C in the terminal (SIGINT to both processes): both stop after the same
+  step with one checkpoint, and exit 0;
 * a 2-stage 1F1B pipeline across the processes (stage 0 on process 0's
   devices, stage 1 on process 1's), the same comparison;
 * deterministic mode on data=8: bitwise equal.
@@ -157,6 +159,24 @@ def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cach
     _check_one_writer(outputs, out, steps=12)
     single = _single_process(tmp_path, DATA_TENSOR)
     _compare(_state(single, DATA_TENSOR), _state(out, DATA_TENSOR), bitwise=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_terminal_stops_both_processes_after_the_same_step(tmp_path, cache):
+    # A terminal's Ctrl-C reaches every process of the job: each hands it to JAX's
+    # preemption service, which picks one step for both, so their collective save matches.
+    out = tmp_path / "cluster"
+    procs = _launch([*MH, *DATA_TENSOR, f"train.out_dir={out}"], "env", cache=cache, cwd=tmp_path)
+    procs[0].wait_for_step(2, TIMEOUT_S)
+    for p in procs:
+        p.signal(signal.SIGINT)
+    outputs = _finish(procs)
+    stops = [ln for ln in outputs[0].splitlines() if ln.startswith("stopped by SIGINT after step ")]
+    assert len(stops) == 1, outputs[0][-3000:]
+    stopped = int(stops[0].split("after step ")[1].split()[0])
+    assert 2 <= stopped < 12 and committed_steps(out / "checkpoints")[-1] == stopped
+    logged = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, stopped + 1))
 
 
 @pytest.mark.slow
