@@ -146,6 +146,20 @@ def test_without_noise_estimate_only_the_current_batch_is_compared():
     assert d is not None and d.after.global_batch == 16 and d.after.tensor == 2 and d.b_noise is None
 
 
+def test_a_pipeline_weighs_its_microbatch_count():
+    cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
+                              "parallel.microbatches=2", "tuner.enabled=true", "tuner.meshes=true",
+                              "tuner.every=1", "tuner.warmup=0", "tuner.batch_sizes=[16]")
+    cur = Candidate(data=4, pipe=2, microbatches=2, global_batch=16)
+    four = dataclasses.replace(cur, microbatches=4)
+    tuner = OnlineTuner(cfg, cur, 8, step_model=PreferStub(lambda c: c == four))
+    pipelines = {c.microbatches for c in tuner.candidates if (c.pipe, c.data, c.tensor) == (2, 4, 1)}
+    assert pipelines == {1, 2, 4}  # 8 would leave half a row per microbatch and device: refused
+    d = tuner.decide(1)
+    assert d is not None and d.after == four
+    assert "microbatches 2 -> 4" in d.line()
+
+
 def test_measured_throughput_fits_overhead_and_scales_rows():
     m = MeasuredThroughput()
     a, b = Candidate(data=8, global_batch=16), Candidate(data=8, global_batch=64)
@@ -231,6 +245,29 @@ def test_step_after_mesh_switch_matches_a_fresh_run_on_the_new_mesh(tmp_path):
     shutil.copytree(tuned.out_dir, fresh_dir)
     shutil.rmtree(fresh_dir / "checkpoints" / "3")
     fresh = mp.train(None, None, mp.Config(), *common, "parallel.data=4", "parallel.tensor=2",
+                     f"train.out_dir={fresh_dir}", "train.resume=true")
+    assert tuned.history[-1]["loss"] == pytest.approx(fresh.history[-1]["loss"], rel=1e-6)
+    for x, y in zip(leaves(tuned.state), leaves(fresh.state), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_microbatch_switch_matches_a_fresh_run_with_that_count(tmp_path):
+    common = (*TINY, "train.steps=3", "train.checkpoint_every=2", "train.log_every=1", "parallel.pipe=2",
+              "parallel.data=4", "parallel.tensor=1", "parallel.schedule=1f1b")
+    stub = PreferStub(lambda c: (c.pipe, c.data, c.tensor, c.microbatches) == (2, 4, 1, 4))
+    tuned = mp.train(None, None, mp.Config(), *common, "parallel.microbatches=2",
+                     f"train.out_dir={tmp_path / 'tuned'}", "tuner.enabled=true", "tuner.meshes=true",
+                     "tuner.every=2", "tuner.warmup=2", "tuner.amortize=false", step_model=stub)
+    switched = [h["tuner"] for h in tuned.history if "tuner" in h]
+    assert len(switched) == 1 and switched[0]["candidate"]["microbatches"] == 4
+    assert dict(tuned.mesh.shape)["data"] == 4 and dict(tuned.mesh.shape)["pipe"] == 2
+    assert tuned.config.parallel.microbatches == 4
+    # Step 3 after the switch equals step 3 of a run restored from step 2 with 4 microbatches.
+    fresh_dir = tmp_path / "fresh"
+    shutil.copytree(tuned.out_dir, fresh_dir)
+    shutil.rmtree(fresh_dir / "checkpoints" / "3")
+    fresh = mp.train(None, None, mp.Config(), *common, "parallel.microbatches=4",
                      f"train.out_dir={fresh_dir}", "train.resume=true")
     assert tuned.history[-1]["loss"] == pytest.approx(fresh.history[-1]["loss"], rel=1e-6)
     for x, y in zip(leaves(tuned.state), leaves(fresh.state), strict=True):

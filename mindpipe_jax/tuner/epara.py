@@ -5,7 +5,8 @@ The loop feeds ``OnlineTuner`` every fetched step's metrics (for the gradient
 noise scale, tuner/noise.py) and the measured time per step (for the step-time
 model). Every ``tuner.every`` steps (after ``tuner.warmup``) ``decide`` predicts,
 for each candidate — the global batches of the batch ladder and, with
-``tuner.meshes``, every data x fsdp x tensor mesh shape (tuner/space.py) — its step
+``tuner.meshes``, every data x fsdp x tensor mesh shape (tuner/space.py) and, in a
+pipeline, microbatch counts from half to four times the current one — its step
 time and so its entropyput ``B / t(B) x efficiency(B)``, and returns a ``Decision``
 when the best beats the current candidate by more than ``tuner.threshold``.
 Switching is the loop's job (train/reconfigure.py).
@@ -183,8 +184,12 @@ class OnlineTuner:
         if tc.meshes:
             # Pipeline and expert axes stay in play only if the run already uses them.
             axes = ("data", "fsdp", "tensor") + tuple(a for a in ("pipe", "expert") if cur.axes[a] > 1)
+            # A pipeline also weighs its microbatch count: more fill the bubble, each costs a
+            # launch and a smaller matmul (the cost model prices both; the batch is unchanged).
+            m = cur.microbatches
+            micro = sorted({x for x in (m // 2, m, 2 * m, 4 * m) if x >= 1}) if cur.pipe > 1 else (m,)
             found = enumerate_space(self.cfg, self.num_devices, axes=axes, global_batches=batches,
-                                    microbatches=(cur.microbatches,), schedules=(cur.schedule,),
+                                    microbatches=micro, schedules=(cur.schedule,),
                                     virtual_stages=(cur.virtual_stages,), remats=(cur.remat,)).valid
         else:
             found = [c for b in batches if check_candidate(
