@@ -32,18 +32,10 @@ Selecting a subnet never scatters: candidate weights are chosen by a one-hot
 contraction and widths/depth by masks (``space.py``), so each candidate's
 gradient is a dense array, exactly zero where the subnet did not read it.
 
-Optimizer: lazy AdamW
----------------------
-Every parameter has AdamW moments; **Candidate** parameters (the searchable
-operators) have one step count per unit (``[layers, candidates]``) and are
-updated only where a subnet used the unit: an operator no subnet chose keeps
-its weights and moments (no weight decay or momentum drift while unsampled).
-Shared parameters (embedding, attention, norms, head) are updated every step.
-Each subnet's gradient is clipped to ``optim.clip_norm`` on its own (per-subnet
-global norm) before it is combined. Inside the step every gradient is one
-raveled ``float32[P]`` vector (a few large arrays instead of one per leaf: less
-to compile); the optimizer state is kept the same way (``mu``, ``nu``:
-``float32[P]``; ``count``: ``int32[units + 1]``, the last for shared params).
+Optimizer: lazy AdamW (``optimizer.py``): every parameter has AdamW moments, but a
+Candidate parameter's unit is updated only where a subnet used it; each subnet's
+gradient is clipped on its own before it is combined; a device updates only the
+1/N of the raveled parameters it owns.
 
 Two semantics
 -------------
@@ -64,12 +56,11 @@ Two semantics
     own gradient), keep its shared gradient; then average the K shared
     gradients and update the shared weights.
 
-    Executed in **waves**: subnet k goes into wave 1 + max(wave of an earlier
-    subnet sharing a unit with it), or wave 0. Subnets of a wave use disjoint
-    units, so computing them together at the wave's start weights and updating
-    each unit from its one user equals the sequential loop. The unit gradients
-    of a wave are summed over its slots: every element has at most one nonzero
-    term, so that sum is exact in any order.
+    Executed in **waves** (``plan.py``): subnets of a wave use disjoint units, so
+    computing them together at the wave's start weights and updating each unit
+    from its one user equals the sequential loop. The unit gradients of a wave
+    are summed over its slots: every element has at most one nonzero term, so
+    that sum is exact in any order.
 
     Why shared layers are handled this way: every subnet reads the embedding,
     attention, norms and head, so if they defined conflicts, every pair of
@@ -77,201 +68,47 @@ Two semantics
     separates them for the same reason). Only the operator choices define
     conflicts; the shared weights follow the sync rule inside a step, and the
     steps themselves are sequential.
+
+Modules
+-------
+``spec.py`` (the supernet as raveled vectors), ``plan.py`` (layout checks, rounds
+and waves, on the host), ``optimizer.py`` (the fixed-order reduction and the lazy
+AdamW); this module builds the step from them, holds the optimizer state's layout
+and the sequential reference, and re-exports the names of the others (callers
+import them from here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
-from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.supernet.space import Candidate
+from mindpipe_jax.supernet.optimizer import adamw, clip, global_norm, pairwise_sum, reduce_round
+from mindpipe_jax.supernet.plan import (
+    AXES,
+    SEMANTICS,
+    StepPlan,
+    causal_waves,
+    check_layout,
+    check_semantics,
+    plan_step,
+)
+from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec, supernet_spec
 from mindpipe_jax.train.state import lr_schedule
 
-SEMANTICS = ("sync", "causal")
-AXES = ("subnet", "data")
-# Raveled vectors are cut into this many equal chunks. Each device updates the chunks
-# it owns (ZeRO-1 style), and the per-subnet gradient norm sums per-chunk partial sums
-# in a fixed order: the same association on every device count that divides it.
-PARAM_CHUNKS = 64
-
-__all__ = ["SEMANTICS", "SupernetSpec", "supernet_spec", "init_state", "StepPlan", "plan_step",
-           "causal_waves", "make_spara_step", "reference_step", "check_layout"]
+__all__ = ["SEMANTICS", "AXES", "PARAM_CHUNKS", "SupernetSpec", "supernet_spec", "init_state", "adamw",
+           "global_norm", "clip", "pairwise_sum", "reduce_round", "StepPlan", "plan_step", "causal_waves",
+           "check_layout", "make_spara_step", "state_shardings", "jit_step", "reference_step"]
 
 
-# --- the model ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (caches key on it)
-class SupernetSpec:
-    """Static facts about a supernet: structure, params, which are searchable, the unit grid."""
-
-    graphdef: Any
-    module: Any  # the abstract module: space, unit_grid, units()
-    abstract_params: Any  # pure dict of ShapeDtypeStruct
-    searchable: Any  # pure dict of bool: Candidate parameters
-    decay: Any  # pure dict of bool: weight decay (matrices only)
-    units_batch: Callable  # jitted int32[N, genes] -> bool[N, *unit_grid]
-    unit_of: np.ndarray  # int32[Pp]: each raveled parameter's unit (raveled grid index), U if shared
-    decay_flat: np.ndarray  # bool[Pp]
-    # unit_of as runs, in order: (per_unit, n) is a Candidate leaf of n elements, per_unit for
-    # each unit of the grid in turn; (0, n) is n consecutive shared elements.
-    segments: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def space(self):
-        return self.module.space
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of the supernet (the raveled vectors are padded to ``padded_size``)."""
-        return sum(leaf.size for leaf in jax.tree.leaves(self.abstract_params))
-
-    @property
-    def padded_size(self) -> int:
-        """Length of a raveled vector: ``num_params`` rounded up to ``PARAM_CHUNKS`` chunks."""
-        return len(self.unit_of)
-
-    @property
-    def num_units(self) -> int:
-        return int(np.prod(self.unit_grid))
-
-    def ravel(self, tree) -> jax.Array:
-        """All parameters (or gradients) as one ``float32[padded_size]`` vector, in tree order."""
-        parts = [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)]
-        pad = self.padded_size - self.num_params
-        return jnp.concatenate(parts + ([jnp.zeros((pad,), jnp.float32)] if pad else []))
-
-    def expand(self, values) -> jax.Array:
-        """Per-unit values ``[..., U + 1]`` (the last: shared) as per-element values
-        ``[..., padded_size]``: the same as ``values[..., unit_of]``, built from broadcasts.
-
-        (A gather over every parameter was most of the optimizer's time on the CPU:
-        ~10x optax's adamw. Broadcasting the per-unit values over :attr:`segments`
-        copies the same numbers, so the results are bitwise the same.)
-        """
-        values = jnp.asarray(values)
-        lead, n_units = values.shape[:-1], self.num_units
-        pieces = []
-        for per_unit, n in self.segments:
-            if per_unit:
-                block = jnp.broadcast_to(values[..., :n_units, None], (*lead, n_units, per_unit))
-                pieces.append(block.reshape(*lead, n))
-            else:
-                pieces.append(jnp.broadcast_to(values[..., n_units:], (*lead, n)))
-        return jnp.concatenate(pieces, axis=-1)
-
-    def unravel(self, flat):
-        """The inverse of :meth:`ravel`, in the parameters' own dtypes."""
-        leaves, treedef = jax.tree.flatten(self.abstract_params)
-        out, start = [], 0
-        for leaf in leaves:
-            out.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
-            start += leaf.size
-        return jax.tree.unflatten(treedef, out)
-
-    @property
-    def unit_grid(self) -> tuple[int, ...]:
-        return tuple(self.module.unit_grid)
-
-    def merge(self, params):
-        return nnx.merge(self.graphdef, params)
-
-    def loss(self, params, inputs, targets, subnet):
-        return self.merge(params).loss(inputs, targets, subnet)
-
-    def units(self, subnets) -> np.ndarray:
-        """``bool[N, *unit_grid]``: the units each subnet reads (host NumPy)."""
-        return np.asarray(self.units_batch(jnp.asarray(subnets, jnp.int32)))
-
-
-def _decays(variable) -> bool:
-    names = (variable.get_metadata() or {}).get("out_sharding")
-    if names is None:
-        return variable.get_value().ndim >= 2
-    return sum(1 for n in names if n not in (None, "layers", "stages")) >= 2
-
-
-def supernet_spec(model_or_factory, seed: int = 0):
-    """A supernet module (or factory ``rngs -> module``) → (SupernetSpec, create).
-
-    The module needs ``space`` (a SearchSpace), ``unit_grid``, ``units(subnet)``
-    and ``loss(inputs, targets, subnet)``; its searchable parameters are
-    :class:`Candidate` variables whose leading axes are the unit grid.
-    ``create()`` returns the initial params as a pure dict (call it under jit).
-    """
-    if isinstance(model_or_factory, nnx.Module):
-        module = model_or_factory
-        graphdef, state = nnx.split(module, nnx.Param)
-        concrete = nnx.to_pure_dict(state)
-        create = lambda: concrete  # noqa: E731
-        abstract_state = nnx.eval_shape(lambda: state)
-    elif callable(model_or_factory):
-        def build():
-            with nnx.use_eager_sharding(False):
-                return model_or_factory(nnx.Rngs(seed))
-
-        module = nnx.eval_shape(build)
-        graphdef, abstract_state = nnx.split(module, nnx.Param)
-
-        def create():
-            return nnx.to_pure_dict(nnx.split(build(), nnx.Param)[1])
-    else:
-        raise ConfigError(f"the supernet must be an nnx.Module or a callable rngs -> nnx.Module, "
-                          f"got {type(model_or_factory).__name__}")
-    missing = [a for a in ("space", "unit_grid", "units", "loss") if not hasattr(module, a)]
-    if missing:
-        raise ConfigError(f"{type(module).__name__} is not a supernet: it lacks {', '.join(missing)} "
-                          f"(see mindpipe_jax.supernet.model.SuperGPT)")
-    grid = tuple(module.unit_grid)
-    searchable = nnx.to_pure_dict(nnx.map_state(lambda _, v: isinstance(v, Candidate), abstract_state))
-    decay = nnx.to_pure_dict(nnx.map_state(lambda _, v: _decays(v), abstract_state))
-    shapes = nnx.to_pure_dict(abstract_state)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    marks = jax.tree.leaves(searchable)
-    if not any(marks):
-        raise ConfigError(f"{type(module).__name__} has no Candidate parameters: nothing is searchable")
-    for (path, leaf), is_unit in zip(flat, marks, strict=True):
-        if is_unit and tuple(leaf.shape[:len(grid)]) != grid:
-            raise ConfigError(f"Candidate parameter {jax.tree_util.keystr(path)} has shape {leaf.shape}; "
-                              f"its leading axes must be the unit grid {grid}")
-    units_batch = jax.jit(jax.vmap(module.units))
-    n_units = int(np.prod(grid))
-    unit_of, decay_flat, segments = [], [], []
-    for leaf, is_unit, decays in zip(jax.tree.leaves(abstract), marks, jax.tree.leaves(decay), strict=True):
-        per_unit = leaf.size // n_units
-        unit_of.append(np.repeat(np.arange(n_units, dtype=np.int32), per_unit) if is_unit
-                       else np.full(leaf.size, n_units, np.int32))
-        decay_flat.append(np.full(leaf.size, decays, bool))
-        segments.append((per_unit if is_unit else 0, leaf.size))
-    pad = -sum(len(u) for u in unit_of) % PARAM_CHUNKS  # padding: a "shared" zero, never decayed
-    unit_of.append(np.full(pad, n_units, np.int32))
-    decay_flat.append(np.zeros(pad, bool))
-    segments.append((0, pad))
-    runs = []  # consecutive shared leaves as one run
-    for per_unit, n in segments:
-        if runs and per_unit == 0 and runs[-1][0] == 0:
-            runs[-1] = (0, runs[-1][1] + n)
-        elif n:
-            runs.append((per_unit, n))
-    spec = SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch,
-                        np.concatenate(unit_of), np.concatenate(decay_flat), tuple(runs))
-    return spec, create
-
-
-# --- lazy AdamW on one flat vector ----------------------------------------------------------------
+# --- the optimizer state --------------------------------------------------------------------------
 
 
 def init_state(spec: SupernetSpec, params) -> dict:
@@ -288,165 +125,14 @@ def init_state(spec: SupernetSpec, params) -> dict:
                     "count": jnp.zeros((spec.num_units + 1,), jnp.int32)}}
 
 
-def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, optim: OptimConfig,
-          offset=None):
-    """One lazy AdamW update of the flat params ``p`` with gradient ``g``.
-
-    ``p``, ``g``, ``opt["mu"]``, ``opt["nu"]`` are raveled vectors, or (``offset``, may
-    be traced) the same slice ``[offset, offset + len(p))`` of each; ``opt["count"]``
-    is always whole.
-
-    Updates the elements of the units where ``unit_mask`` (``bool[*unit_grid]``)
-    is True, and the shared elements if ``shared``; every other element, its
-    moments and its unit's count stay exactly as they were. The arithmetic is
-    optax's ``adamw`` (moments, bias correction with the incremented count,
-    ``mu_hat / (sqrt(nu_hat) + eps)``, decoupled weight decay on matrices).
-    """
-    sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])
-    count = opt["count"] + sel.astype(jnp.int32)
-    cf = count.astype(jnp.float32)
-    # Per unit: selected, and the two bias corrections; then the same per element.
-    per_element = spec.expand(jnp.stack([sel.astype(jnp.float32), 1 - optim.b1 ** cf, 1 - optim.b2 ** cf]))
-    decay = jnp.asarray(spec.decay_flat)
-    if offset is not None:
-        per_element = lax.dynamic_slice_in_dim(per_element, offset, p.shape[0], axis=1)
-        decay = lax.dynamic_slice_in_dim(decay, offset, p.shape[0])
-    mask, bc1, bc2 = per_element[0] > 0, per_element[1], per_element[2]
-    mu = (1 - optim.b1) * g + optim.b1 * opt["mu"]
-    nu = (1 - optim.b2) * jnp.square(g) + optim.b2 * opt["nu"]
-    update = (mu / bc1) / (jnp.sqrt(nu / bc2) + optim.eps)
-    if optim.weight_decay:
-        update = update + jnp.where(decay, optim.weight_decay * p, 0)
-    new_p = p + (-lr) * update
-    return (jnp.where(mask, new_p, p),
-            {"mu": jnp.where(mask, mu, opt["mu"]), "nu": jnp.where(mask, nu, opt["nu"]), "count": count})
+# Parameters, step and counts replicated; AdamW moments split over every device.
+STATE_SPECS = {"step": P(), "params": P(), "opt": {"mu": P(AXES), "nu": P(AXES), "count": P()}}
 
 
-def global_norm(flat) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.square(flat)))
-
-
-def clip(grads, norm, max_norm: float):
-    """optax.clip_by_global_norm's rule (scale by max_norm / norm when above) given the norm; 0 disables."""
-    if not max_norm:
-        return grads
-    # One scalar scale, then a multiply: a vector division here rounded differently in
-    # different fusions (seen: 1 vs 2 data devices), a multiply by one scalar never does.
-    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-
-
-def pairwise_sum(stacked):
-    """Sum the leading axis in one fixed balanced order (any length)."""
-    def one(x):
-        while x.shape[0] > 1:
-            n = x.shape[0]
-            pairs = x[0:n - n % 2:2] + x[1:n - n % 2:2]
-            x = jnp.concatenate([pairs, x[n - 1:]]) if n % 2 else pairs
-        return x[0]
-    return jax.tree.map(one, stacked)
-
-
-# --- the plan of a step (host, NumPy) -------------------------------------------------------------
-
-
-def causal_waves(units: np.ndarray) -> np.ndarray:
-    """Wave of each subnet: 1 + the latest wave of an earlier subnet sharing a unit, else 0.
-
-    ``units``: ``bool[K, ...]``. This is the earliest wave every subnet can run in
-    without changing what the sequential order gives (longest path in the
-    conflict order), so it is also the fewest waves.
-    """
-    flat = np.asarray(units, bool).reshape(len(units), -1)
-    waves = np.zeros(len(flat), np.int32)
-    for k in range(len(flat)):
-        earlier = [waves[j] for j in range(k) if (flat[j] & flat[k]).any()]
-        waves[k] = 1 + max(earlier) if earlier else 0
-    return waves
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What one step runs, in fixed-shape arrays (the same compiled program every step).
-
-    ``subnets``: ``int32[K + 1, genes]`` (row K: padding, a copy of row 0);
-    ``slot_subnet``: ``int32[rounds_max, R]``, the subnet of each slot of each
-    round (K = padding); ``slot_valid``; ``wave_end``: after this round the
-    wave's units are updated (causal); ``n_rounds``; ``waves``: per subnet.
-    """
-
-    subnets: np.ndarray
-    slot_subnet: np.ndarray
-    slot_valid: np.ndarray
-    wave_end: np.ndarray
-    n_rounds: np.ndarray
-    waves: np.ndarray
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {"subnets": self.subnets, "slot_subnet": self.slot_subnet, "slot_valid": self.slot_valid,
-                "wave_end": self.wave_end, "n_rounds": self.n_rounds}
-
-    @property
-    def num_waves(self) -> int:
-        return int(self.waves.max()) + 1
-
-
-def plan_step(spec: SupernetSpec, subnets, semantics: str, round_slots: int) -> StepPlan:
-    """Rounds of ``round_slots`` (= subnet axis × vmap width) slots for this step's subnets."""
-    _check_semantics(semantics)
-    subnets = spec.space.validate(subnets)
-    k = len(subnets)
-    if semantics == "sync":
-        waves = np.zeros(k, np.int32)
-        rows = [list(range(i, min(i + round_slots, k))) for i in range(0, k, round_slots)]
-        ends = [False] * len(rows)
-        max_rounds = -(-k // round_slots)
-    else:
-        waves = causal_waves(spec.units(subnets))
-        rows, ends = [], []
-        for w in range(int(waves.max()) + 1):
-            members = [int(i) for i in np.flatnonzero(waves == w)]
-            for start in range(0, len(members), round_slots):
-                rows.append(members[start:start + round_slots])
-                ends.append(start + round_slots >= len(members))
-        max_rounds = k  # every wave may hold one subnet
-    slot = np.full((max_rounds, round_slots), k, np.int32)
-    for r, row in enumerate(rows):
-        slot[r, :len(row)] = row
-    wave_end = np.zeros(max_rounds, bool)
-    wave_end[:len(ends)] = ends
-    return StepPlan(np.concatenate([subnets, subnets[:1]]).astype(np.int32), slot, slot < k, wave_end,
-                    np.asarray(len(rows), np.int32), waves)
-
-
-# --- checks ---------------------------------------------------------------------------------------
-
-
-def _check_semantics(semantics: str) -> None:
-    if semantics not in SEMANTICS:
-        raise ConfigError(f"supernet.semantics={semantics!r} is not valid; valid: "
-                          f"{', '.join(repr(s) for s in SEMANTICS)}")
-
-
-def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
-                 global_batch: int) -> None:
-    """The mesh and sizes the SPara step supports; ConfigError naming the value otherwise."""
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
-    if others:
-        raise ConfigError(f"supernet training splits devices over parallel.subnet and parallel.data only; "
-                          f"got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
-    s, d = mesh.shape["subnet"], mesh.shape["data"]
-    if PARAM_CHUNKS % (s * d):
-        raise ConfigError(f"parallel.subnet x parallel.data = {s} x {d} = {s * d} devices must divide "
-                          f"{PARAM_CHUNKS} (SPara splits the optimizer into {PARAM_CHUNKS} equal chunks)")
-    if subnets_per_step % (s * vmap_width):
-        raise ConfigError(
-            f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
-            f"supernet.vmap_width = {s} x {vmap_width} = {s * vmap_width}")
-    if virtual_shards % d or global_batch % virtual_shards:
-        raise ConfigError(
-            f"train.virtual_shards={virtual_shards} must be divisible by parallel.data={d}, and "
-            f"train.global_batch={global_batch} by train.virtual_shards")
+def state_shardings(mesh) -> dict:
+    """``STATE_SPECS`` on ``mesh``: parameters, step and counts replicated, AdamW moments split."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -469,24 +155,17 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     chunk sums and the slots' losses. Norms, clipping, the K-buffer, the sums over
     subnets and AdamW then run on that 1/N only; the new parameters are all-gathered.
     """
-    _check_semantics(semantics)
+    check_semantics(semantics)
     check_layout(mesh, subnets_per_step=subnets_per_step, vmap_width=vmap_width,
                  virtual_shards=virtual_shards, global_batch=global_batch)
     k, w, v = subnets_per_step, vmap_width, virtual_shards
     n_sub, n_data = mesh.shape["subnet"], mesh.shape["data"]
-    n_dev = n_sub * n_data
     r_slots = n_sub * w
-    size = spec.padded_size
-    chunk = size // n_dev  # this device's share of the raveled parameters
-    per_fixed = size // PARAM_CHUNKS  # elements per fixed norm chunk
+    chunk = spec.padded_size // (n_sub * n_data)  # this device's share of the raveled parameters
     schedule = lr_schedule(optim, total_steps)
     units_of = jax.vmap(spec.module.units)
+    slot_grads = jax.vmap(spec.loss_and_grad, in_axes=(None, 0, None))  # W subnets, one shard
     no_units = jnp.zeros(spec.unit_grid, bool)
-
-    def grad_one(params, subnet, shard):
-        value, grads = jax.value_and_grad(
-            lambda p: spec.loss(p, shard["inputs"], shard["targets"], subnet))(params)
-        return value, spec.ravel(grads)
 
     def per_device(state, plan, vbatch):
         lr = schedule(state["step"])
@@ -503,8 +182,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
             subs = jnp.take(subnets, ids, axis=0)
 
             def compute(_):
-                losses, grads = lax.map(
-                    lambda shard: jax.vmap(grad_one, in_axes=(None, 0, None))(local, subs, shard), vbatch)
+                losses, grads = lax.map(lambda shard: slot_grads(local, subs, shard), vbatch)
                 # The fixed pairwise tree over the V shards: its lower levels on this device's
                 # contiguous shards (here), its upper levels over the devices, in device order.
                 return pairwise_sum((losses, grads))  # [W], [W, Pp]
@@ -516,28 +194,8 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
             # A device whose slots are all padding (a causal wave smaller than the round)
             # computes nothing: only the taken branch runs. No collective inside.
             losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
-            # One exchange: device n receives chunk n of every device's W slots. Then the
-            # upper levels of the tree: each group's data devices, in order.
-            grads = lax.all_to_all(jnp.swapaxes(grads.reshape(w, n_dev, chunk), 0, 1), AXES, 0, 0)
-            grads = jnp.moveaxis(grads.reshape(n_sub, n_data, w, chunk), 1, 0)  # [D, S, W, chunk]
-            grads = lax.optimization_barrier(pairwise_sum(grads)) * (1.0 / v)  # [S, W, chunk]
-            grads = grads.reshape(r_slots, chunk)  # slot order: group-major
-            # Norm: per fixed chunk (same shape on every mesh), then a fixed tree over the chunks.
-            parts = lax.map(lambda row: jnp.sum(jnp.square(row)), grads.reshape(-1, per_fixed))
-            # One gather brings every device's norm parts and its slots' partial losses
-            # (collectives are the fixed cost of a round: fewer of them, fewer waits).
-            every = lax.all_gather(jnp.concatenate([parts, losses]), AXES, to="invarying")  # [N, ...]
-            parts = every[:, :-w].reshape(n_dev, r_slots, -1)  # [N, R, 64/N]
-            parts = jnp.moveaxis(parts, 0, 1).reshape(r_slots, PARAM_CHUNKS)  # columns in device order
-            norms = jnp.sqrt(pairwise_sum(jnp.moveaxis(parts, 1, 0)))  # [R]
-            losses = jnp.moveaxis(every[:, -w:].reshape(n_sub, n_data, w), 1, 0)  # [D, S, W]
-            losses = (pairwise_sum(losses) * (1.0 / v)).reshape(r_slots)  # [R], group-major
-            if optim.clip_norm:
-                # One scalar scale per slot, then a multiply (a vector division rounded
-                # differently in different fusions; a multiply by a scalar never does).
-                scale = jnp.where(norms < optim.clip_norm, 1.0, optim.clip_norm / norms)
-                grads = grads * scale[:, None]
-            return losses, norms, grads
+            return reduce_round(losses, grads, n_sub=n_sub, n_data=n_data, virtual_shards=v,
+                                clip_norm=optim.clip_norm)
 
         def store(buffers, values, slot_ids):
             # Each slot's row goes to its subnet's index (K: padding). Indices are unique
@@ -566,8 +224,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 return store(bufs, [grads, losses, norms], plan["slot_subnet"][r])
 
             bufs = lax.fori_loop(0, plan["n_rounds"], body, bufs0)
-            mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
-            p_mine, opt = update(p_mine, mean, opt0, jnp.any(units_of(subnets[:k]), axis=0), True)
+            opt, last_units = opt0, jnp.any(units_of(subnets[:k]), axis=0)  # the units anyone used
         else:
             def body(r, carry):
                 params, p_mine, opt, acc, wave_used, bufs = carry
@@ -596,25 +253,19 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
             carry = (state["params"], p_mine, opt0, jnp.zeros_like(p_mine), no_units, bufs0)
             _, p_mine, opt, _, _, bufs = lax.fori_loop(0, plan["n_rounds"], body, carry)
-            mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)  # only its shared elements are applied
-            p_mine, opt = update(p_mine, mean, opt, no_units, True)
+            last_units = no_units  # the waves updated the units: only the mean's shared elements apply
+        mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
+        p_mine, opt = update(p_mine, mean, opt, last_units, True)
         new_state = {"step": state["step"] + 1, "params": gather_params(p_mine), "opt": opt}
         return new_state, {"loss": bufs[1][:k], "grad_norm": bufs[2][:k], "lr": lr}
 
     def step(state, plan, batch):
         vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
-        state_specs = {"step": P(), "params": P(), "opt": {"mu": P(AXES), "nu": P(AXES), "count": P()}}
         fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
-                           in_specs=(state_specs, P(), P("data")), out_specs=(state_specs, P()))
+                           in_specs=(STATE_SPECS, P(), P("data")), out_specs=(STATE_SPECS, P()))
         return fn(state, plan, vbatch)
 
     return step
-
-
-def state_shardings(mesh) -> dict:
-    """Parameters, step and counts replicated; AdamW moments split over every device."""
-    rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXES))
-    return {"step": rep, "params": rep, "opt": {"mu": split, "nu": split, "count": rep}}
 
 
 def jit_step(step, mesh, donate: bool = True):
@@ -635,9 +286,7 @@ def _reference_fns(spec: SupernetSpec, optim: OptimConfig, total_steps: int):
 
     @jax.jit
     def grad(params, subnet, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: spec.loss(p, batch["inputs"], batch["targets"], subnet))(params)
-        flat = spec.ravel(grads)
+        loss, flat = spec.loss_and_grad(params, subnet, batch)
         norm = global_norm(flat)
         return loss, norm, clip(flat, norm, optim.clip_norm)
 
@@ -657,7 +306,7 @@ def reference_step(spec: SupernetSpec, state, subnets, batch, *, semantics: str,
     of its mean loss over the whole batch, one subnet at a time, in order.
     Returns ``(state, metrics)`` like the SPara step.
     """
-    _check_semantics(semantics)
+    check_semantics(semantics)
     grad, update = _reference_fns(spec, optim, total_steps)
     subnets = spec.space.validate(subnets)
     used = spec.units(subnets)

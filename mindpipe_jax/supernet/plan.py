@@ -1,0 +1,127 @@
+"""How a SPara step cuts its work, decided on the host: layout checks, rounds and waves.
+
+The mesh axes are ``AXES`` = (``subnet``, ``data``): S device groups share the K
+subnets of a step, D devices per group split the batch. A *round* holds R = S·W
+slots (W = ``supernet.vmap_width``); ``plan_step`` lays the step's subnets into
+rounds as fixed-shape arrays (``StepPlan``), so every step runs the same compiled
+program whatever subnets it drew.
+
+``sync`` fills rounds in sampling order. ``causal`` runs in **waves**: subnet k
+goes into wave 1 + max(wave of an earlier subnet sharing a unit with it), or wave 0
+(``causal_waves``). Subnets of a wave use disjoint units, so computing them
+together at the wave's start weights and updating each unit from its one user
+equals the sequential loop; a wave takes whole rounds (its last round may be part
+padding) and ``wave_end`` marks the round after which its units are updated.
+
+Separate because it is plain NumPy run before each step (no tracing, no mesh
+beyond its shape), called by the trainer on its own, and testable without devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec
+
+SEMANTICS = ("sync", "causal")
+AXES = ("subnet", "data")
+
+
+def check_semantics(semantics: str) -> None:
+    if semantics not in SEMANTICS:
+        raise ConfigError(f"supernet.semantics={semantics!r} is not valid; valid: "
+                          f"{', '.join(repr(s) for s in SEMANTICS)}")
+
+
+def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
+                 global_batch: int) -> None:
+    """The mesh and sizes the SPara step supports; ConfigError naming the value otherwise."""
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    if others:
+        raise ConfigError(f"supernet training splits devices over parallel.subnet and parallel.data only; "
+                          f"got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    s, d = mesh.shape["subnet"], mesh.shape["data"]
+    if PARAM_CHUNKS % (s * d):
+        raise ConfigError(f"parallel.subnet x parallel.data = {s} x {d} = {s * d} devices must divide "
+                          f"{PARAM_CHUNKS} (SPara splits the optimizer into {PARAM_CHUNKS} equal chunks)")
+    if subnets_per_step % (s * vmap_width):
+        raise ConfigError(
+            f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
+            f"supernet.vmap_width = {s} x {vmap_width} = {s * vmap_width}")
+    if virtual_shards % d or global_batch % virtual_shards:
+        raise ConfigError(
+            f"train.virtual_shards={virtual_shards} must be divisible by parallel.data={d}, and "
+            f"train.global_batch={global_batch} by train.virtual_shards")
+
+
+def causal_waves(units: np.ndarray) -> np.ndarray:
+    """Wave of each subnet: 1 + the latest wave of an earlier subnet sharing a unit, else 0.
+
+    ``units``: ``bool[K, ...]``. This is the earliest wave every subnet can run in
+    without changing what the sequential order gives (longest path in the
+    conflict order), so it is also the fewest waves.
+    """
+    flat = np.asarray(units, bool).reshape(len(units), -1)
+    waves = np.zeros(len(flat), np.int32)
+    for k in range(len(flat)):
+        earlier = [waves[j] for j in range(k) if (flat[j] & flat[k]).any()]
+        waves[k] = 1 + max(earlier) if earlier else 0
+    return waves
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step runs, in fixed-shape arrays (the same compiled program every step).
+
+    ``subnets``: ``int32[K + 1, genes]`` (row K: padding, a copy of row 0);
+    ``slot_subnet``: ``int32[rounds_max, R]``, the subnet of each slot of each
+    round (K = padding); ``slot_valid``; ``wave_end``: after this round the
+    wave's units are updated (causal); ``n_rounds``; ``waves``: per subnet.
+    """
+
+    subnets: np.ndarray
+    slot_subnet: np.ndarray
+    slot_valid: np.ndarray
+    wave_end: np.ndarray
+    n_rounds: np.ndarray
+    waves: np.ndarray
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"subnets": self.subnets, "slot_subnet": self.slot_subnet, "slot_valid": self.slot_valid,
+                "wave_end": self.wave_end, "n_rounds": self.n_rounds}
+
+    @property
+    def num_waves(self) -> int:
+        return int(self.waves.max()) + 1
+
+
+def plan_step(spec: SupernetSpec, subnets, semantics: str, round_slots: int) -> StepPlan:
+    """Rounds of ``round_slots`` (= subnet axis × vmap width) slots for this step's subnets."""
+    check_semantics(semantics)
+    subnets = spec.space.validate(subnets)
+    k = len(subnets)
+    if semantics == "sync":
+        waves = np.zeros(k, np.int32)
+        rows = [list(range(i, min(i + round_slots, k))) for i in range(0, k, round_slots)]
+        ends = [False] * len(rows)
+        max_rounds = -(-k // round_slots)
+    else:
+        waves = causal_waves(spec.units(subnets))
+        rows, ends = [], []
+        for w in range(int(waves.max()) + 1):
+            members = [int(i) for i in np.flatnonzero(waves == w)]
+            for start in range(0, len(members), round_slots):
+                rows.append(members[start:start + round_slots])
+                ends.append(start + round_slots >= len(members))
+        max_rounds = k  # every wave may hold one subnet
+    slot = np.full((max_rounds, round_slots), k, np.int32)
+    for r, row in enumerate(rows):
+        slot[r, :len(row)] = row
+    wave_end = np.zeros(max_rounds, bool)
+    wave_end[:len(ends)] = ends
+    return StepPlan(np.concatenate([subnets, subnets[:1]]).astype(np.int32), slot, slot < k, wave_end,
+                    np.asarray(len(rows), np.int32), waves)
+
