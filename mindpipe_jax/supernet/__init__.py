@@ -3,6 +3,9 @@
 * ``space.py``   — genes, search spaces, ``Candidate`` parameters, one-hot selection and masks;
 * ``model.py``   — ``SuperGPT``, the reference supernet (the GPT with searchable blocks);
 * ``sampler.py`` — the subnets of step t as a pure function of (seed, t): uniform, sandwich;
+* ``spec.py``    — ``SupernetSpec``: the supernet's parameters as flat vectors, its loss and gradient;
+* ``plan.py``    — layout checks and each step's rounds and causal waves (host NumPy);
+* ``optimizer.py`` — the fixed-order gradient reduction, clipping and the lazy sharded AdamW;
 * ``spara.py``   — the vectorized multi-subnet step on the ``subnet`` × ``data`` mesh, its
   ``sync`` and ``causal`` semantics, and the sequential reference both are tested against;
 * ``search.py``  — validation scores with inherited weights and the evolutionary search;
