@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,3 +110,36 @@ def run_train(args: list[str], *, env: dict[str, str], cwd: Path, timeout: float
     child = Train(args, env=env, cwd=cwd, command=command)
     rc = child.wait(timeout)
     return rc, child.output
+
+
+def kill_after_first_commit(child: Train, ckpt: Path, steps: int) -> int:
+    """SIGKILL ``child`` once a checkpoint under ``ckpt`` is committed; the newest committed
+    step, which must come before the run's last step ``steps``."""
+    from mindpipe_jax.train.checkpoint import committed_steps
+
+    # A bound, not a speed check: on a 2-core machine under heavy load the first
+    # asynchronous commit once took over 60 s.
+    deadline = time.monotonic() + 240
+    while not committed_steps(ckpt) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.signal(signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    committed = committed_steps(ckpt)
+    assert committed and committed[-1] < steps, (committed, child.output[-2000:])
+    return committed[-1]
+
+
+def plant_interrupted_saves(ckpt: Path, last: int, every: int) -> None:
+    """What an interrupted save can leave after step ``last``: orbax's temporary directory,
+    and (on object stores) a step directory without the commit marker, both with damaged
+    arrays, so restoring either one would fail the run."""
+    from mindpipe_jax.train.checkpoint import COMMIT_MARKER
+
+    for name in (str(last + every), f"{last + 2 * every}.orbax-checkpoint-tmp-1234567890"):
+        partial = ckpt / name
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(ckpt / str(last), partial)
+        (partial / COMMIT_MARKER).unlink()
+        for f in (partial / "state").rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"\0half-written")

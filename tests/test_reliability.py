@@ -20,21 +20,18 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 import signal
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from cli_procs import Train, cli_env, run_train
+from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
 
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
 from mindpipe_jax.errors import NonFiniteError
 from mindpipe_jax.train.checkpoint import (
-    COMMIT_MARKER,
     committed_steps,
     restore,
     state_checksums,
@@ -128,28 +125,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, ref
     child = Train(args, env=env, cwd=tmp_path)
     seen = child.wait_for_step(kill_at, TIMEOUT_S)
     ckpt = out / "checkpoints"
-    # A bound, not a speed check: on a 2-core machine under heavy load the first
-    # asynchronous commit once took over 60 s.
-    deadline = time.monotonic() + 240
-    while not committed_steps(ckpt) and time.monotonic() < deadline:
-        time.sleep(0.01)  # saving is asynchronous: the first checkpoint may still be in flight
-    child.signal(signal.SIGKILL)
-    assert child.wait(30) == -signal.SIGKILL
-    committed = committed_steps(ckpt)
-    assert committed and committed[-1] < STEPS, (kill_at, seen, committed, child.output[-2000:])
-    last = committed[-1]
-
-    # What an interrupted save can leave: orbax's temporary directory, and (on object
-    # stores) a step directory without the commit marker. Both hold damaged arrays here,
-    # so restoring either one would fail the run.
-    for name in (str(last + EVERY), f"{last + 2 * EVERY}.orbax-checkpoint-tmp-1234567890"):
-        partial = ckpt / name
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(ckpt / str(last), partial)
-        (partial / COMMIT_MARKER).unlink()
-        for f in (partial / "state").rglob("*"):
-            if f.is_file():
-                f.write_bytes(b"\0half-written")
+    last = kill_after_first_commit(child, ckpt, STEPS)
+    plant_interrupted_saves(ckpt, last, EVERY)
 
     rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
     assert rc == 0, output[-4000:]

@@ -22,13 +22,12 @@ import json
 import random
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from cli_procs import Train, cli_env, run_train
+from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
 
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
@@ -221,25 +220,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(reference, 
     child = Train(args, env=env, cwd=tmp_path, command="supernet")
     seen = child.wait_for_step(kill_at, TIMEOUT_S)
     ckpt = out / "checkpoints"
-    deadline = time.monotonic() + 120  # a bound, not a speed check: saving is asynchronous
-    while not committed_steps(ckpt) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    child.signal(signal.SIGKILL)
-    assert child.wait(30) == -signal.SIGKILL
-    committed = committed_steps(ckpt)
-    assert committed and committed[-1] < STEPS, (kill_at, seen, committed, child.output[-2000:])
-    last = committed[-1]
-    # What an interrupted save can leave: orbax's temporary directory, and (on object
-    # stores) a step directory without the commit marker, both with damaged arrays:
-    # restoring either would fail the run.
-    for name in (str(last + EVERY), f"{last + 2 * EVERY}.orbax-checkpoint-tmp-1234567890"):
-        partial = ckpt / name
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(ckpt / str(last), partial)
-        (partial / COMMIT_MARKER).unlink()
-        for f in (partial / "state").rglob("*"):
-            if f.is_file():
-                f.write_bytes(b"\0half-written")
+    last = kill_after_first_commit(child, ckpt, STEPS)
+    plant_interrupted_saves(ckpt, last, EVERY)
 
     rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S, command="supernet")
     assert rc == 0, output[-4000:]
