@@ -74,6 +74,15 @@ def test_resume_auto_starts_fresh_or_continues(tmp_path):
         run(tmp_path, *common, "train.resume=auto", name="auto")
 
 
+def test_a_fresh_start_drops_the_metrics_of_an_attempt_that_never_saved(tmp_path):
+    common = ("train.steps=3", "train.eval_every=0", "train.log_every=1")
+    first = run(tmp_path, *common)
+    shutil.rmtree(first.checkpoint_dir)  # as if killed before its first checkpoint
+    second = run(tmp_path, *common, "train.resume=auto")
+    steps = [json.loads(x)["step"] for x in (second.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
 def test_restore_onto_a_different_mesh(tmp_path):
     first = run(tmp_path, "train.steps=3", "train.eval_every=0", "parallel.data=2", "parallel.fsdp=4",
                 "train.checkpoint_every=3")

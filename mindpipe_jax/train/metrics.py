@@ -48,8 +48,11 @@ class MetricsWriter:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "metrics.jsonl"
-        if resume_step is not None and path.exists():
-            _truncate_after(path, resume_step)
+        if path.exists():
+            # Resuming: drop what the run logged past its checkpoint. Starting fresh in a
+            # directory without checkpoints: what is there came from an attempt killed
+            # before its first save, and its steps are about to be trained again.
+            _truncate_after(path, resume_step or 0)
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
