@@ -135,6 +135,9 @@ def test_resume_gives_the_bits_and_the_search_of_an_uninterrupted_run(four_steps
     assert resumed.search.top == whole.search.top and resumed.search.top
     assert resumed.search.best_per_generation == whole.search.best_per_generation
     assert json.loads((run / "search.json").read_text())["top"] == whole.search.top
+    # metrics.jsonl: the first run's steps, then the resumed ones, each once.
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6] and "loss_min" in logged[0]
 
 
 def _damaged(src: Path, dst: Path) -> Path:

@@ -70,6 +70,7 @@ from mindpipe_jax.train.checkpoint import (
     restore_verified,
     verify_checksums,
 )
+from mindpipe_jax.train.metrics import MetricsWriter
 from mindpipe_jax.train.signals import StopSignals
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
@@ -236,7 +237,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     history: list[dict] = []
     t_last, waves_sum, since = time.perf_counter(), 0, 0
     # From here on files may be written: every user mistake has been caught above.
-    ckpt, stopped = None, None
+    ckpt, stopped, writer = None, None, None
     if checkpoint:
         if jax.process_index() == 0:
             removed = remove_incomplete(ckpt_dir)
@@ -248,6 +249,10 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("mindpipe: supernet checkpoint dir ready")
         ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
+        # metrics.jsonl and TensorBoard beside the checkpoints, as for dense runs (a
+        # resumed run first drops the records past its checkpoint).
+        writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=jax.process_index() == 0,
+                               resume_step=start or None)
         meta = {"kind": KIND, "config": cfg.to_dict(), "fingerprint": fingerprint(spec),
                 "model": type(spec.module).__name__}
     # Signals stop the loop only where a checkpoint keeps its work.
@@ -268,6 +273,8 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
                               "loss_max": float(np.max(losses)), "lr": float(values["lr"]),
                               "waves": waves_sum / since, "step_time_s": (now - t_last) / since}
                     history.append(record)
+                    if writer is not None:
+                        writer.write(done, {k: v for k, v in record.items() if k != "step"})
                     say(f"step {done:>5} | loss {record['loss']:.4f} (subnets {record['loss_min']:.3f}.."
                         f"{record['loss_max']:.3f}) | waves {record['waves']:.2f} | "
                         f"{record['step_time_s']:.3f} s/step")
@@ -285,6 +292,8 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the save in flight: an error never leaves half a step
+        if writer is not None:
+            writer.close()
         loader.close()
     result = None
     if search and stopped is None:
