@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
+from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
@@ -93,17 +94,6 @@ def _final_state(out_dir: Path, layout: str, step: int = STEPS):
     return jax.device_get(state)
 
 
-def _assert_bitwise(a, b, what: str) -> None:
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
-    assert len(flat_a) == len(flat_b) > 10
-    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, (what, path)
-        assert x.tobytes() == y.tobytes(), \
-            f"{what}: {jax.tree_util.keystr(path)} differs (max |diff| {np.abs(x - y).max():.3g})"
-
-
 def _logged_steps(out_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -133,7 +123,7 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, ref
     assert f"resuming at step {last}" in output, output[-4000:]
     assert str(last + EVERY) in output.split("removed what interrupted saves left")[1].splitlines()[0]
     assert not [p for p in ckpt.iterdir() if "tmp" in p.name], sorted(p.name for p in ckpt.iterdir())
-    _assert_bitwise(_final_state(ref, layout), _final_state(out, layout),
+    assert_bitwise(_final_state(ref, layout), _final_state(out, layout),
                     f"{layout}: killed at step {seen} (>= {kill_at}), resumed from {last}")
     # Steps logged after the last checkpoint were trained again: each appears once.
     assert _logged_steps(out) == list(range(1, STEPS + 1))
@@ -162,7 +152,7 @@ def test_signal_saves_a_checkpoint_exits_0_and_resume_continues(sig, reference, 
     rc, output = run_train([*args, "--resume"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
     assert rc == 0, output[-4000:]
     assert f"resuming at step {stopped}" in output
-    _assert_bitwise(_final_state(reference("dense"), "dense"), _final_state(out, "dense"),
+    assert_bitwise(_final_state(reference("dense"), "dense"), _final_state(out, "dense"),
                     f"{name} at step {stopped}")
 
 
@@ -249,7 +239,7 @@ def test_nonfinite_skip_leaves_bad_updates_out_inside_the_step(tmp_path):
     states = {n: restore(ckpt, n, abstract_train_state(spec, tx, mesh)) for n in (1, 2, 3, 4)}
     for n in (2, 3, 4):
         for item in ("params", "opt"):
-            _assert_bitwise(jax.device_get(states[1][0][item]), jax.device_get(states[n][0][item]),
+            assert_bitwise(jax.device_get(states[1][0][item]), jax.device_get(states[n][0][item]),
                             f"{item} after skipped step {n}")
         assert states[n][2]["skipped_steps"] == n - 1  # the count survives a resume
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(skip.state)))

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import pytest
 from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
+from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
 from mindpipe_jax.cli import main
@@ -81,17 +82,6 @@ def _saved_state(out_dir: Path, step: int, *overrides: str):
     return jax.device_get(state)
 
 
-def _assert_bitwise(a, b, what: str) -> None:
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = jax.tree_util.tree_flatten_with_path(b)[0]
-    assert len(flat_a) == len(flat_b) > 10
-    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, (what, path)
-        assert x.tobytes() == y.tobytes(), \
-            f"{what}: {jax.tree_util.keystr(path)} differs (max |diff| {np.abs(x - y).max():.3g})"
-
-
 # --- in one process -------------------------------------------------------------------------------
 
 
@@ -127,7 +117,7 @@ def test_resume_gives_the_bits_and_the_search_of_an_uninterrupted_run(four_steps
     assert committed_steps(run / "checkpoints")[-1] == 6
     whole = train_supernet(config=mp.Config().replace(*six, f"train.out_dir={tmp_path / 'whole'}"),
                            checkpoint=True, log=None)
-    _assert_bitwise(jax.device_get(whole.state), jax.device_get(resumed.state), "resumed at step 4")
+    assert_bitwise(jax.device_get(whole.state), jax.device_get(resumed.state), "resumed at step 4")
     # The comparison can fail: the state the run resumed from is not the end state.
     start = jax.tree.leaves(_saved_state(run, 4)["params"])
     assert any(np.asarray(a).tobytes() != np.asarray(b).tobytes()
@@ -210,7 +200,7 @@ def reference(tmp_path_factory, compile_cache) -> Path:
 
 
 def _assert_same_run(ref: Path, out: Path, what: str) -> None:
-    _assert_bitwise(_saved_state(ref, STEPS, *KILL), _saved_state(out, STEPS, *KILL), what)
+    assert_bitwise(_saved_state(ref, STEPS, *KILL), _saved_state(out, STEPS, *KILL), what)
     assert json.loads((out / "search.json").read_text()) == json.loads((ref / "search.json").read_text())
 
 
