@@ -63,13 +63,12 @@ def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     sizes = resolve_axis_sizes(cfg, len(devices), devices[0].platform)
     shape = tuple(sizes[a] for a in MESH_ORDER)
     auto = (AxisType.Auto,) * len(MESH_ORDER)
-    try:
-        # make_mesh orders devices by physical topology on GPU/TPU.
+    if set(devices) == set(jax.devices()):
+        # All devices: make_mesh orders them by physical topology on GPU/TPU.
         return jax.make_mesh(shape, MESH_ORDER, axis_types=auto, devices=devices)
-    except (ValueError, NotImplementedError):
-        # jax.make_mesh refuses device lists it cannot lay out by topology (e.g. a
-        # subset of the devices, as the tuner's trials pass); keep the given order.
-        return Mesh(np.asarray(devices).reshape(shape), MESH_ORDER, axis_types=auto)
+    # A subset (the tuner's trials pass one): make_mesh cannot lay it out by topology,
+    # so the given order is kept.
+    return Mesh(np.asarray(devices).reshape(shape), MESH_ORDER, axis_types=auto)
 
 
 def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | None:

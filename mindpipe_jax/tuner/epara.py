@@ -236,19 +236,21 @@ class OnlineTuner:
                 times.append(seconds_per_step)
                 del times[:-8]
 
-    def step_time(self, c: Candidate) -> float:
+    def _anchor(self) -> float:
+        """Measured over predicted step time of the current candidate (1 until measured).
+        Computed once per decision: a cost model's prediction can run the simulator."""
+        here = self._times.get(self.current)
+        model_here = self.model.step_time(self.current) if here else math.nan
+        return statistics.median(here) / model_here if model_here > 0 and math.isfinite(model_here) else 1.0
+
+    def step_time(self, c: Candidate, anchor: float | None = None) -> float:
         """``c``'s step time as decisions see it: measured in this run if it was, else the
         step model's prediction relative to the current candidate's, times the current
-        candidate's measured time (the model's absolute error cancels)."""
+        candidate's measured time (``anchor``; the model's absolute error cancels)."""
         if seen := self._times.get(c):
             return statistics.median(seen)
         predicted = self.model.step_time(c)
-        here = self._times.get(self.current)
-        if here and predicted > 0:
-            model_here = self.model.step_time(self.current)
-            if model_here > 0 and math.isfinite(model_here):
-                return predicted * statistics.median(here) / model_here
-        return predicted
+        return predicted * (self._anchor() if anchor is None else anchor) if predicted > 0 else predicted
 
     @property
     def b_noise(self) -> float | None:
@@ -270,14 +272,15 @@ class OnlineTuner:
         if not self.due(step):
             return None
         bn = self.b_noise
-        now = self.step_time(self.current)
+        anchor = self._anchor()
+        now = self.step_time(self.current, anchor)
         best, best_e = None, math.nan
         if now > 0:
             best_e = now_e = self._entropyput(self.current, now, bn)
             for c in self.candidates:
                 if c == self.current or (bn is None and c.global_batch != self.current.global_batch):
                     continue
-                t = self.step_time(c)
+                t = self.step_time(c, anchor)
                 if t > 0 and (e := self._entropyput(c, t, bn)) > best_e:
                     best, best_e, best_t = c, e, t
         gain = best_e / now_e - 1 if best is not None else 0.0
@@ -292,7 +295,7 @@ class OnlineTuner:
             index, gain = multihost_utils.broadcast_one_to_all(np.asarray([index, gain], np.float32))
             index, gain = int(index), float(gain)
             best = self.candidates[index] if index >= 0 else None
-            best_t = self.step_time(best) if best is not None else math.nan
+            best_t = self.step_time(best, anchor) if best is not None else math.nan
             saves = max(self.cfg.train.steps - step, 0) * now * gain / (1 + gain)
         if best is None or not gain > self.cfg.tuner.threshold:
             return None
