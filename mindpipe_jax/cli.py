@@ -32,6 +32,7 @@ Ctrl-C during training saves a checkpoint and exits 0; Ctrl-C elsewhere exits
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import textwrap
@@ -158,6 +159,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     import jax
 
+    if result.already_complete:
+        if jax.process_index() == 0:
+            print(already_complete_line(result.step, cfg.train.steps, result.checkpoint_dir), flush=True)
+        return 0
     if jax.process_index() == 0 and result.stopped is None:
         last_loss = next((h["loss"] for h in reversed(result.history) if "loss" in h), None)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
@@ -166,6 +171,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"done: {cfg.train.steps} steps | final train loss {train_loss} | "
               f"final validation loss {val}{skipped} | out_dir {result.out_dir}", flush=True)
     return 0
+
+
+def already_complete_line(step: int, steps: int, ckpt_dir) -> str:
+    """What ``train.resume=auto`` on a finished run prints (a requeued job that is done)."""
+    return (f"already complete at step {step}: {ckpt_dir}/{step} is the final checkpoint "
+            f"(train.steps={steps}); nothing to train")
 
 
 # What a collective says when the process at the other end is gone (Gloo on CPUs,
@@ -217,6 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`mindpipe schedule ... | head`): stop quietly, as cat does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as err:
+        # The disk filled up, or the filesystem turned read-only, outside a checkpoint
+        # save (which says more: DiskFullError, a ConfigError): one line, exit 2.
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        where = f" writing {err.filename!r}" if err.filename else ""
+        print(f"{PROG}: error: {os.strerror(err.errno).lower()}{where}; free some space (or choose "
+              f"another train.out_dir) and continue with train.resume=true", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

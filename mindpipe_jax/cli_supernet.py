@@ -83,6 +83,13 @@ def run_supernet(args: argparse.Namespace) -> int:
 
     import jax
 
+    from mindpipe_jax.cli import already_complete_line
+
+    if result.already_complete:
+        if jax.process_index() == 0:
+            step = int(jax.device_get(result.state["step"].addressable_data(0)))
+            print(already_complete_line(step, cfg.train.steps, result.out_dir / "checkpoints"), flush=True)
+        return 0
     if result.stopped is not None:
         return 0  # stopped by a signal: the loop said where it saved
     best = result.search.top[0] if result.search and result.search.top else None

@@ -4,6 +4,9 @@
   the devices, a missing data path, a foreign or damaged checkpoint). Raised
   before any file is written, with a one-line message naming the bad value and
   what would be valid. The CLI prints that line and exits with status 2.
+* ``DiskFullError`` (a ``ConfigError``, exit 2) — the disk filled up during a
+  checkpoint save: the half-written step is removed, the last committed one is
+  untouched, and the line names the directory, the bytes needed and those free.
 * ``NonFiniteError`` — training met a non-finite loss or gradient norm with
   ``train.nonfinite="stop"``. The last good checkpoint is left as it was. Exit 3.
 * ``EXIT_DISTRIBUTED`` (4) — the processes of a multi-host run could not start
@@ -30,6 +33,18 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(_one_line(message))
+
+
+class DiskFullError(ConfigError):
+    """No room for a checkpoint in ``directory``: about ``needed`` bytes, ``free`` free.
+    The half-written step is gone; ``last_checkpoint`` (None if none) is untouched."""
+
+    def __init__(self, message: str, *, directory, needed: int, free: int, last_checkpoint=None):
+        super().__init__(message)
+        self.directory = directory
+        self.needed = needed
+        self.free = free
+        self.last_checkpoint = last_checkpoint
 
 
 class NonFiniteError(RuntimeError):

@@ -63,6 +63,7 @@ from mindpipe_jax.supernet.spara import (
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     committed_steps,
+    config_changes,
     prepare_out_dir,
     read_meta,
     remove_incomplete,
@@ -71,7 +72,8 @@ from mindpipe_jax.train.checkpoint import (
     verify_checksums,
 )
 from mindpipe_jax.train.metrics import MetricsWriter
-from mindpipe_jax.train.signals import StopSignals
+from mindpipe_jax.train.rundir import hold_run_dir
+from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -91,6 +93,9 @@ class SupernetResult:
     spec: Any  # SupernetSpec: space, unit grid, merge(params) -> module
     out_dir: Path | None = None  # where the checkpoints went (checkpoint=True)
     stopped: str | None = None  # "SIGTERM"/"SIGINT" when a signal ended the run early (no search)
+    # train.resume="auto" found the run finished (its newest checkpoint at train.steps or
+    # later): nothing was trained or searched, and ``state`` is that checkpoint's
+    already_complete: bool = False
 
     @property
     def space(self):
@@ -136,8 +141,8 @@ def fingerprint(spec: SupernetSpec) -> dict:
             "genes": {g.name: list(g.choices) for g in spec.space.genes}}
 
 
-def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int | None]:
-    """(out_dir, checkpoint dir, step to resume from or None), before anything is written.
+def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int | None, dict]:
+    """(out_dir, checkpoint dir, step to resume from or None, its meta), before anything is written.
 
     The dense loop's rules (a file, a foreign directory, another model, a run without
     ``train.resume``, nothing to resume, a finished run), after two of a supernet's
@@ -154,8 +159,7 @@ def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int |
         if meta.get("model", ours) != ours:
             raise ConfigError(f"{where} holds a checkpoint of the supernet {meta['model']}, not of {ours}; "
                               f"pass the model that wrote it or choose another train.out_dir")
-    out_dir, ckpt_dir, step, _ = prepare_out_dir(cfg, fingerprint(spec))
-    return out_dir, ckpt_dir, step
+    return prepare_out_dir(cfg, fingerprint(spec))
 
 
 def _abstract_state(spec: SupernetSpec, create, mesh):
@@ -183,16 +187,24 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     can search it later. With ``checkpoint``, SIGTERM or a first Ctrl-C stops after the
     current step with a checkpoint and returns with ``stopped`` set (no search).
     """
-    cfg = config or Config()
-    if overrides:
-        cfg = cfg.replace(*overrides)
-    if cfg.parallel.tensor == 0:
-        cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
+    with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
+        cfg = config or Config()
+        if overrides:
+            cfg = cfg.replace(*overrides)
+        if cfg.parallel.tensor == 0:
+            cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
+        if cfg.train.resume and not checkpoint:
+            raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
+                              f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
+        setup_runtime(cfg.parallel, cfg.distributed)
+        # With checkpoints, train.out_dir is checked writable before anything is computed
+        # and locked against a second run for this run's life (see train.rundir).
+        with hold_run_dir(cfg.train.out_dir) if checkpoint else contextlib.nullcontext():
+            return _train_supernet(cfg, model, data, search=search, log=log, checkpoint=checkpoint)
+
+
+def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: bool) -> SupernetResult:
     sn, tr = cfg.supernet, cfg.train
-    if tr.resume and not checkpoint:
-        raise ConfigError(f"train.resume={_show(tr.resume)} needs checkpoints: call "
-                          f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
-    setup_runtime(cfg.parallel, cfg.distributed)
     mesh = make_mesh(cfg.parallel)
     check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
                  virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
@@ -202,7 +214,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     splits = _resolve_data(data, cfg)
     out_dir = ckpt_dir = resume_step = None
     if checkpoint:
-        out_dir, ckpt_dir, resume_step = _prepare_out_dir(cfg, spec)
+        out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, spec)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")
     if resume_step is not None:
@@ -215,6 +227,12 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         except BaseException:
             loader.close()
             raise
+        if resume_step >= tr.steps:  # train.resume="auto" on a finished run
+            loader.close()
+            return SupernetResult(state, [], None, cfg, mesh, spec, out_dir, already_complete=True)
+        changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
+        if changed and log is not None and jax.process_index() == 0:
+            log(f"resuming step {resume_step} with a changed config: {', '.join(changed)}")
     rows = NamedSharding(mesh, P("data"))
     step_fn = jit_step(make_spara_step(
         spec, mesh, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
@@ -239,6 +257,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     # From here on files may be written: every user mistake has been caught above.
     ckpt, stopped, writer = None, None, None
     if checkpoint:
+        raise_if_interrupted()
         if jax.process_index() == 0:
             removed = remove_incomplete(ckpt_dir)
             if removed:

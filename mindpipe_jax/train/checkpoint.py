@@ -25,7 +25,11 @@ writes each shard once.
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import shutil
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.errors import ConfigError, DiskFullError
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -61,12 +65,61 @@ _STATE_HANDLERS = ocp.type_handlers.create_type_handler_registry(
 )
 
 
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` (or what caused it) says the disk is full: an ``OSError`` ENOSPC from
+    Python, or the text of tensorstore's (``RESOURCE_EXHAUSTED ... No space left on device``)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left on device" in text or "os_error_code='28'" in text or "Disk quota exceeded" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _QuietDiskFull(logging.Filter):
+    """Orbax logs a failed background save with several tracebacks before raising the
+    error in the main thread; for a full disk the Checkpointer says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            if _disk_full(record.exc_info[1]):
+                return False
+            text += "".join(traceback.format_exception(*record.exc_info))
+        return not ("No space left on device" in text or "os_error_code='28'" in text)
+
+
+_QUIET = _QuietDiskFull()
+logging.getLogger("absl").addFilter(_QUIET)
+
+
+def _tree_bytes(directory: Path) -> int:
+    """What the files under ``directory`` occupy on the disk (whole blocks)."""
+    sizes = (p.stat() for p in directory.rglob("*") if p.is_file())
+    return sum(max(st.st_size, st.st_blocks * 512) for st in sizes)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
 class Checkpointer:
     """One orbax ``CheckpointManager`` over ``directory`` (created if missing); it
-    removes orbax's temporary directories left by an interrupted save."""
+    removes orbax's temporary directories left by an interrupted save.
+
+    A full disk ends the run with ``DiskFullError`` (one line): before a save when the
+    free space is less than the newest committed step occupies, or when a save fails
+    with ENOSPC; the half-written step is removed and the committed ones are untouched.
+    """
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed = False
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_STATE_HANDLERS),
@@ -82,22 +135,74 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
+        self.wait()  # a failed earlier save is reported before anything else is written
+        last = self.latest_step()
+        if last is not None:
+            needed, free = _tree_bytes(self.directory / str(last)), shutil.disk_usage(self.directory).free
+            if free < needed:
+                raise self._full_error(step, needed, free, removed=False)
         meta = {**meta, "checksums": state_checksums(state)}
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
-        return self._manager.save(step, args=args, force=force)
+        self._saving = step
+        try:
+            return self._manager.save(step, args=args, force=force)
+        except Exception as err:
+            self._raise_if_disk_full(err, state)
+            raise
 
     def restore(self, step: int, abstract_state):
         """(state on the target shardings, data-iterator state, meta)."""
         return restore(self.directory, step, abstract_state)
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._raise_if_disk_full(err)
+            raise
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        if self._failed:  # the error was raised already; orbax's threads are done
+            try:
+                self._manager.close()
+            except Exception:
+                pass
+            return
+        self.wait()
         self._manager.close()
+
+    def _raise_if_disk_full(self, err: Exception, state=None) -> None:
+        if not _disk_full(err):
+            return
+        self._failed = True
+        free = shutil.disk_usage(self.directory).free  # as the save found it
+        if jax.process_index() == 0:
+            remove_incomplete(self.directory)
+        last = self.latest_step()
+        if last is not None:
+            needed = _tree_bytes(self.directory / str(last))
+        elif state is not None:
+            needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        else:
+            needed = 0
+        raise self._full_error(self._saving, needed, free, removed=True) from None
+
+    def _full_error(self, step, needed: int, free: int, *, removed: bool) -> DiskFullError:
+        last = self.latest_step()
+        kept = (f"the last committed checkpoint (step {last}) is untouched" if last is not None
+                else "no checkpoint was committed")
+        gone = "its half-written files were removed and " if removed else "nothing was written and "
+        need = f"a checkpoint needs about {needed} bytes ({_megabytes(needed)})" if needed else \
+            "a checkpoint needs more"
+        self._failed = self._failed or removed
+        return DiskFullError(
+            f"no space left on the device of {str(self.directory)!r} to save step {step}: {need}, "
+            f"{free} bytes are free; {gone}{kept}; free some space and continue with "
+            f"train.resume=true",
+            directory=self.directory, needed=needed, free=free,
+            last_checkpoint=None if last is None else self.directory / str(last))
 
 
 def restore(directory: str | Path, step: int, abstract_state):
@@ -232,7 +337,9 @@ def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | N
     """(out_dir, checkpoint dir, step to resume from or None, its meta), for a run about to
     write into ``cfg.train.out_dir``; refuses (``ConfigError``, before anything is
     written) a file, a foreign directory, another model, an existing run without
-    ``train.resume``, nothing to resume with ``train.resume=true``, and a finished run."""
+    ``train.resume``, nothing to resume with ``train.resume=true``, and a finished run
+    (with ``train.resume="auto"`` a finished run is returned: its step is at least
+    ``train.steps``, and the caller reports it complete)."""
     out_dir = Path(cfg.train.out_dir).absolute()
     ckpt_dir = out_dir / "checkpoints"
     if out_dir.exists() and not out_dir.is_dir():
@@ -253,11 +360,35 @@ def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | N
     if not resume:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {step}; "
                           f"set train.resume=true to continue it or choose a new train.out_dir")
+    if step >= cfg.train.steps and resume == "auto":
+        return out_dir, ckpt_dir, step, meta  # already complete: the caller trains nothing
     if step >= cfg.train.steps:
         raise ConfigError(f"train.resume={str(resume).lower()}: the newest checkpoint in {str(ckpt_dir)!r} "
                           f"is at step {step}, and train.steps={cfg.train.steps}; nothing to resume: set "
                           f"train.steps above {step} to train further")
     return out_dir, ckpt_dir, step, meta
+
+
+# Keys whose change on a resume is the point of resuming or says nothing about the run.
+_EXPECTED_CHANGES = ("train.resume", "train.steps")
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """``key old -> new`` for each config value of ``current`` (``Config.to_dict()``) that
+    differs from the checkpoint's ``saved`` one, save those a resume is expected to
+    change (``train.resume``, ``train.steps``, ``distributed.*``)."""
+    changes = []
+    for section in sorted(set(saved) | set(current)):
+        old, new = saved.get(section), current.get(section)
+        if section == "distributed" or not isinstance(old, dict) or not isinstance(new, dict):
+            continue
+        for key in sorted(set(old) | set(new)):
+            name = f"{section}.{key}"
+            a, b = old.get(key), new.get(key)
+            if name in _EXPECTED_CHANGES or a == b or (isinstance(a, list) and tuple(a) == b):
+                continue
+            changes.append(f"{name} {json.dumps(a)} -> {json.dumps(list(b) if isinstance(b, tuple) else b)}")
+    return changes
 
 
 def restore_verified(ckpt_dir: Path, step: int, abstract_state):

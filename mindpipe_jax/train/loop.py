@@ -45,6 +45,7 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
+    config_changes,
     prepare_out_dir,
     read_meta,
     remove_incomplete,
@@ -52,7 +53,8 @@ from mindpipe_jax.train.checkpoint import (
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, switch
-from mindpipe_jax.train.signals import StopSignals
+from mindpipe_jax.train.rundir import hold_run_dir
+from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
@@ -68,6 +70,9 @@ class TrainResult:
     mesh: Any = None
     stopped: str | None = None  # "SIGTERM"/"SIGINT" when a signal ended the run early
     skipped_steps: int = 0  # non-finite steps left out (train.nonfinite="skip"), resumed runs included
+    # train.resume="auto" found the run finished (its newest checkpoint at train.steps or
+    # later): nothing was trained, and ``state`` is that checkpoint's
+    already_complete: bool = False
 
     @property
     def step(self) -> int:
@@ -141,12 +146,20 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     ``step_time(candidate)`` and ``observe(candidate, seconds)``; default: what this run
     measures (``tuner.epara.MeasuredThroughput``).
     """
-    cfg = config or Config()
-    if overrides:
-        cfg = cfg.replace(*overrides)
-    if cfg.train.deterministic and cfg.parallel.tensor == 0:
-        cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
-    setup_runtime(cfg.parallel, cfg.distributed)
+    with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
+        cfg = config or Config()
+        if overrides:
+            cfg = cfg.replace(*overrides)
+        if cfg.train.deterministic and cfg.parallel.tensor == 0:
+            cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
+        setup_runtime(cfg.parallel, cfg.distributed)
+        # train.out_dir: writable (checked before anything is computed) and locked against
+        # a second run for this run's life; a failure before the first write leaves nothing.
+        with hold_run_dir(cfg.train.out_dir):
+            return _train(cfg, model, data, step_model, tuning)
+
+
+def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) -> TrainResult:
     tuned = _saved_tuning(cfg)
     if (tuned or cfg.tuner.enabled) and tuning is None:
         raise ConfigError("tuner.enabled=true (or resuming a tuned run) needs the online tuner: call "
@@ -170,12 +183,24 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     fingerprint = layout.spec.fingerprint()
     first_step = layout.make_step()  # checks schedule and contract
     out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
+    primary = jax.process_index() == 0
     if resume_step is not None:
-        state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
-        feed.loader.set_state(data_state)
+        try:
+            state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
+            feed.loader.set_state(data_state)
+        except BaseException:
+            feed.close()
+            raise
+        if resume_step >= tr.steps:  # train.resume="auto" on a finished run
+            feed.close()
+            return TrainResult(state, [], out_dir, ckpt_dir, None, cfg, layout.mesh,
+                               skipped_steps=int(saved_meta.get("skipped_steps", 0)), already_complete=True)
+        changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
+        if changed and primary:
+            print(f"resuming step {resume_step} with a changed config: {', '.join(changed)}", flush=True)
 
     # From here on files may be written: every user mistake has been caught above.
-    primary = jax.process_index() == 0
+    raise_if_interrupted()
     if primary:
         removed = remove_incomplete(ckpt_dir)
         if removed:

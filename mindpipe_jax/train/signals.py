@@ -1,5 +1,6 @@
 """SIGTERM and SIGINT as a request to stop after the current step with a checkpoint,
-agreed across processes; used by the dense loop and the supernet trainer."""
+agreed across processes; used by the dense loop and the supernet trainer. Before the
+loop begins, Ctrl-C stops the run at once (``StartupInterrupts``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,45 @@ import os
 import signal
 import threading
 from typing import Any
+
+_interrupted = threading.Event()  # a Ctrl-C came during start-up
+
+
+class StartupInterrupts:
+    """From a run's start until its loop begins, Ctrl-C raises ``KeyboardInterrupt`` (the
+    CLI: one line, exit 130) and is never lost: Python raises it wherever the main thread
+    happens to be, also where exceptions are ignored (a ``__del__``, a callback from
+    C++), so the request is also recorded, and ``raise_if_interrupted`` (called before
+    the run writes anything, and when the loop's ``StopSignals`` take over) raises it
+    again. Installed only from the main thread over Python's default handler (a
+    program's own handler is left alone), and put back on exit.
+    """
+
+    def __init__(self):
+        self._previous = None
+
+    def __enter__(self):
+        _interrupted.clear()
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    @staticmethod
+    def _handle(signum, frame) -> None:
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` if a Ctrl-C came during start-up (see ``StartupInterrupts``)."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
 
 
 class StopSignals:
@@ -27,6 +67,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
+        raise_if_interrupted()  # a start-up Ctrl-C that was swallowed: stop before the loop
         if threading.current_thread() is threading.main_thread():
             ours = (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM)
             for sig in ours:
