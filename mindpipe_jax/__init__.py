@@ -8,6 +8,8 @@ The curated public API::
     supernet = mp.train_supernet(config=cfg.replace("parallel.subnet=4", "parallel.data=2"))
 """
 
+# The `mindpipe` command: a Ctrl-C during the imports below is one line and exit 130.
+import mindpipe_jax._interrupt  # noqa: F401  (first: see its docstring)
 from mindpipe_jax.config import (
     Config,
     DataConfig,

@@ -34,13 +34,14 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Sequence
 
-from mindpipe_jax import cli_pipeline, cli_supernet
+from mindpipe_jax import _interrupt, cli_pipeline, cli_supernet
 from mindpipe_jax.cli_common import ERRORS_HELP, OVERRIDES_HELP, PROG, add_config_args, sections_help
-from mindpipe_jax.config import load_config
+from mindpipe_jax.config import check_train_keys, load_config
 from mindpipe_jax.config_toml import to_toml
 from mindpipe_jax.errors import (
     EXIT_CONFIG,
@@ -149,6 +150,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
     cfg = load_config(args.config, overrides)
+    check_train_keys(cfg)  # the supernet section, virtual_shards without deterministic
     import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
 
     try:
@@ -205,7 +207,34 @@ def _exit_if_peer_lost(err: Exception) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mindpipe`` console script; returns the exit status."""
+    """Entry point of the ``mindpipe`` console script; returns the exit status.
+
+    As the process's own entry (``argv`` None), a Ctrl-C ends it with one line and
+    status 130 at any moment: raised as ``KeyboardInterrupt`` while the command runs
+    (so a run releases its lock and removes what it had started), and handled by
+    ``_interrupt`` before (imports) and after (interpreter shutdown).
+    """
+    entry = argv is None
+    if entry:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # while parsing (the command's own are handled in _main)
+        return _interrupted(entry)
+    finally:
+        if entry:
+            _interrupt.exit_on_interrupt()
+
+
+def _interrupted(entry: bool) -> int:
+    newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
+    print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)
+    if entry:
+        _interrupt.exit_now()  # JAX's threads may still be in an interrupted compile
+    return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
@@ -221,9 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     except KeyboardInterrupt:
-        newline = "\n" if sys.stderr.isatty() else ""  # off the terminal's ^C line
-        print(f"{newline}{PROG}: interrupted", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted(argv is None)
     except BrokenPipeError:
         # The reader went away (`mindpipe schedule ... | head`): stop quietly, as cat does.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

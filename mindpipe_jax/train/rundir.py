@@ -12,7 +12,9 @@ one line. A second run while the first is alive is refused, naming the holder.
 On a filesystem without ``flock`` the record decides: a live process of this
 host holds it; a record from another host cannot be checked and is refused.
 Releasing removes the lock file; a run that fails before it writes anything
-also removes the directories the lock had to create, so nothing is left.
+also removes the directories the lock had to create, so nothing is left, and a run
+stopped at once by Ctrl-C before its first checkpoint removes the directory it
+created with what it had begun writing there (``config.json``, empty logs).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -181,11 +184,18 @@ class RunDirLock:
             return {"pid": "?", "host": "?"}
         return record if isinstance(record, dict) else {"pid": "?", "host": "?"}
 
-    def release(self, *, remove_created: bool = False) -> None:
+    def release(self, *, remove_created: bool = False, interrupted: bool = False) -> None:
         """Drop the lock and remove its file; ``remove_created`` also removes the
-        directories ``acquire`` made, where they are still empty."""
+        directories ``acquire`` made, where they are still empty. ``interrupted`` (a run
+        stopped by Ctrl-C at once): a directory this run created and that holds no
+        committed checkpoint goes with everything the run had written into it."""
         if self._fd is None:
             return
+        if interrupted and self.out_dir in self._created:
+            from mindpipe_jax.train.checkpoint import committed_steps
+
+            if not committed_steps(self.out_dir / "checkpoints"):
+                shutil.rmtree(self.out_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.path.unlink()
         os.close(self._fd)
@@ -227,9 +237,9 @@ def hold_run_dir(out_dir: str | Path, *, say=None):
         raise error
     try:
         yield lock
-    except BaseException:
+    except BaseException as exc:
         if lock is not None:
-            lock.release(remove_created=True)
+            lock.release(remove_created=True, interrupted=isinstance(exc, KeyboardInterrupt))
         raise
     if lock is not None:
         lock.release()
