@@ -48,6 +48,7 @@ from mindpipe_jax.errors import (
     EXIT_DISTRIBUTED,
     EXIT_NONFINITE,
     ConfigError,
+    DistributedError,
     NonFiniteError,
 )
 
@@ -249,6 +250,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except NonFiniteError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except DistributedError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_DISTRIBUTED
     except KeyboardInterrupt:
         return _interrupted(argv is None)
     except BrokenPipeError:

@@ -11,7 +11,8 @@
   ``train.nonfinite="stop"``. The last good checkpoint is left as it was. Exit 3.
 * ``EXIT_DISTRIBUTED`` (4) — the processes of a multi-host run could not start
   or lost one another. That is reported where it is found (a watchdog during
-  start-up, the CLI after a failed collective) and the process exits at once:
+  start-up, ``DistributedError`` before it, the CLI after a failed collective) and the
+  process exits at once:
   JAX's exit path would otherwise wait for the missing process and abort.
 
 Anything else is a bug and keeps its traceback.
@@ -45,6 +46,14 @@ class DiskFullError(ConfigError):
         self.needed = needed
         self.free = free
         self.last_checkpoint = last_checkpoint
+
+
+class DistributedError(RuntimeError):
+    """The processes of a multi-host run cannot start (e.g. the coordinator's port is
+    taken): one line; the CLI exits with ``EXIT_DISTRIBUTED``."""
+
+    def __init__(self, message: str):
+        super().__init__(_one_line(message))
 
 
 class NonFiniteError(RuntimeError):

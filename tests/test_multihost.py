@@ -13,7 +13,9 @@ compared with the same config trained in this single process:
   step with one checkpoint, and exit 0;
 * a 2-stage 1F1B pipeline across the processes (stage 0 on process 0's
   devices, stage 1 on process 1's), the same comparison;
-* deterministic mode on data=8: bitwise equal.
+* deterministic mode on data=8: bitwise equal;
+* a coordinator port taken by another program: one line and exit 4 on both
+  processes, well within the timeout; the coordinator binds the IP address given.
 
 Only process 0 writes logs and metrics; orbax writes the checkpoint from both.
 A peer that never starts, or dies mid-run, ends the other process with an
@@ -236,3 +238,43 @@ def test_a_peer_dying_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_pa
     assert ("lost contact with another process" in first.output
             or "another task died" in first.output), first.output[-3000:]
     assert first.last_step < 12
+
+
+def test_the_coordinator_binds_the_address_given_when_it_is_an_ip_address():
+    from mindpipe_jax.config import DistributedConfig
+    from mindpipe_jax.parallel.mesh import distributed_settings
+
+    def bind(coordinator: str):
+        cfg = DistributedConfig(coordinator=coordinator, num_processes=2, process_id=0)
+        return distributed_settings(cfg, {}).get("coordinator_bind_address")
+
+    assert bind("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert bind("[::1]:1234") == "[::1]:1234"
+    assert bind("node003:1234") is None  # a name: JAX's default, every interface (see README)
+
+
+def test_a_coordinator_port_in_use_is_one_line_exit_4_on_both_processes(tmp_path, cache):
+    # Another program holds the port (listening, never answering). Process 0 finds it
+    # taken before starting the coordinator; process 1 finds that what listens there
+    # does not answer as a coordinator: both stop long before distributed.timeout_s.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        procs = _launch([*MH, f"train.out_dir={tmp_path / 'run'}"], "flags", cache=cache, cwd=tmp_path,
+                        timeout_s=120, port=port)
+        t0 = time.monotonic()
+        try:
+            codes = [p.wait(150) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert codes == [4, 4], [p.output for p in procs]
+    assert time.monotonic() - t0 < 100
+    for pid, proc in enumerate(procs):
+        lines = proc.output.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.output, proc.output
+        assert lines[0].startswith("mindpipe: error: distributed start-up failed: "), lines[0]
+        assert (f"port {port} is already in use" if pid == 0 else "is not a JAX coordinator") in lines[0]
+    assert list(tmp_path.iterdir()) == []
+

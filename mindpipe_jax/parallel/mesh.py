@@ -105,8 +105,21 @@ def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | N
         raise ConfigError(
             f"distributed coordinator {coordinator!r} needs num_processes >= 1 and "
             f"0 <= process_id < num_processes, got num_processes={count}, process_id={pid}")
-    return dict(coordinator_address=coordinator, num_processes=count, process_id=pid,
-                initialization_timeout=cfg.timeout_s)
+    settings = dict(coordinator_address=coordinator, num_processes=count, process_id=pid,
+                    initialization_timeout=cfg.timeout_s)
+    # Process 0 runs the coordinator. JAX binds it to every interface ([::]:port) unless
+    # told otherwise: bind it to the address given when that is an IP address. A host
+    # name is left to JAX's default, since a name can resolve to another address on
+    # process 0 than on the others (Debian maps a machine's own name to 127.0.1.1).
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        ip = None
+    if ip is not None:
+        settings["coordinator_bind_address"] = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    return settings
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -148,6 +161,81 @@ _STARTUP_GRACE_S = 15
 _MAX_HEARTBEAT_S = 100
 
 
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _check_coordinator_port(bind: str, address: str) -> None:
+    """Process 0: ``DistributedError`` (one line) if the coordinator cannot bind ``bind``
+    (gRPC would crash the process: a segfault after one log line)."""
+    import errno
+    import socket
+
+    from mindpipe_jax.errors import DistributedError
+
+    host, port = _split_address(bind)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise DistributedError(f"distributed start-up failed: the coordinator address {address!r} does not "
+                               f"resolve on process 0 ({err.strerror})") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+        try:
+            probe.bind(sockaddr)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                why = (f"port {port} is already in use on this machine (another run, or another "
+                       f"program); choose another port for distributed.coordinator (or "
+                       f"MINDPIPE_COORDINATOR / MINDPIPE_COORDINATOR_PORT) on every process")
+            elif err.errno == errno.EADDRNOTAVAIL:
+                why = (f"{host} is not an address of this machine; process 0 runs the coordinator, "
+                       f"so give its own address")
+            else:
+                why = f"{bind} cannot be bound ({err.strerror})"
+            raise DistributedError(f"distributed start-up failed: process 0 cannot run the coordinator "
+                                   f"at {address}: {why}") from None
+
+
+# How long a process other than 0 waits for the coordinator's first answer once a
+# connection is accepted: a gRPC server answers at once.
+_ANSWER_S = 10
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + SETTINGS
+
+
+def _check_coordinator_answers(address: str) -> None:
+    """Processes other than 0: once something accepts connections at ``address``, it must
+    speak HTTP/2 (gRPC) like JAX's coordinator; a program that does not (the port was
+    taken before process 0 could bind it) is a one-line ``DistributedError`` now, not
+    after distributed.timeout_s. While nothing listens yet, process 0 may still be
+    starting: the watchdog's deadline applies."""
+    import socket
+    import time
+
+    from mindpipe_jax.errors import DistributedError
+
+    host, port = _split_address(address)
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=_ANSWER_S)
+        except OSError:  # refused (nothing listens yet), unreachable, timed out
+            time.sleep(0.5)
+            continue
+        with conn:
+            try:
+                conn.sendall(_HTTP2_PREFACE)
+                head = conn.recv(9)
+            except OSError:
+                head = b""
+        if len(head) >= 4 and head[3] == 4:  # an HTTP/2 SETTINGS frame: a gRPC server
+            return
+        raise DistributedError(f"distributed start-up failed: what listens at {address} is not a JAX "
+                               f"coordinator (it did not answer as one within {_ANSWER_S} s); the port is "
+                               f"probably taken by another program: choose another port on every process")
+
+
 def _initialize_distributed(settings: dict) -> None:
     """``jax.distributed.initialize`` that ends with one clear line, not an abort, when
     the processes do not all join within ``distributed.timeout_s``.
@@ -157,6 +245,9 @@ def _initialize_distributed(settings: dict) -> None:
     """
     timeout = settings["initialization_timeout"]
     address, count, pid = settings["coordinator_address"], settings["num_processes"], settings["process_id"]
+    if pid == 0:
+        bind = settings.get("coordinator_bind_address") or f"[::]:{address.rpartition(':')[2]}"
+        _check_coordinator_port(bind, address)
     if pid == 0:
         what = (f"not all {count} processes joined the coordinator this process (0) runs at {address} "
                 f"within distributed.timeout_s={timeout} s")
@@ -177,6 +268,8 @@ def _initialize_distributed(settings: dict) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
+        if pid != 0:
+            _check_coordinator_answers(address)
         jax.distributed.initialize(**{**settings, "initialization_timeout": timeout + _STARTUP_GRACE_S},
                                    heartbeat_timeout_seconds=min(timeout, _MAX_HEARTBEAT_S))
     finally:
