@@ -147,10 +147,29 @@ def setup_runtime(parallel: ParallelConfig, distributed: DistributedConfig) -> N
     if parallel.simulate_cpu_devices and _platforms_without_accelerator():
         try:
             jax.config.update("jax_num_cpu_devices", parallel.simulate_cpu_devices)
-        except RuntimeError:
-            pass  # a backend already exists (e.g. a test session set its own count)
+        except RuntimeError:  # a backend exists: the device count is fixed for this process
+            _check_existing_devices(parallel)
     if settings is not None and not jax.distributed.is_initialized():
         _initialize_distributed(settings)
+
+
+def _check_existing_devices(parallel: ParallelConfig) -> None:
+    """JAX ran before ``setup_runtime`` could set the CPU device count. Same count
+    (a test session that set it first): nothing to say. Else a mesh that still fits
+    gets one warning line, and one that does not a one-line error saying why."""
+    have, wanted = jax.device_count(), parallel.simulate_cpu_devices
+    if have == wanted:
+        return
+    why = (f"JAX was initialized before mindpipe_jax could set parallel.simulate_cpu_devices={wanted}, "
+           f"so this process has {have} CPU device(s)")
+    fix = (f"call mindpipe_jax.setup_runtime(config.parallel, config.distributed) (or "
+           f"jax.config.update('jax_num_cpu_devices', {wanted})) before any other JAX operation, "
+           f"or set JAX_NUM_CPU_DEVICES={wanted}")
+    try:
+        resolve_axis_sizes(parallel, have)
+    except ConfigError:
+        raise ConfigError(f"{why}; {fix}") from None
+    sys.stderr.write(f"mindpipe: warning: {why}; running on those. To get {wanted}: {fix}\n")
 
 
 # JAX aborts the process (SIGABRT, a C++ stack trace) when the other processes do not

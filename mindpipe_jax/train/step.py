@@ -292,6 +292,29 @@ def noise_microbatches(cfg: Config, mesh) -> int:
     return accum if accum >= 2 else 0
 
 
+def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
+    """``(params in storage layout, batch, key) -> (loss, grads, micro_grad_sq or None)``:
+    the gradient exactly as the train step computes it (pipeline, deterministic
+    shards or plain/accumulated), before clipping and the optimizer."""
+    tr = cfg.train
+    pipelined = mesh.shape["pipe"] > 1
+    pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
+    # Without a pipeline, parallel.microbatches is plain gradient accumulation.
+    accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
+
+    def grad_fn(params, batch, key):
+        params = _to_compute(spec, params)
+        if pipelined:
+            return (*pipeline_grad(params, batch), None)
+        if tr.deterministic:
+            loss, grads, *rest = _deterministic_grad(spec, params, batch, key, mesh,
+                                                     tr.virtual_shards, stats)
+            return loss, grads, (rest[0] if stats else None)
+        return _accumulated_grad(spec, params, batch, key, accum, stats)
+
+    return grad_fn
+
+
 def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
                     noise_stats: bool | None = None):
     """The train step. With ``noise_stats`` (default: ``tuner.enabled``) and at least
@@ -303,26 +326,15 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
     statistics exist; the tuner then makes no noise estimate."""
     schedule = lr_schedule(cfg.optim, total_steps)
     tr = cfg.train
-    pipelined = mesh.shape["pipe"] > 1
-    pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
-    # Without a pipeline, parallel.microbatches is plain gradient accumulation.
-    accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
     skip_nonfinite = tr.nonfinite == "skip"
     n_micro = noise_microbatches(cfg, mesh)
     stats = bool(cfg.tuner.enabled if noise_stats is None else noise_stats) and n_micro >= 2
 
+    grad_fn = make_grad_fn(spec, cfg, mesh, stats)
+
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        params = _to_compute(spec, state["params"])
-        micro_sq = None
-        if pipelined:
-            loss, grads = pipeline_grad(params, batch)
-        elif tr.deterministic:
-            loss, grads, *rest = _deterministic_grad(spec, params, batch, key, mesh,
-                                                     tr.virtual_shards, stats)
-            micro_sq = rest[0] if stats else None
-        else:
-            loss, grads, micro_sq = _accumulated_grad(spec, params, batch, key, accum, stats)
+        loss, grads, micro_sq = grad_fn(state["params"], batch, key)
         # Back to storage layout: a reduce-scatter for FSDP instead of a full all-reduce.
         # Deterministic grads are already replicated: keep them so, so the clipping norm
         # is one unsharded reduction rather than fsdp partial sums + an all-reduce.

@@ -85,6 +85,25 @@ class StageFns:
 # ----------------------------------------------------------------------------
 
 
+def needs_lockstep(mesh) -> bool:
+    """Whether stage code may hold collectives that a per-device branch would strand.
+
+    Inside the ``shard_map`` only the pipe and batch axes are manual; any other axis
+    of size > 1 (tensor, expert) is left to XLA, which inserts whatever collectives
+    the model's shardings need, wherever it likes. An all-reduce among one stage's
+    tensor group survives a per-device ``lax.switch`` (the group takes the same
+    branch), but a resharding collective-permute is one instruction over every
+    device of the mesh: inside a branch that only one stage takes it waits for
+    devices that never come (XLA aborts). Which kind XLA picks depends on the
+    model, so the runtime does not bet on it: with such an axis every device runs
+    every task kind some stage runs in that tick (``cond`` on a predicate read
+    from the table, the same on all devices) and keeps its own task's outputs.
+    The price is compute: a tick costs the sum of its task kinds instead of the
+    largest (benchmarks/pipeline_lockstep.py measures it).
+    """
+    return any(size > 1 for axis, size in mesh.shape.items() if axis not in MANUAL)
+
+
 def _vary(tree):
     """Mark values as varying over every manual axis (loop carries and branch outputs
     must agree; and a vjp w.r.t. an invariant value would insert a psum in a branch)."""
@@ -115,7 +134,8 @@ def _put(buf, index, value):
 
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
-                   grad_sync: str = "end", sync_bucket_bytes: int | None = None):
+                   grad_sync: str = "end", sync_bucket_bytes: int | None = None,
+                   lockstep: bool | None = None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -137,6 +157,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     gradients (small, owned by one stage each) are synced at the end.
     ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
     (None: one bucket), i.e. at most bucket/d bytes per tick and device.
+    ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
+    None decides from the mesh.
     """
     points = sync_points(schedule, grad_sync)
     n_batch = math.prod(mesh.shape[a] for a in BATCH)
@@ -148,6 +170,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
 
     counts = None if layout is None or layout.uniform else jnp.asarray(layout.counts_array())
 
+    if lockstep is None:
+        lockstep = needs_lockstep(mesh)
+
     def layers_runner(layer):
         def run_layers(c, x):
             """A chunk's layers; with uneven stages ``c`` carries the real layer count."""
@@ -156,6 +181,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
 
             def one(h, xs):
                 lp, i = xs
+                if lockstep:  # the layer count differs per stage: compute, then keep or drop
+                    return jnp.where(i < c["n"], layer(lp, h), h), None
                 return lax.cond(i < c["n"], layer, lambda _, hh: hh, lp, h), None
             return lax.scan(one, x, (c["w"], jnp.arange(layout.width)))[0]
         return run_layers
@@ -282,6 +309,17 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         fwd_perm = [(i, (i + 1) % p) for i in range(p)]
         bwd_perm = [(i, (i - 1) % p) for i in range(p)]
         branch_fns = branches()
+        active = jnp.asarray(plan.active())  # [ticks, keys]: the same on every device
+
+        def run_lockstep(branch, t, operand):
+            """Every device runs every task kind that some stage runs in tick ``t`` (the
+            predicate comes from the table, not the device, so all devices take the same
+            side of each ``cond``) and keeps the outputs of its own."""
+            out = branch_fns[0](operand)
+            for k, fn in enumerate(branch_fns[1:], start=1):
+                new = lax.cond(active[t, k - 1], fn, branch_fns[0], operand)
+                out = jax.tree.map(lambda n, o, k=k: jnp.where(branch == k, n, o), new, out)
+            return out
 
         def tick(carry, t):
             acc, x_buf_c, g_buf_c, res_c = carry
@@ -296,7 +334,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             operand = {"acc": acc, "task": task, "x": _take(x_buf_c, task["x_slot"]),
                        "dy": _take(g_buf_c, jnp.maximum(task["g_slot"], 0)),
                        "res": {r: ResidualStore.read(res_c[r], res_at[r]) for r in res_c}}
-            acc, send_f, send_b, res_slot = lax.switch(task["branch"], branch_fns, operand)
+            if lockstep:
+                acc, send_f, send_b, res_slot = run_lockstep(task["branch"], t, operand)
+            else:
+                acc, send_f, send_b, res_slot = lax.switch(task["branch"], branch_fns, operand)
             res_c = {r: ResidualStore.write(res_c[r], res_at[r], res_slot[r]) for r in res_c}
             # Every device takes part in both transfers every tick (outside the branches).
             recv_f = lax.ppermute(send_f, AXIS, fwd_perm)

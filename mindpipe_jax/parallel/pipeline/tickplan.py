@@ -72,6 +72,10 @@ class Plan:
     keys: tuple[tuple[Kind, int, str | None], ...]
     policies: tuple[str, ...]  # per global stage
 
+    def active(self) -> np.ndarray:
+        """``[ticks, len(keys)]`` bool: which task kinds some stage runs in each tick."""
+        return (self.branch[:, :, None] == np.arange(1, len(self.keys) + 1)).any(axis=1)
+
     def arrays(self) -> dict[str, jax.Array]:
         names = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "recv_x", "recv_g")
         return {n: jnp.asarray(getattr(self, n), jnp.int32) for n in names}
