@@ -289,6 +289,13 @@ def read_meta(directory: str | Path) -> tuple[int, dict] | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
+    # "0041" would be read as step 41, whose directory "41" does not exist: name the real one.
+    padded = sorted(p.name for p in directory.iterdir() if p.name.isdigit() and p.name != str(int(p.name)))
+    if padded:
+        raise ConfigError(f"checkpoint dir {str(directory)!r} holds {padded[0]!r}, a step directory "
+                          f"mindpipe did not write (it names steps without leading zeros): rename "
+                          f"{str(directory / padded[0])!r} to {str(int(padded[0]))!r} if it is that "
+                          f"step, or move it away")
     steps = committed_steps(directory)
     if not steps:
         leftovers = set(incomplete_steps(directory))
