@@ -12,6 +12,10 @@ section's ``__post_init__`` checks ranges. Every refusal is a one-line
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
+import stat
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +28,19 @@ from mindpipe_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipe", "subnet", "expert")
 STAGE_REMAT_POLICIES = ("none", "dots", "full")  # the pipeline runtime's (tickplan.REMAT_POLICIES)
+# Simulated CPU devices: XLA:CPU compiles a trivial sharded program over 256 / 512 /
+# 1024 / 2048 devices in about 3 / 7 / 15 / 54 s (2 cores) and refuses 4096 ("Multiprocess
+# computations aren't implemented"); a training step takes minutes well before that.
+MAX_SIMULATED_DEVICES = 1024
+TOKEN_FILE_EXTENSIONS = (".npy", ".bin")  # data.path with one of these selects data.source="tokens"
+# Integer keys hold counts and sizes that JAX keeps as 32-bit integers (the step
+# counter, shapes); these are wider or narrower: (low, high, why).
+_INT32 = (-2**31, 2**31 - 1, "")
+_INT_RANGES = {
+    "train.seed": (0, 2**32 - 1, "; a JAX key holds 32 bits of seed"),
+    "data.seed": (0, 2**32 - 1, "; a 32-bit seed, as train.seed"),
+    "supernet.search_max_params": (0, 2**63 - 1, ""),
+}
 
 
 def _check(cond: bool, message: str) -> None:
@@ -34,6 +51,65 @@ def _check(cond: bool, message: str) -> None:
 def _positive(section: str, **values: int | float) -> None:
     for key, value in values.items():
         _check(value > 0, f"{section}.{key}={value!r} must be > 0")
+
+
+def _shown(value: Any) -> str:
+    """A value as the user typed it: TOML booleans, lists for tuples."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return repr(value)
+
+
+@functools.cache
+def _number_fields(cls) -> tuple[tuple[str, type, bool], ...]:
+    """(name, int or float, is a list) for each numeric field of a config section."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        args = typing.get_args(tp)
+        if tp in (int, float):
+            out.append((name, tp, False))
+        elif typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,) and args[0] in (int, float):
+            out.append((name, args[0], True))
+    return tuple(out)
+
+
+def _check_numbers(obj, section: str) -> None:
+    """Numbers are numbers (``true`` is not 1), integers fit their range, floats are finite.
+
+    Runs first in each section's ``__post_init__``: dacite accepts a bool where an int
+    or float is declared (``bool`` is an ``int``), and Python integers are unbounded.
+    """
+    for name, tp, is_list in _number_fields(type(obj)):
+        value = getattr(obj, name)
+        key = f"{section}.{name}"
+        if is_list:
+            if not isinstance(value, (tuple, list)):
+                raise ConfigError(f"config key {key}={_shown(value)} has the wrong type; expected a list "
+                                  f"of {tp.__name__}")
+            for item in value:
+                _check_number(key, item, tp, value, f"a list of {tp.__name__}")
+        else:
+            _check_number(key, value, tp, value, tp.__name__)
+
+
+def _check_number(key: str, value: Any, tp: type, whole: Any, expected: str) -> None:
+    shown = _shown(whole)
+    number = isinstance(value, int) if tp is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not number:
+        got = ", not a boolean" if isinstance(value, bool) else ""
+        raise ConfigError(f"config key {key}={shown} has the wrong type; expected {expected}{got}")
+    if tp is int:
+        low, high, why = _INT_RANGES.get(key, _INT32)
+        _check(low <= value <= high, f"config key {key}={shown} is out of range; valid: integers from "
+                                     f"{low} to {high}{why}")
+    else:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer beyond any float
+            finite = False
+        _check(finite, f"config key {key}={shown} is not a finite number")
 
 
 @dataclass(frozen=True)
@@ -69,6 +145,7 @@ class ModelConfig:
     moe_aux_weight: float = 0.01
 
     def __post_init__(self):
+        _check_numbers(self, "model")
         _positive("model", vocab_size=self.vocab_size, seq_len=self.seq_len,
                   d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads)
         _check(self.n_experts >= 0, f"model.n_experts={self.n_experts} must be >= 0 (0 = dense GPT)")
@@ -94,6 +171,15 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
+def source_for_path(path: str) -> str:
+    """The ``data.source`` a ``data.path`` selects: ``tokens`` for .npy/.bin files, else ``text``."""
+    return "tokens" if str(path).lower().endswith(TOKEN_FILE_EXTENSIONS) else "text"
+
+
+def _is_bin(path: str) -> bool:
+    return str(path).lower().endswith(".bin")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from.
@@ -102,6 +188,12 @@ class DataConfig:
     present on every machine), ``text`` (a file or directory, byte-level),
     ``tokens`` (``.npy`` or raw ``.bin`` token ids, needs ``vocab_size``), or
     ``synthetic`` (random tokens, for benchmarks).
+
+    Setting ``path`` without ``source`` selects the source from the path: ``tokens``
+    for a ``.npy`` or ``.bin`` file, else ``text``. A key the source does not read
+    (``path`` with ``stdlib``/``synthetic``, ``vocab_size`` without ``tokens``,
+    ``token_dtype`` without a ``.bin`` file, ``seed``/``synthetic_tokens`` without
+    ``synthetic``) is refused rather than ignored.
     """
 
     source: Literal["stdlib", "text", "tokens", "synthetic"] = "stdlib"
@@ -113,12 +205,29 @@ class DataConfig:
     synthetic_tokens: int = 1 << 20
 
     def __post_init__(self):
+        _check_numbers(self, "data")
         _check(0.0 < self.val_fraction < 1.0,
                f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         _check(self.vocab_size >= 0, f"data.vocab_size={self.vocab_size} must be >= 0")
         _check(self.source not in ("text", "tokens") or bool(self.path),
                f"data.path is required for data.source={self.source!r}")
         _positive("data", synthetic_tokens=self.synthetic_tokens)
+        # Keys the chosen source does not read: refused, not silently ignored.
+        _check(self.source in ("text", "tokens") or not self.path,
+               f"data.path={self.path!r} is not read with data.source={self.source!r}; set data.source to "
+               f"'text' or 'tokens' (or leave it unset: a data.path selects it), or drop data.path")
+        _check(self.vocab_size == 0 or self.source == "tokens",
+               f"data.vocab_size={self.vocab_size} applies to data.source='tokens' only "
+               f"(data.source={self.source!r}); drop it")
+        _check(self.token_dtype == "uint16" or (self.source == "tokens" and _is_bin(self.path)),
+               f"data.token_dtype={self.token_dtype!r} applies to raw .bin token files only "
+               f"(data.source={self.source!r}, data.path={self.path!r}); drop it")
+        default = DataConfig.__dataclass_fields__
+        for key, note in (("seed", "; the batch order follows train.seed"), ("synthetic_tokens", "")):
+            value = getattr(self, key)
+            _check(value == default[key].default or self.source == "synthetic",
+                   f"data.{key}={value} applies to data.source='synthetic' only (data.source="
+                   f"{self.source!r}{note}); drop it")
 
 
 @dataclass(frozen=True)
@@ -161,6 +270,7 @@ class ParallelConfig:
     simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
 
     def __post_init__(self):
+        _check_numbers(self, "parallel")
         sizes = self.axis_sizes()
         fills = [a for a, n in sizes.items() if n == -1]
         _check(len(fills) <= 1, f"parallel: only one axis may be -1, got {', '.join(fills)}")
@@ -177,8 +287,10 @@ class ParallelConfig:
                f"(0 = one bucket per chunk)")
         _check(self.repartition_after >= 0,
                f"parallel.repartition_after={self.repartition_after} must be >= 0 (0 = never)")
-        _check(self.simulate_cpu_devices >= 0,
-               f"parallel.simulate_cpu_devices={self.simulate_cpu_devices} must be >= 0")
+        _check(0 <= self.simulate_cpu_devices <= MAX_SIMULATED_DEVICES,
+               f"parallel.simulate_cpu_devices={self.simulate_cpu_devices} must be in "
+               f"0..{MAX_SIMULATED_DEVICES} (0 = leave the devices as they are); XLA compiles a sharded "
+               f"program over {MAX_SIMULATED_DEVICES} CPU devices in ~15 s, over twice as many in minutes")
 
     def axis_sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -198,6 +310,7 @@ class OptimConfig:
     clip_norm: float = 1.0  # 0 disables clipping
 
     def __post_init__(self):
+        _check_numbers(self, "optim")
         _positive("optim", lr=self.lr)
         _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _check(0.0 <= self.min_lr_ratio <= 1.0,
@@ -238,6 +351,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        _check_numbers(self, "train")
         _positive("train", steps=self.steps, global_batch=self.global_batch,
                   grad_accum=self.grad_accum, eval_batches=self.eval_batches,
                   log_every=self.log_every, keep_checkpoints=self.keep_checkpoints,
@@ -263,6 +377,7 @@ class DistributedConfig:
     timeout_s: int = 300
 
     def __post_init__(self):
+        _check_numbers(self, "distributed")
         _check(self.num_processes >= 0, f"distributed.num_processes={self.num_processes} must be >= 0")
         _positive("distributed", timeout_s=self.timeout_s)
 
@@ -295,6 +410,7 @@ class SupernetConfig:
     search_eval_batches: int = 2  # validation batches of train.global_batch rows per subnet
 
     def __post_init__(self):
+        _check_numbers(self, "supernet")
         _check(self.semantics in ("sync", "causal"),
                f"supernet.semantics={self.semantics!r} is not valid; valid: 'sync', 'causal'")
         _check(self.strategy in ("uniform", "sandwich"),
@@ -349,6 +465,7 @@ class TunerConfig:
     amortize: bool = True
 
     def __post_init__(self):
+        _check_numbers(self, "tuner")
         _positive("tuner", every=self.every)
         _check(self.threshold >= 0, f"tuner.threshold={self.threshold} must be >= 0")
         _check(all(b > 0 for b in self.batch_sizes),
@@ -377,11 +494,16 @@ class Config:
         return dataclasses.asdict(self)
 
     def replace(self, *overrides: str, **sections: Any) -> Config:
-        """A copy with ``key=value`` overrides and/or whole sections replaced."""
+        """A copy with ``key=value`` overrides and/or whole sections replaced.
+
+        The keys set here are checked against the result: one that has no effect
+        under the other settings is refused (``check_no_effect``)."""
         merged = self.to_dict()
+        explicit: dict[str, int] = {}
         for name, section in sections.items():
             merged[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
-        return from_dict(_apply_overrides(merged, overrides))
+            explicit.update(_set_keys({name: merged[name]}, layer=1))
+        return _build(_apply_overrides(merged, overrides, explicit), explicit)
 
 
 def _parse_value(raw: str) -> Any:
@@ -392,7 +514,9 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str],
+                     explicit: dict[str, int] | None = None) -> dict[str, Any]:
+    """Set each ``key=value`` in ``tree``; record the keys set in ``explicit`` (layer 1)."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -404,13 +528,131 @@ def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str]) -> d
             child = node.get(part)
             if not isinstance(child, dict):
                 where = ".".join(parts[: depth + 1])
+                if depth == 0 and part in _SECTIONS:  # a config file set it to a value
+                    raise ConfigError(_not_a_table(part, child))
+                if part in node:
+                    raise ConfigError(f"config key {where!r} is a value, not a section; set it as "
+                                      f"{where}=VALUE")
                 raise ConfigError(f"unknown config section {where!r}; valid: {', '.join(sorted(node))}")
             node = child
         if parts[-1] not in node and len(parts) > 1:
             raise ConfigError(f"unknown config key {key!r}; valid keys in {'.'.join(parts[:-1])!r}: "
                               f"{', '.join(sorted(node))}")
         node[parts[-1]] = _parse_value(raw.strip())
+        if explicit is not None:
+            explicit.update(_set_keys({key: node[parts[-1]]}, layer=1))
     return tree
+
+
+def _set_keys(update: dict[str, Any], layer: int, prefix: str = "") -> dict[str, int]:
+    """The dotted keys a TOML table or an override sets (a table: each key in it), with the
+    layer that set them: 0 the config file, 1 the overrides."""
+    out: dict[str, int] = {}
+    for name, value in update.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            out.update(_set_keys(value, layer, key + "."))
+        else:
+            out[key] = layer
+    return out
+
+
+def _not_a_table(section: str, value: Any) -> str:
+    return (f"config section {section!r} must be a table of keys ([{section}] in a TOML file, "
+            f"{section}.KEY=VALUE on the command line), got {section} = {_shown(value)}")
+
+
+def _build(tree: dict[str, Any], explicit: dict[str, int]) -> Config:
+    """The validated ``Config`` of a merged tree whose keys in ``explicit`` the user set."""
+    _select_data_source(tree, explicit)
+    cfg = from_dict(tree)
+    check_no_effect(cfg, explicit)
+    return cfg
+
+
+def _select_data_source(tree: dict[str, Any], explicit: dict[str, int]) -> None:
+    """A ``data.path`` set without ``data.source`` selects the source from the path
+    (``source_for_path``). A source set as late as the path (both on the command line,
+    or both in the file) is the user's choice and stays, except the default "stdlib"
+    in a file (``mindpipe config > my.toml`` lists every key); a synthetic source
+    stays too (and refuses the path)."""
+    data = tree.get("data")
+    if not isinstance(data, dict) or "data.path" not in explicit:
+        return
+    path, source = data.get("path"), data.get("source")
+    if not isinstance(path, str) or not path or source == "synthetic":
+        return
+    chosen = explicit.get("data.source", -1)
+    if chosen == 0 and source == DataConfig.source:
+        chosen = -1
+    if chosen < explicit["data.path"]:
+        data["source"] = source_for_path(path)
+
+
+def check_train_keys(cfg: Config) -> None:
+    """What ``mindpipe train`` reads no matter the rest, refused when set away from its
+    default: the supernet section (``mindpipe supernet`` and ``mindpipe search`` read
+    it) and ``train.virtual_shards`` without ``train.deterministic`` (a supernet run
+    always uses it, so ``check_no_effect`` cannot refuse it for every command)."""
+    default = Config()
+    for f in dataclasses.fields(SupernetConfig):
+        value = getattr(cfg.supernet, f.name)
+        if value != getattr(default.supernet, f.name):
+            raise ConfigError(f"supernet.{f.name}={_shown(value)} has no effect on `mindpipe train`; the "
+                              f"supernet section is for `mindpipe supernet` and `mindpipe search`: drop it")
+    if cfg.train.virtual_shards != default.train.virtual_shards and not cfg.train.deterministic:
+        raise ConfigError(f"train.virtual_shards={cfg.train.virtual_shards} has no effect with "
+                          f"train.deterministic=false; set train.deterministic=true, or drop "
+                          f"train.virtual_shards")
+
+
+def _pipe_is_one(cfg: Config) -> str | None:
+    return "parallel.pipe=1" if cfg.parallel.pipe == 1 else None
+
+
+def _chunk_sync_off(cfg: Config) -> str | None:
+    par = cfg.parallel
+    if par.pipe == 1:
+        return "parallel.pipe=1"
+    sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+    if sync == "chunk":
+        return None
+    return f"parallel.grad_sync={par.grad_sync!r}, parallel.schedule={par.schedule!r} (one sync at the end)"
+
+
+# (keys, what makes them inert -> a description or None, how to make them count). Only
+# keys that no command reads under those settings; what one command ignores (the
+# supernet section in `mindpipe train`) its command refuses.
+_NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], str], ...] = (
+    (("model.top_k", "model.capacity_factor", "model.moe_aux_weight"),
+     lambda c: "model.n_experts=0 (the dense GPT)" if c.model.n_experts == 0 else None,
+     "set model.n_experts > 0"),
+    (("model.collective_matmul",), lambda c: "parallel.tensor=1" if c.parallel.tensor == 1 else None,
+     "set parallel.tensor > 1 (or 0, auto)"),
+    (("parallel.schedule", "parallel.virtual_stages", "parallel.stage_remat", "parallel.stage_layers",
+      "parallel.grad_sync", "parallel.repartition_after"), _pipe_is_one, "set parallel.pipe > 1"),
+    (("parallel.sync_bucket_mb",), _chunk_sync_off,
+     "it sizes the chunk-wise gradient sync of a pipeline: set parallel.grad_sync='chunk'"),
+    (tuple(f"tuner.{f.name}" for f in dataclasses.fields(TunerConfig) if f.name != "enabled"),
+     lambda c: None if c.tuner.enabled else "tuner.enabled=false", "set tuner.enabled=true"),
+)
+
+
+def check_no_effect(cfg: Config, explicit: typing.Iterable[str]) -> None:
+    """Refuse a key in ``explicit`` (dotted names the user set) whose value differs from
+    its default but has no effect under the rest of ``cfg``. Values equal to their
+    default pass, so a full config file (``mindpipe config > my.toml``) loads."""
+    explicit = set(explicit)
+    default = Config()
+    for keys, inert, fix in _NO_EFFECT:
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            if key not in explicit or value == getattr(getattr(default, section), name):
+                continue
+            why = inert(cfg)
+            if why is not None:
+                raise ConfigError(f"{key}={_shown(value)} has no effect with {why}; {fix}, or drop {key}")
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -481,6 +723,9 @@ def from_dict(data: dict[str, Any]) -> Config:
     """Build a validated ``Config`` from a nested dictionary (strict: no unknown keys)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
+    for name, value in data.items():
+        if name in _SECTIONS and not isinstance(value, dict):
+            raise ConfigError(_not_a_table(name, value))
     try:
         return dacite.from_dict(Config, data, config=_DACITE)
     except dacite.DaciteError as err:
@@ -490,14 +735,36 @@ def from_dict(data: dict[str, Any]) -> Config:
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (optional), apply ``key=value`` overrides, validate."""
     tree: dict[str, Any] = Config().to_dict()
+    explicit: dict[str, int] = {}
     if path is not None:
         path = Path(path)
+        shown = str(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            kind = path_kind(path)
+            raise ConfigError(f"config file {shown!r} does not exist" if kind is None else
+                              f"config file {shown!r} is {kind}, not a TOML file")
         try:
-            tree = _deep_merge(tree, tomllib.loads(path.read_text()))
+            update = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+            raise ConfigError(f"config file {shown!r} is not valid TOML: {err}") from None
         except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
-    return from_dict(_apply_overrides(tree, overrides))
+            raise ConfigError(f"config file {shown!r} is not UTF-8 text") from None
+        except OSError as err:
+            raise ConfigError(f"config file {shown!r} cannot be read: {err.strerror or err}") from None
+        explicit.update(_set_keys(update, layer=0))
+        tree = _deep_merge(tree, update)
+    return _build(_apply_overrides(tree, overrides, explicit), explicit)
+
+
+def path_kind(path: str | Path) -> str | None:
+    """What is at ``path`` in words ("a directory", "a FIFO (named pipe)", ...); None if nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # a parent that is a file, a loop of links, no permission
+        return f"not reachable ({err.strerror or err})"
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")

@@ -5,11 +5,15 @@ Each case must give one line naming the bad value (``ConfigError`` from
 ``mindpipe train``, no traceback) and leave every file under the test's
 directory exactly as it was: same names, same bytes, same modification times.
 A few mistakes can only be made from Python (a custom module, a wrong argument
-type); they run through the API only.
+type); they run through the API only. A few are refused by ``mindpipe train`` only
+(keys the train command does not read but ``mindpipe supernet`` does). An argument
+``--config={tmp}/FILE`` is ``--config FILE`` on the command line and
+``mp.load_config(FILE)`` as the API's base config.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -54,12 +58,18 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
     np.save(tmp_path / "big_ids.npy", np.arange(5000, dtype=np.int32) % 300)
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     (tmp_path / "tokens.csv").write_text("1,2,3")
+    (tmp_path / "model_3.toml").write_text("model = 3\n")  # a section set to a value
     # A directory that already holds someone else's files.
     (tmp_path / "foreign" / "checkpoints").mkdir(parents=True)
     (tmp_path / "foreign" / "checkpoints" / "notes.txt").write_text("not a checkpoint")
     joined = " ".join(args)
+    if "{tmp}/fifo" in joined:  # a named pipe: reading it would block
+        os.mkfifo(tmp_path / "fifo")
     if "{tmp}/done" in joined:  # a finished run at step 2
         shutil.copytree(finished, tmp_path / "done")
+    if "{tmp}/zeros" in joined:  # its step directory renamed 2 -> 0002
+        shutil.copytree(finished, tmp_path / "zeros")
+        (tmp_path / "zeros" / "checkpoints" / "2").rename(tmp_path / "zeros" / "checkpoints" / "0002")
     for name, damage in (("flipped", _flip_bytes), ("truncated", _truncate)):
         if "{tmp}/" + name in joined:  # its array data damaged
             shutil.copytree(finished, tmp_path / name)
@@ -169,12 +179,67 @@ CASES = [
                                   "distributed.process_id=0"], "host:port", None),
     ("process id out of range", ["distributed.coordinator=127.0.0.1:1", "distributed.num_processes=2",
                                  "distributed.process_id=2"], "process_id=2", None),
+    # Booleans are not numbers (TOML true would pass as the integer 1).
+    ("boolean as an integer", ["train.steps=true"], "train.steps=true has the wrong type; expected int",
+     None),
+    ("boolean as a model size", ["model.n_layers=true"], "model.n_layers=true has the wrong type", None),
+    ("boolean as a float", ["optim.lr=true"], "optim.lr=true has the wrong type; expected float", None),
+    ("boolean in a list of integers",
+     ["parallel.pipe=2", "parallel.data=4", "parallel.stage_layers=[true, 1]"],
+     "parallel.stage_layers=[true, 1] has the wrong type; expected a list of int", None),
+    # Integers beyond what the run can hold; floats beyond any float.
+    ("seed overflow", ["train.seed=1180591620717411303424"],
+     "train.seed=1180591620717411303424 is out of range; valid: integers from 0 to 4294967295", None),
+    ("negative seed", ["train.seed=-1"], "train.seed=-1 is out of range", None),
+    ("step count overflow", ["train.steps=2147483648"], "train.steps=2147483648 is out of range", None),
+    ("infinite float", ["optim.lr=1e999"], "optim.lr=inf is not a finite number", None),
+    ("too many simulated devices", ["parallel.simulate_cpu_devices=100000"],
+     "parallel.simulate_cpu_devices=100000 must be in 0..1024", None),
+    # Messages that say what the thing is.
+    ("config section set to a value", ["model=3"], "config section 'model' must be a table", None),
+    ("config file section set to a value", ["--config={tmp}/model_3.toml"],
+     "config section 'model' must be a table", None),
+    ("config key used as a section", ["train.steps.x=1"], "'train.steps' is a value, not a section", None),
+    ("config file is a directory", ["--config={tmp}/empty_dir"], "empty_dir' is a directory", None),
+    ("config file is a FIFO", ["--config={tmp}/fifo"], "fifo' is a FIFO (named pipe)", None),
+    ("data path is a FIFO", ["data.path={tmp}/fifo"], "fifo' is a FIFO (named pipe), not a regular file",
+     None),
+    ("step directory with leading zeros", ["train.out_dir={tmp}/zeros", "train.steps=4", "train.resume=true"],
+     "zeros/checkpoints/0002' to '2'", None),
+    # A data.path selects its source and is always read; keys a setting makes inert are refused.
+    ("data path alone that does not exist", ["data.path=/nonexistent/corpus.txt"],
+     "data.path '/nonexistent/corpus.txt' does not exist", None),
+    ("data path alone selects tokens", ["data.path={tmp}/big_ids.npy"], "holds id 299", None),
+    ("data path with the stdlib source", ["data.source=stdlib", "data.path={tmp}/empty.txt"],
+     "is not read with data.source='stdlib'", None),
+    ("data path with the synthetic source", ["data.source=synthetic", "data.path={tmp}/big_ids.npy"],
+     "is not read with data.source='synthetic'", None),
+    ("data vocabulary without token files", ["data.vocab_size=300"], "data.vocab_size=300 applies to", None),
+    ("token dtype for a .npy file", ["data.path={tmp}/big_ids.npy", "data.token_dtype=uint32"],
+     "data.token_dtype='uint32' applies to raw .bin", None),
+    ("data seed without synthetic data", ["data.seed=3"], "data.seed=3 applies to data.source='synthetic'",
+     None),
+    ("MoE key on a dense model", ["model.top_k=3"], "model.top_k=3 has no effect with model.n_experts=0",
+     None),
+    ("collective matmul without a tensor axis", ["parallel.tensor=1", "model.collective_matmul=true"],
+     "model.collective_matmul=true has no effect with parallel.tensor=1", None),
+    ("pipeline schedule without a pipeline", ["parallel.schedule=gpipe"],
+     "parallel.schedule='gpipe' has no effect with parallel.pipe=1", None),
+    ("sync bucket without chunk sync", ["parallel.pipe=2", "parallel.data=4", "parallel.sync_bucket_mb=4"],
+     "parallel.sync_bucket_mb=4 has no effect", None),
+    ("tuner key with the tuner off", ["tuner.every=5"],
+     "tuner.every=5 has no effect with tuner.enabled=false", None),
+    ("virtual shards without deterministic mode", ["train.virtual_shards=4"],
+     "train.virtual_shards=4 has no effect with train.deterministic=false", "cli"),
+    ("supernet key in a train run", ["supernet.subnets_per_step=8"],
+     "supernet.subnets_per_step=8 has no effect on `mindpipe train`", "cli"),
     ("model without the pipeline contract", ["parallel.pipe=2", "parallel.data=4"], "pipeline contract",
      {"model": Bigram}),
     ("model of the wrong type", [], "got int", {"model": 42}),
     ("data of the wrong type", [], "got float", {"data": 3.5}),
 ]
-RUNS = [(c, via) for c in CASES for via in (("api",) if c[3] else ("api", "cli"))]
+RUNS = [(c, via) for c in CASES
+        for via in (("cli",) if c[3] == "cli" else ("api",) if c[3] else ("api", "cli"))]
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
@@ -190,19 +255,22 @@ def _snapshot(root: Path) -> dict[str, tuple]:
 @pytest.mark.parametrize("case,via", RUNS, ids=[f"{c[0]}-{via}" for c, via in RUNS])
 def test_bad_input_is_one_clear_line_and_writes_nothing(case, via, tmp_path, finished_run, capsys):
     _, overrides, needle, api_args = case
+    api_args = api_args if isinstance(api_args, dict) else {}
     _files(tmp_path, finished_run, overrides)
     args = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    config = next((a.removeprefix("--config=") for a in args if a.startswith("--config=")), None)
+    args = [a for a in args if not a.startswith("--config=")]
     if not any(a.startswith("train.out_dir=") for a in args):
         args.append(f"train.out_dir={tmp_path / 'out'}")
     before = _snapshot(tmp_path)
     if via == "api":
         with pytest.raises(ConfigError) as err:
-            mp.train(api_args.get("model") if api_args else None, api_args.get("data") if api_args else None,
-                     mp.Config(), *TINY, *args)
+            base = mp.Config() if config is None else mp.load_config(config)
+            mp.train(api_args.get("model"), api_args.get("data"), base, *TINY, *args)
         message = str(err.value)
     else:
         capsys.readouterr()
-        code = main(["train", *TINY, *args])
+        code = main(["train", *([] if config is None else ["--config", config]), *TINY, *args])
         stderr = capsys.readouterr().err
         assert code == 2, stderr
         assert stderr.count("\n") == 1 and stderr.startswith("mindpipe: error: "), stderr
@@ -233,7 +301,25 @@ def test_bad_config_file(tmp_path):
         mp.load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         mp.load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is a directory, not a TOML file"):
+        mp.load_config(tmp_path)
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("[model]\nwidth = 3\n")
     with pytest.raises(ConfigError, match="width"):
         mp.load_config(unknown)
+
+
+def test_a_data_path_selects_its_source(tmp_path):
+    assert mp.load_config(None, ["data.path=corpus.txt"]).data.source == "text"
+    assert mp.load_config(None, ["data.path=ids.npy"]).data.source == "tokens"
+    assert mp.load_config(None, ["data.path=ids.bin", "data.token_dtype=uint32"]).data.source == "tokens"
+    assert mp.Config().replace("data.path=a.txt").replace("data.path=b.npy").data.source == "tokens"
+    # A chosen source stays (and is read as such); a full config file's default "stdlib" is no choice.
+    assert mp.load_config(None, ["data.source=text", "data.path=ids.npy"]).data.source == "text"
+    full = tmp_path / "full.toml"
+    full.write_text('[data]\nsource = "stdlib"\npath = "ids.npy"\n')
+    assert mp.load_config(full).data.source == "tokens"
+    assert mp.load_config(full, ["data.path=more.txt"]).data.source == "text"
+    # Every key at its default value is no mistake, whatever the other settings.
+    assert mp.load_config(None, ["parallel.schedule=1f1b", "tuner.every=50", "model.top_k=2",
+                                 "data.seed=0", "train.virtual_shards=8"]) == mp.Config()

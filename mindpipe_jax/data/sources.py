@@ -10,6 +10,7 @@ ids outside the vocabulary) is a one-line ``ConfigError``.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mindpipe_jax.config import DataConfig
+from mindpipe_jax.config import TOKEN_FILE_EXTENSIONS, DataConfig, path_kind
 from mindpipe_jax.data import cache, files
 from mindpipe_jax.data.splits import (
     check_split_sizes,
@@ -27,7 +28,7 @@ from mindpipe_jax.data.splits import (
 from mindpipe_jax.errors import ConfigError
 
 BYTE_VOCAB = 256
-TOKEN_EXTENSIONS = (".npy", ".bin")
+TOKEN_EXTENSIONS = TOKEN_FILE_EXTENSIONS
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 # Elements per chunk when scanning a token file's range: bounded memory for memmaps
 # of many GB, large enough that the per-chunk overhead does not matter.
@@ -67,8 +68,16 @@ def _check_vocab(data_vocab: int, model_vocab: int) -> None:
 
 def _require_path(cfg: DataConfig) -> Path:
     path = Path(cfg.path).expanduser()
-    if not path.exists():
+    kind = path_kind(path)
+    if kind is None:
         raise ConfigError(f"data.path {cfg.path!r} does not exist")
+    if kind.startswith("not reachable"):
+        raise ConfigError(f"data.path {cfg.path!r} is {kind}")
+    if kind not in ("a regular file", "a directory"):
+        # Reading a FIFO or a device would block or never end.
+        raise ConfigError(f"data.path {cfg.path!r} is {kind}, not a regular file or a directory")
+    if not os.access(path, os.R_OK | (os.X_OK if kind == "a directory" else 0)):
+        raise ConfigError(f"data.path {cfg.path!r} is {kind} this user may not read")
     return path
 
 
