@@ -97,6 +97,9 @@ class RunDirLock:
         self._fd: int | None = None
         self._created: list[Path] = []  # directories acquire made, outermost first
         self.took_over: dict | None = None  # the record of a dead holder, when one was taken over
+        # An existing out_dir without a lock file: its entries and (atime, mtime) before
+        # the lock file, so a run that fails having written nothing leaves it as it was.
+        self._before: tuple[list[str], tuple[int, int]] | None = None
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
@@ -118,6 +121,9 @@ class RunDirLock:
                     self._created.append(directory)
                 except FileExistsError:
                     pass
+            if not missing and not os.path.lexists(self.path):
+                st = self.out_dir.stat()
+                self._before = (sorted(os.listdir(self.out_dir)), (st.st_atime_ns, st.st_mtime_ns))
             self._lock()
         except OSError as err:  # the disk filled up, the filesystem turned read-only...
             self._remove_created()
@@ -202,6 +208,9 @@ class RunDirLock:
         self._fd = None
         if remove_created:
             self._remove_created()
+            with contextlib.suppress(OSError):  # nothing else written: the lock file's traces go too
+                if self._before is not None and sorted(os.listdir(self.out_dir)) == self._before[0]:
+                    os.utime(self.out_dir, ns=self._before[1])
 
     def _remove_created(self) -> None:
         for directory in reversed(self._created):
