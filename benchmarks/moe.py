@@ -72,6 +72,7 @@ from mindpipe_jax.tuner.noise import NoiseScale, efficiency  # noqa: E402
 
 MODEL = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
          "model.top_k=1", "model.capacity_factor=1.25", "model.moe_aux_weight=0.01")
+_ROUTER_KEYS = ("model.top_k", "model.capacity_factor", "model.moe_aux_weight")
 BATCH = 32
 B0 = 8  # efficiency (and so entropyput) is relative to a batch of 8 sequences
 
@@ -93,7 +94,9 @@ class Row:
 def build_row(n_experts: int, steps: int) -> Row:
     expert = 1 if n_experts == 1 else min(n_experts, 8)
     moe = n_experts > 1
-    cfg = mp.Config().replace(*MODEL, f"model.n_experts={n_experts if moe else 0}",
+    # The router keys apply to MoE models only (a dense model refuses them).
+    keys = MODEL if moe else tuple(k for k in MODEL if k.split("=")[0] not in _ROUTER_KEYS)
+    cfg = mp.Config().replace(*keys, f"model.n_experts={n_experts if moe else 0}",
                               f"parallel.expert={expert}", f"parallel.data={8 // expert}",
                               "parallel.tensor=1", f"train.global_batch={BATCH}", f"train.steps={steps}",
                               "train.grad_accum=2",  # two microbatches: the noise scale's small batch
