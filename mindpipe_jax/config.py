@@ -6,7 +6,11 @@ section names; command-line overrides use dotted keys (``parallel.tensor=2``) an
 TOML literals for values. ``dacite`` (strict mode) turns the merged dictionary into
 the dataclasses, so unknown keys and wrong types are refused in one place; each
 section's ``__post_init__`` checks ranges. Every refusal is a one-line
-``ConfigError`` naming the key, the value and what is valid.
+``ConfigError`` naming the key, the value and what is valid. Numbers are checked
+as numbers (a boolean is not one; integers within their range, floats finite), and a
+key set away from its default that has no effect under the other settings is
+refused rather than ignored (``check_no_effect``; a ``data.path`` given without
+``data.source`` selects the source instead).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import stat
 import tomllib
@@ -96,7 +101,8 @@ def _check_numbers(obj, section: str) -> None:
 
 def _check_number(key: str, value: Any, tp: type, whole: Any, expected: str) -> None:
     shown = _shown(whole)
-    number = isinstance(value, int) if tp is int else isinstance(value, (int, float))
+    # numbers.*: NumPy scalars (np.int64 is no int) pass as what they are.
+    number = isinstance(value, numbers.Integral if tp is int else numbers.Real)
     if isinstance(value, bool) or not number:
         got = ", not a boolean" if isinstance(value, bool) else ""
         raise ConfigError(f"config key {key}={shown} has the wrong type; expected {expected}{got}")
