@@ -11,6 +11,9 @@ compared with the same config trained in this single process:
   uninterrupted single-process run within float32 rounding of the all-reduce;
 * Ctrl-C in the terminal (SIGINT to both processes): both stop after the same
   step with one checkpoint, and exit 0;
+* process 1 SIGKILLed after a committed checkpoint (process 0 then dies of the
+  lost heartbeat, or is stopped), both restarted with ``train.resume=auto``:
+  bitwise equal to an uninterrupted 2-process run;
 * a 2-stage 1F1B pipeline across the processes (stage 0 on process 0's
   devices, stage 1 on process 1's), the same comparison;
 * deterministic mode on data=8: bitwise equal;
@@ -28,13 +31,15 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from cli_procs import Train, cli_env
+from cli_procs import Train, cli_env, kill_after_first_commit
+from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
 from mindpipe_jax.train.checkpoint import committed_steps, restore
@@ -161,6 +166,38 @@ def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cach
     _check_one_writer(outputs, out, steps=12)
     single = _single_process(tmp_path, DATA_TENSOR)
     _compare(_state(single, DATA_TENSOR), _state(out, DATA_TENSOR), bitwise=False)
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_process_then_resume_auto_on_both_is_bitwise_identical(tmp_path, cache):
+    # A machine lost mid-run: process 1 is SIGKILLed once a checkpoint is committed;
+    # process 0 then fails on its own or is stopped (as a scheduler stops a broken job).
+    # The requeued job runs the same command, train.resume=auto, on both processes, and
+    # ends with the bits of an uninterrupted 2-process run (same layout, same reductions).
+    steps = 12
+    ref, out = tmp_path / "reference", tmp_path / "cluster"
+    _finish(_launch([*MH, *DATA_TENSOR, f"train.out_dir={ref}"], "env", cache=cache, cwd=tmp_path))
+    args = [*MH, *DATA_TENSOR, f"train.out_dir={out}", "train.resume=auto"]
+    first, second = _launch(args, "env", cache=cache, cwd=tmp_path, timeout_s=15)
+    try:
+        kill_after_first_commit(second, out / "checkpoints", steps)
+        try:
+            alone = first.proc.wait(timeout=30)  # its own error, or ...
+        except subprocess.TimeoutExpired:
+            first.kill()  # ... stopped here (-9)
+            alone = first.proc.returncode
+    finally:
+        first.kill()
+        second.kill()
+    assert alone != 0 and "done:" not in first.output, first.output[-3000:]  # never done without its peer
+    last = committed_steps(out / "checkpoints")[-1]
+    assert last < steps
+
+    outputs = _finish(_launch(args, "env", cache=cache, cwd=tmp_path))
+    assert f"resuming at step {last}" in outputs[0], outputs[0][-3000:]
+    _check_one_writer(outputs, out, steps=steps)
+    assert_bitwise(_state(ref, DATA_TENSOR), _state(out, DATA_TENSOR),
+                   f"process 1 killed after the checkpoint of step {last} (process 0: rc {alone}), resumed")
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 * SIGKILL at a random step after a checkpoint, then ``--resume``: the final
   parameters and optimizer state are bitwise those of an uninterrupted run (a
-  dense data x tensor mesh with dropout, and a 2-stage 1F1B pipeline). Step
+  dense data x tensor mesh with dropout, a 2-stage 1F1B pipeline, and the same
+  pipeline with data=2 x tensor=2 inside each stage and 4 microbatches). Step
   directories an interrupted save could leave (orbax's temporary directory, a
   step without the commit marker) are never loaded, and are cleared.
 * SIGTERM / SIGINT: the loop finishes the step, saves, exits 0 saying where;
@@ -56,7 +57,11 @@ LAYOUTS = {
     "dense": ["model.dropout=0.1"],
     "pipeline": ["parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2",
                  "parallel.schedule=1f1b"],
+    # pipe=2 x data=2 x tensor=2: every stage's weights are split over tensor and its batch over data
+    "pipeline_data_tensor": ["parallel.pipe=2", "parallel.data=2", "parallel.tensor=2",
+                             "parallel.microbatches=4", "parallel.schedule=1f1b"],
 }
+SLOW_LAYOUTS = {"pipeline_data_tensor"}  # ~35-45 s on 2 cores, most of it compiling the reference run
 TIMEOUT_S = 240
 
 
@@ -104,7 +109,8 @@ def _snapshot(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*"))}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k
+                                    for k in LAYOUTS])
 def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_identical(layout, reference, compile_cache,
                                                                      tmp_path):
     ref = reference(layout)
