@@ -24,8 +24,10 @@ from mindpipe_jax.config import (
 )
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models import GPT, MoEGPT, build_model, flops_per_token
+from mindpipe_jax.models.bridge import from_linen
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
-from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for
+from mindpipe_jax.parallel.pipeline.contract import PipelineParts
+from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for, use_rules
 from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
 from mindpipe_jax.train.checkpoint import Checkpointer
 from mindpipe_jax.train.loop import TrainResult
@@ -36,5 +38,6 @@ __all__ = [
     "TrainConfig", "load_config", "ConfigError", "GPT", "MoEGPT", "build_model", "flops_per_token",
     "make_mesh",
     "setup_runtime", "RULES", "check_sharded_as_rules", "constrain", "spec_for", "Checkpointer",
-    "TrainResult", "train", "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet", "TunerConfig",
+    "TrainResult", "train", "use_rules", "PipelineParts", "from_linen",
+    "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet", "TunerConfig",
 ]

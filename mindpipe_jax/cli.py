@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", action="store_true",
                          help="continue the run in train.out_dir from its newest complete "
                               "checkpoint (the same as train.resume=true)")
+    p_train.add_argument("--model", metavar="MODULE:NAME", default=None,
+                         help="train your own model instead of the reference GPT: a factory rngs -> "
+                              "nnx.Module, an nnx.Module or a Linen module, e.g. my_models:make_llama "
+                              "or path/to/models.py:make_llama (model.* keys then only set seq_len "
+                              "and vocab_size of the data)")
     p_train.set_defaults(func=_cmd_train, parser=p_train)
 
     p_config = sub.add_parser(
@@ -154,8 +159,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_train_keys(cfg)  # the supernet section, virtual_shards without deterministic
     import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
 
+    model = None
+    if args.model:  # imported after setup_runtime: the module may touch JAX at import
+        from mindpipe_jax.models.loading import load_model_ref
+        mp.setup_runtime(cfg.parallel, cfg.distributed)
+        model = load_model_ref(args.model)
     try:
-        result = mp.train(config=cfg)
+        result = mp.train(model=model, config=cfg)
     except Exception as err:
         _exit_if_peer_lost(err)
         raise

@@ -274,9 +274,15 @@ class ParallelConfig:
     # between stages if the partitioner finds a better split (0 = never).
     repartition_after: int = 0
     simulate_cpu_devices: int = 8  # CPU-only machines: devices to simulate (0 = leave as is)
+    # Extra rows of the logical-axis rules table, for models annotated with other names:
+    # "name=axis" or "name=axis1,axis2" (shard over those mesh axes) or "name=" (keep
+    # whole), e.g. ["tp=tensor", "kv_heads="]. A row for a built-in name replaces it.
+    rules: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_numbers(self, "parallel")
+        from mindpipe_jax.parallel.rules import parse_rules  # the one place that knows the table
+        parse_rules(self.rules)
         sizes = self.axis_sizes()
         fills = [a for a, n in sizes.items() if n == -1]
         _check(len(fills) <= 1, f"parallel: only one axis may be -1, got {', '.join(fills)}")

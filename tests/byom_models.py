@@ -151,6 +151,199 @@ def reference_grads(model, batch):
     gdef, params = nnx.split(model, nnx.Param)
 
     def loss(p):
-        return nnx.merge(gdef, p).loss(jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"]))
+        m = nnx.merge(gdef, p)
+        inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
+        if hasattr(m, "loss"):
+            return m.loss(inputs, targets)
+        return optax.softmax_cross_entropy_with_integer_labels(m(inputs), targets).mean()
     loss_value, grads = jax.jit(jax.value_and_grad(loss))(params)
     return loss_value, nnx.to_pure_dict(grads)
+
+
+class LlamaStyle(nnx.Module):
+    """The Llama family as its own code would name it: ``tok_embeddings``, a scanned
+    ``layers`` stack, ``norm``, ``output`` — no pipeline method, no reference names."""
+
+    def __init__(self, *, vocab=64, d=32, layers=4, heads=4, kv_heads=2, ff=48, rngs):
+        self.tok_embeddings = _param(rngs, (vocab, d), ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return LlamaBlock(d, heads, kv_heads, ff, rngs)
+
+        self.layers = make(rngs)
+        self.norm = _ones((d,), ("norm",))
+        self.output = _param(rngs, (d, vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens):
+        h = jnp.take(self.tok_embeddings[...], tokens, axis=0)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, layer):
+            return layer(x)
+
+        return rms_norm(run(h, self.layers), self.norm[...]) @ self.output[...]
+
+
+class GemmaBlock(nnx.Module):
+    """Pre- and post-norms, qk-norm, attention soft-cap; ``local`` layers see a window."""
+
+    def __init__(self, d, heads, kv_heads, ff, local: bool, rngs):
+        self.heads, self.kv_heads, self.head_dim, self.local = heads, kv_heads, d // heads, local
+        hd = self.head_dim
+        self.pre_attn_norm = _ones((d,), ("norm",))
+        self.q = _param(rngs, (d, heads, hd), ("embed", "heads", None))
+        self.kv = _param(rngs, (2, d, kv_heads, hd), (None, "embed", None, None))
+        self.q_norm, self.k_norm = _ones((hd,), ("norm",)), _ones((hd,), ("norm",))
+        self.o = _param(rngs, (heads, hd, d), ("heads", None, "embed"))
+        self.post_attn_norm = _ones((d,), ("norm",))
+        self.pre_ffw_norm = _ones((d,), ("norm",))
+        self.gating = _param(rngs, (2, d, ff), (None, "embed", "mlp"))
+        self.linear = _param(rngs, (ff, d), ("mlp", "embed"))
+
+    def __call__(self, x):
+        h = rms_norm(x, self.pre_attn_norm[...])
+        q = rms_norm(jnp.einsum("btd,dnh->btnh", h, self.q[...]), self.q_norm[...])
+        k, v = jnp.einsum("btd,cdnh->cbtnh", h, self.kv[...])
+        k = rms_norm(k, self.k_norm[...])
+        y = attend(rotary(q), rotary(k), v, window=4 if self.local else None, soft_cap=50.0)
+        x = x + rms_norm(jnp.einsum("btnh,nhd->btd", y, self.o[...]), self.post_attn_norm[...])
+        h = rms_norm(x, self.pre_ffw_norm[...])
+        gate, up = jnp.einsum("btd,cdf->cbtf", h, self.gating[...])
+        return x + (jax.nn.gelu(gate) * up) @ self.linear[...]
+
+
+class Gemma(nnx.Module):
+    """Gemma-shaped: tied embeddings (scaled by sqrt(d) in, projection out), an
+    ``nnx.List`` of layers alternating local and global attention, a final logit
+    soft-cap. No pipeline method."""
+
+    def __init__(self, *, vocab=64, d=32, layers=4, heads=4, kv_heads=1, ff=64, rngs):
+        self.embedder = TokenEmbed(vocab, d, rngs)
+        self.layers = nnx.List([GemmaBlock(d, heads, kv_heads, ff, i % 2 == 0, rngs) for i in range(layers)])
+        self.final_norm = _ones((d,), ("norm",))
+        self.d = d
+
+    def __call__(self, tokens):
+        x = self.embedder(tokens) * math.sqrt(self.d)
+        for layer in self.layers:
+            x = layer(x)
+        logits = rms_norm(x, self.final_norm[...]) @ self.embedder.table[...].T
+        return 30.0 * jnp.tanh(logits / 30.0)
+
+
+def linen_transformer(vocab=64, d=32, layers=4, heads=2):
+    """A small Linen decoder: logical partitioning annotations, ``nn.scan`` blocks."""
+    import flax.linen as nn
+
+    def init(names, std=0.02):
+        return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.LayerNorm()(x)
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+            attention = nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=d,
+                                                        kernel_init=init(("embed", "heads", "kv")),
+                                                        out_kernel_init=init(("heads", "kv", "embed")))
+            h = attention(h, h, mask=mask)
+            x = x + h
+            h = nn.Dense(2 * d, kernel_init=init(("embed", "mlp")))(nn.LayerNorm()(x))
+            return x + nn.Dense(d, kernel_init=init(("mlp", "embed")))(nn.gelu(h)), None
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(vocab, d, embedding_init=init(("vocab", "embed")))(tokens)
+            x = x + self.param("pos", init((None, "embed"), 0.01), (tokens.shape[1], d))
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(name="blocks")(x, None)
+            return nn.Dense(vocab, kernel_init=init(("embed", "vocab")))(nn.LayerNorm()(x))
+
+    return LM()
+
+
+def make_llama(rngs):
+    """A factory for ``mindpipe train --model tests/byom_models.py:make_llama``."""
+    return Llama(heads=4, kv_heads=1, tied=True, rngs=rngs)
+
+
+class PartsOnly(nnx.Module):
+    """Only the pipeline parts: no ``__call__``, no ``loss``."""
+
+    def __init__(self, rngs):
+        inner = Llama(heads=4, kv_heads=2, rngs=rngs)
+        self.embed, self.blocks, self.head = inner.embed, inner.blocks, inner.head
+
+
+class WithBatchStats(nnx.Module):
+    def __init__(self, rngs):
+        self.w = _param(rngs, (4, 4), ("embed", "mlp"))
+        self.running_mean = nnx.BatchStat(jnp.zeros((4,)))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+class OtherNames(nnx.Module):
+    """Annotated with another framework's logical names (``tp``, ``fsdp``)."""
+
+    def __init__(self, rngs, vocab=64, d=32):
+        self.table = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, d)),
+                               out_sharding=("tp", "fsdp"), eager_sharding=False)
+
+    def __call__(self, tokens):
+        return jnp.take(self.table[...], tokens, axis=0) @ self.table[...].T
+
+
+class TwoOpSupernet(nnx.Module):
+    """A user's weight-sharing supernet, written against the ``Supernet`` protocol only:
+    each layer picks one of two FFN candidates (relu or tanh) over shared embeddings."""
+
+    def __init__(self, rngs, vocab=64, d=16, layers=2, f=32):
+        from mindpipe_jax.supernet import Candidate, Gene, SearchSpace
+
+        genes = tuple(Gene(f"op{i}", ("relu", "tanh"), ordered=False) for i in range(layers))
+        self.space = SearchSpace(genes)
+        self.layers, self.d, self.f, self.vocab = layers, d, f, vocab
+        init = nnx.initializers.normal(0.05)
+        self.table = nnx.Param(init(rngs.params(), (vocab, d)))
+        self.w_in = Candidate(init(rngs.params(), (layers, 2, d, f)))
+        self.w_out = Candidate(init(rngs.params(), (layers, 2, f, d)))
+        self.out = nnx.Param(init(rngs.params(), (d, vocab)))
+
+    @property
+    def unit_grid(self):
+        return (self.layers, 2)
+
+    def units(self, subnet):
+        return jnp.asarray(subnet)[:, None] == jnp.arange(2)[None, :]
+
+    def loss(self, inputs, targets, subnet):
+        h = jnp.take(self.table[...], inputs, axis=0)
+        for i in range(self.layers):
+            pick = jax.nn.one_hot(subnet[i], 2, dtype=jnp.float32)
+            w_in = jnp.einsum("c,cdf->df", pick, self.w_in[...][i])
+            w_out = jnp.einsum("c,cfd->fd", pick, self.w_out[...][i])
+            z = h @ w_in
+            h = h + jnp.where(subnet[i] == 0, jax.nn.relu(z), jnp.tanh(z)) @ w_out
+        return optax.softmax_cross_entropy_with_integer_labels(h @ self.out[...], targets).mean()
+
+    def active_params(self, subnet):
+        return 2 * self.vocab * self.d + self.layers * 2 * self.d * self.f
+
+
+class HalfSupernet(nnx.Module):
+    """Has a space and a loss but not the rest of the protocol."""
+
+    def __init__(self, rngs):
+        from mindpipe_jax.supernet import Gene, SearchSpace
+
+        self.space = SearchSpace((Gene("op0", ("a", "b"), ordered=False),))
+        self.w = nnx.Param(jnp.zeros((2, 2)))
+
+    def loss(self, inputs, targets, subnet):
+        return jnp.sum(self.w[...])

@@ -2,17 +2,40 @@
 to an independent single-device reference (plain ``jax.value_and_grad``)."""
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from byom_models import Llama, reference_grads, tokens
+from byom_models import (
+    Gemma,
+    HalfSupernet,
+    Llama,
+    LlamaStyle,
+    OtherNames,
+    PartsOnly,
+    TwoOpSupernet,
+    WithBatchStats,
+    linen_transformer,
+    reference_grads,
+    tokens,
+)
+from cli_procs import cli_env
 from flax import nnx
 
+import mindpipe_jax as mp
 from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.bridge import from_linen
 from mindpipe_jax.parallel.mesh import make_mesh
-from mindpipe_jax.train.state import model_spec
-from mindpipe_jax.train.step import make_grad_fn
+from mindpipe_jax.supernet.spec import supernet_spec
+from mindpipe_jax.train.reconfigure import build_layout
+from mindpipe_jax.train.state import init_train_state, model_spec
+from mindpipe_jax.train.step import make_eval_step, make_grad_fn
 
 SEED = 0
 ROWS = 16  # global batch: 4 microbatches of 4 rows, 2 per data shard
@@ -44,28 +67,222 @@ def assert_grads_equal(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@functools.cache
-def reference(family: str):
-    return reference_grads(FAMILIES[family](nnx.Rngs(SEED)), tokens(1, ROWS))
-
+LINEN = from_linen(linen_transformer(), np.zeros((1, 8), np.int32))
 
 FAMILIES = {
-    # kv heads (1) fewer than the tensor axis (2): the kv projections split inside a head.
-    "gqa": lambda rngs: Llama(heads=4, kv_heads=1, rngs=rngs),
-    # 3 heads of 8 on tensor=2: the flat [24, 24] projection splits mid-head, so
-    # reshaping it into heads needs a resharding collective.
-    "odd-heads": lambda rngs: Llama(d=24, heads=3, kv_heads=3, rngs=rngs),
+    # GQA with 1 kv head (fewer than tensor=2: the flat kv projection splits inside a
+    # head), rotary, SwiGLU, output projection tied to the input embedding; the
+    # reference attribute names.
+    "llama-tied": lambda rngs: Llama(heads=4, kv_heads=1, tied=True, rngs=rngs),
+    # The Llama family under its own names, stack run by nnx.scan: found in the trace.
+    "llama-style": lambda rngs: LlamaStyle(rngs=rngs),
+    # An nnx.List alternating local/global attention (split as groups of 2), qk-norm,
+    # soft-caps, tied embeddings.
+    "gemma": lambda rngs: Gemma(layers=8, rngs=rngs),
+    # Linen through nnx.bridge: logical partitioning metadata, nn.scan blocks.
+    "linen": LINEN,
 }
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("afapab", 2)]
+
+@functools.cache
+def reference(family: str):
+    with nnx.use_eager_sharding(False):
+        model = (FAMILIES | ODD)[family](nnx.Rngs(SEED))
+    return reference_grads(model, tokens(1, ROWS))
 
 
+# 3 heads of 8 on tensor=2: the flat [24, 24] projection splits mid-head, so
+# reshaping it into heads needs a resharding collective.
+ODD = {"odd-heads": lambda rngs: Llama(d=24, heads=3, kv_heads=3, rngs=rngs)}
+
+SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("afapab", 2)]
+PIPE_TENSOR = ("parallel.pipe=2", "parallel.data=2", "parallel.tensor=2", "parallel.microbatches=4")
+LAYOUTS = {
+    "data4xtensor2": ("parallel.data=4", "parallel.tensor=2"),
+    "fsdp8": ("parallel.fsdp=8", "parallel.data=1", "parallel.tensor=1"),
+    **{f"pipe2xdata2xtensor2-{s}": (*PIPE_TENSOR, f"parallel.schedule={s}", f"parallel.virtual_stages={v}")
+       for s, v in SCHEDULES},
+    "pipe4xdata2": ("parallel.pipe=4", "parallel.data=2", "parallel.tensor=1", "parallel.microbatches=4"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_family_gradients_equal_an_independent_reference(family, layout):
+    got = framework_grads(FAMILIES[family], *LAYOUTS[layout])
+    assert_grads_equal(got, reference(family))
+
+
 @pytest.mark.parametrize("schedule,v", SCHEDULES, ids=[s for s, _ in SCHEDULES])
-def test_pipe_data_tensor_no_collective_stranded_in_a_branch(family, schedule, v):
+def test_pipe_tensor_resharding_heads_no_collective_stranded_in_a_branch(schedule, v):
     # Before: XLA placed a mesh-wide collective-permute inside the per-stage branch
     # and aborted the process (rendezvous: 4 of 8 devices arrived).
-    got = framework_grads(FAMILIES[family], "parallel.pipe=2", "parallel.data=2", "parallel.tensor=2",
-                          f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-                          "parallel.microbatches=4")
-    assert_grads_equal(got, reference(family))
+    got = framework_grads(ODD["odd-heads"], *PIPE_TENSOR, f"parallel.schedule={schedule}",
+                          f"parallel.virtual_stages={v}")
+    assert_grads_equal(got, reference("odd-heads"))
+
+
+# ---- each defect of the first try, as a test -------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_jax_touched_before_setup_is_a_warning_or_one_line_error():
+    # Before: the run silently went on 1 device, or failed later without saying why.
+    fits = _python("import jax.numpy as jnp; jnp.ones(1)\n"
+                   "import mindpipe_jax as mp\n"
+                   "mp.setup_runtime(mp.ParallelConfig(), mp.DistributedConfig())")
+    assert fits.returncode == 0, fits.stderr
+    warning = [line for line in fits.stderr.splitlines() if "mindpipe: warning" in line]
+    assert len(warning) == 1 and "JAX was initialized before" in warning[0], fits.stderr
+    refused = _python("import jax.numpy as jnp; jnp.ones(1)\n"
+                      "import mindpipe_jax as mp\n"
+                      "try:\n"
+                      "    mp.setup_runtime(mp.ParallelConfig(pipe=2, data=4), mp.DistributedConfig())\n"
+                      "except mp.ConfigError as err:\n"
+                      "    print('refused:', err)\n")
+    assert refused.returncode == 0, refused.stderr
+    assert "refused: JAX was initialized before" in refused.stdout
+    assert "jax_num_cpu_devices" in refused.stdout and "\n" not in refused.stdout.strip()
+
+
+def test_depth_checks_read_the_model_not_model_n_layers():
+    # Before: model.n_layers=4 passed the check and layout.py raised a traceback.
+    with pytest.raises(ConfigError, match="layer stack of model Llama has 2 units, not a multiple of"):
+        framework_grads(lambda rngs: Llama(layers=2, rngs=rngs), "parallel.pipe=4", "parallel.data=2",
+                        "parallel.tensor=1", "parallel.microbatches=4", "model.n_layers=4")
+    # And model.n_layers=3 does not refuse a 4-layer model on 2 stages.
+    cfg = Config().replace("model.n_layers=3", "model.seq_len=8", "parallel.pipe=2", "parallel.data=4",
+                           "parallel.tensor=1", "parallel.microbatches=4")
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, _ = model_spec(FAMILIES["llama-tied"], mesh, SEED)
+    make_grad_fn(spec, cfg, mesh)
+
+
+def test_evaluation_needs_only_the_contract():
+    # Before: a model with only embed/blocks/head trained, then evaluation raised
+    # "'PL' object is not callable".
+    mesh = make_mesh(Config().parallel)
+    with jax.set_mesh(None):
+        spec, create = model_spec(PartsOnly, mesh, SEED)
+    batch = tokens(2, 8)
+    got = jax.jit(make_eval_step(spec))(jax.jit(create, out_shardings=spec.storage)(), batch)
+    inner = PartsOnly(nnx.Rngs(SEED))
+    h = inner.embed(jnp.asarray(batch["inputs"]))
+    gdef, layers = nnx.split(inner.blocks)
+    h = jax.lax.scan(lambda x, lp: (nnx.merge(gdef, lp)(x), None), h, layers)[0]
+    np.testing.assert_allclose(got, inner.head.loss(h, jnp.asarray(batch["targets"])), rtol=1e-6)
+
+
+def test_a_linen_module_trains_directly(tmp_path):
+    # Before: a Linen module was taken as a factory (CallCompactUnboundModuleError).
+    result = mp.train(linen_transformer(), None, None, "model.vocab_size=64", "model.seq_len=8",
+                      "data.source=synthetic", "train.steps=2", "train.global_batch=8",
+                      "train.eval_every=0", "train.tensorboard=false", "train.progress=false",
+                      f"train.out_dir={tmp_path}")
+    assert result.step == 2 and np.isfinite(result.history[-1]["loss"])
+    assert any("ScanBlock" in k or "blocks" in k for k in result.state["params"])
+
+
+def test_a_variable_that_is_not_a_param_is_named_by_its_path():
+    with pytest.raises(ConfigError, match=r"running_mean \(BatchStat\)"):
+        model_spec(WithBatchStats, make_mesh(Config().parallel), SEED)
+
+
+def test_rules_for_other_names_from_config_and_python():
+    mesh = make_mesh(Config().replace("parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2").parallel)
+    with pytest.raises(ConfigError, match=r"parameter table \('tp', 'fsdp'\).*'tp'.*parallel.rules"):
+        model_spec(OtherNames, mesh, SEED)
+    for rules in (Config().replace('parallel.rules=["tp=tensor"]').parallel.rules, {"tp": ("tensor",)}):
+        with mp.use_rules(rules):
+            spec, _ = model_spec(OtherNames, mesh, SEED)
+        assert spec.storage["table"].spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+        assert spec.compute["table"].spec == jax.sharding.PartitionSpec("tensor", None)
+
+
+def test_cli_trains_a_model_named_module_colon_factory(tmp_path):
+    args = ["train", "--model", str(ROOT / "tests" / "byom_models.py") + ":make_llama", "model.vocab_size=64",
+            "model.seq_len=8", "data.source=synthetic", "train.steps=2", "train.global_batch=8",
+            "train.eval_every=0", "train.tensorboard=false", "train.progress=false",
+            f"train.out_dir={tmp_path}/run"]
+    done = subprocess.run([sys.executable, "-m", "mindpipe_jax", *args], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "done: 2 steps" in done.stdout
+    for ref, needle in ((str(ROOT / "tests" / "byom_models.py") + ":nope", "has no 'nope'"),
+                        ("no_such_module_xyz:f", "no module named 'no_such_module_xyz'"),
+                        ("justaname", "must be 'module:name'")):
+        bad = subprocess.run([sys.executable, "-m", "mindpipe_jax", "train", "--model", ref,
+                              f"train.out_dir={tmp_path}/bad"], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and needle in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+        assert not (tmp_path / "bad").exists()
+
+
+def test_a_supernet_missing_members_is_named_in_one_error():
+    with pytest.raises(ConfigError, match=r"HalfSupernet is not a supernet: it lacks unit_grid, "
+                                          r"units\(subnet\), active_params\(subnet\)"):
+        supernet_spec(HalfSupernet)
+
+
+@pytest.mark.slow
+def test_a_user_written_supernet_trains_and_is_searched():
+    # Before: training worked, then the search raised AttributeError (active_params).
+    cfg = Config().replace(
+        "model.vocab_size=64", "model.seq_len=16", 'data.source="synthetic"', "data.synthetic_tokens=32768",
+        "train.steps=3", "train.global_batch=16", "train.log_every=3", "parallel.subnet=2", "parallel.data=4",
+        "supernet.subnets_per_step=2", "supernet.search_population=4", "supernet.search_generations=1",
+        "supernet.search_top_k=2")
+    result = mp.train_supernet(TwoOpSupernet, config=cfg, log=None)
+    assert int(result.state["step"]) == 3 and np.isfinite(result.history[-1]["loss"])
+    top = result.search.top
+    assert len(top) == 2 and all(np.isfinite(t["loss"]) for t in top)
+    assert all(t["params"] == TwoOpSupernet(nnx.Rngs(0)).active_params(t["subnet"]) for t in top)
+
+
+def test_noise_statistics_for_a_user_model_without_accumulation():
+    # Before: the online tuner's noise estimate stayed NaN (one microbatch per step: no
+    # second gradient to compare). Now the statistics' step accumulates two halves.
+    cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", "train.global_batch=16",
+                           "parallel.data=4", "parallel.tensor=2", "tuner.enabled=true")
+    layout = build_layout(cfg, lambda c: FAMILIES["llama-style"])
+    state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+    params = jax.device_get(state["params"])
+    batch = tokens(3, 16)
+    step, _ = layout.compile()
+    metrics = jax.device_get(step(state, layout.batches(batch))[1])
+    assert (int(metrics["micro_batch"]), int(metrics["batch"])) == (8, 16)
+    # Independently: the two halves' gradients (rows j, j+2, ... for half j), one device.
+    with nnx.use_eager_sharding(False):
+        gdef = nnx.graphdef(FAMILIES["llama-style"](nnx.Rngs(SEED)))
+
+    def loss(p, b):
+        logits = nnx.merge(gdef, p)(b["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+    halves = [jax.jit(jax.grad(loss))(params, {k: v[j::2] for k, v in batch.items()}) for j in (0, 1)]
+    sq = [sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(g)) for g in halves]
+    assert np.isfinite(metrics["micro_grad_sq"])
+    np.testing.assert_allclose(float(metrics["micro_grad_sq"]), np.mean(sq), rtol=1e-4)
+
+
+def test_tuner_costs_come_from_the_user_model():
+    # Before: tune(model=...) predicted from config.model (the built-in GPT).
+    from mindpipe_jax.tuner.costmodel import ModelCosts
+
+    cfg = Config().replace("model.vocab_size=64", "model.seq_len=8")
+    for family, units in (("llama-tied", 4), ("gemma", 4)):
+        costs = ModelCosts.measure(cfg, model=FAMILIES[family])
+        with nnx.use_eager_sharding(False):
+            params = nnx.state(FAMILIES[family](nnx.Rngs(0)), nnx.Param)
+        assert costs.n_layers == units
+        # Every parameter once (the tied table is not counted twice).
+        assert costs.param_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+        assert costs.layer_fwd > 0 and costs.rest_fwd > 0
+    builtin = ModelCosts.measure(cfg)
+    assert builtin.param_bytes != ModelCosts.measure(cfg, model=FAMILIES["llama-tied"]).param_bytes

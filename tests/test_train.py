@@ -69,9 +69,10 @@ def test_resume_auto_starts_fresh_or_continues(tmp_path):
     again = run(tmp_path, *common, "train.resume=auto", name="auto")
     assert [h["step"] for h in again.history] == [4]
     assert_bitwise(fresh.state, again.state)
-    # Finished: there is nothing left to do, said in one line.
-    with pytest.raises(ConfigError, match=r"train.resume=auto: .* at step 4, and train.steps=4"):
-        run(tmp_path, *common, "train.resume=auto", name="auto")
+    # Finished: a requeued job that is done succeeds without training or writing.
+    done = run(tmp_path, *common, "train.resume=auto", name="auto")
+    assert done.already_complete and done.step == 4 and done.history == []
+    assert_bitwise(fresh.state, done.state)
 
 
 def test_a_fresh_start_drops_the_metrics_of_an_attempt_that_never_saved(tmp_path):

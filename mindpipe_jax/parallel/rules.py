@@ -19,6 +19,8 @@ needs one reduction — XLA inserts it from these specs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Literal
 
 import jax
@@ -26,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.config import MESH_AXES
 from mindpipe_jax.errors import ConfigError
 
 Kind = Literal["storage", "compute"]
@@ -45,22 +48,80 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "stages":   (("pipe",),          ("pipe",)),
     "experts":  (("expert",),        ("expert",)),
     "subnets":  (("subnet",),        ("subnet",)),
+    # Mesh axis names used as logical names (models annotated for a mesh like ours).
+    "tensor":   (("tensor",),        ("tensor",)),
+    "fsdp":     (("fsdp",),          ()),
+    "expert":   (("expert",),        ("expert",)),
 }
+
+
+_extra: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mindpipe_rules", default=None)
+
+
+def _row(axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A user's row: the same mesh axes for storage and compute, except ``fsdp``,
+    which shards storage only (gathered for compute, as the ``embed`` row does)."""
+    return axes, tuple(a for a in axes if a != "fsdp")
+
+
+def parse_rules(entries) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """``["tp=tensor", "kv=", "w=fsdp,tensor"]`` (or a dict name -> axes) as table rows."""
+    items = entries.items() if isinstance(entries, dict) else [
+        (e.partition("=")[0].strip(), e.partition("=")[2]) if "=" in e else (e, None) for e in entries]
+    rows = {}
+    for name, axes in items:
+        if axes is None or not name:
+            raise ConfigError(f"parallel.rules entry {name!r} must be 'logical_name=mesh_axis[,mesh_axis]' "
+                              f"or 'logical_name=' (keep whole), e.g. 'tp=tensor'")
+        if isinstance(axes, str):
+            axes = tuple(a.strip() for a in axes.split(",") if a.strip())
+        axes = tuple(axes)
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            raise ConfigError(f"parallel.rules entry {name}={','.join(axes)}: {bad[0]!r} is not a mesh axis; "
+                              f"valid: {', '.join(MESH_AXES)}")
+        rows[name] = _row(axes)
+    return rows
+
+
+@contextlib.contextmanager
+def use_rules(entries):
+    """Extra rows of the rules table while the block runs (``parallel.rules`` uses
+    this too): ``with mp.use_rules({"tp": ("tensor",), "kv_heads": ()}): mp.train(...)``.
+    A row for a built-in name replaces it."""
+    token = _extra.set({**(_extra.get() or {}), **parse_rules(entries)})
+    try:
+        yield
+    finally:
+        _extra.reset(token)
+
+
+def active_rules() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    return {**RULES, **(_extra.get() or {})}
+
+
+class UnknownLogicalAxis(ConfigError):
+    def __init__(self, name: str, known):
+        self.name = name
+        super().__init__(f"logical axis {name!r} is not in the rules table (known: {', '.join(known)}); "
+                         f"add a row: parallel.rules=[\"{name}=tensor\"] in the config, or "
+                         f"mindpipe_jax.use_rules({{{name!r}: ('tensor',)}}) in Python (\"{name}=\" keeps "
+                         f"it whole)")
 
 
 def spec_for(names, kind: Kind = "compute", mesh=None) -> P:
     """PartitionSpec for a tuple of logical names (None = unsharded dim)."""
     column = 0 if kind == "storage" else 1
+    rules = active_rules()
     used: set[str] = set()
     parts = []
     for name in names:
         if name is None:
             parts.append(None)
             continue
-        if name not in RULES:
-            raise ConfigError(f"logical axis {name!r} is not in the rules table; valid: "
-                              f"{', '.join(RULES)}")
-        axes = tuple(a for a in RULES[name][column]
+        if name not in rules:
+            raise UnknownLogicalAxis(name, rules)
+        axes = tuple(a for a in rules[name][column]
                      if a not in used and (mesh is None or a in mesh.axis_names))
         used.update(axes)
         parts.append(axes[0] if len(axes) == 1 else (axes or None))
@@ -89,7 +150,10 @@ MAY_REPLICATE = {"layers"}
 
 
 def _checked_spec(path, shape, names, kind: Kind, mesh) -> P:
-    spec = list(spec_for(names, kind, mesh))
+    try:
+        spec = list(spec_for(names, kind, mesh))
+    except UnknownLogicalAxis as err:
+        raise ConfigError(f"parameter {'/'.join(map(str, path))} {tuple(names)}: {err}") from None
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
         parts = _axes_size(mesh, entry)
         if size % parts and names[dim] in MAY_REPLICATE:

@@ -28,9 +28,11 @@ from mindpipe_jax.supernet.spara import (
     reference_step,
     supernet_spec,
 )
+from mindpipe_jax.supernet.spec import Supernet, check_supernet
 from mindpipe_jax.supernet.trainer import SupernetResult, search_checkpoint, supernet_factory, train_supernet
 
 __all__ = [
+    "Supernet", "check_supernet",
     "SuperGPT", "STRATEGIES", "Sampler", "sample_subnets", "SearchResult", "evolutionary_search",
     "make_evaluator", "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
     "StepPlan", "causal_waves", "init_state", "jit_step", "make_spara_step", "plan_step",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.supernet.space import Candidate
+from mindpipe_jax.supernet.space import Candidate, SearchSpace
 
 # Raveled vectors are cut into this many equal chunks. Each device updates the chunks
 # it owns (ZeRO-1 style), and the per-subnet gradient norm sums per-chunk partial sums
@@ -128,6 +128,43 @@ def _decays(variable) -> bool:
     return sum(1 for n in names if n not in (None, "layers", "stages")) >= 2
 
 
+@runtime_checkable
+class Supernet(Protocol):
+    """What SPara's training and the search need of a supernet module; the reference
+    ``SuperGPT`` implements it. Searchable weights are ``Candidate`` parameters whose
+    leading axes are ``unit_grid``; every other ``nnx.Param`` is shared."""
+
+    space: SearchSpace  # the genes; a subnet is an int32 vector of choice indices
+
+    @property
+    def unit_grid(self) -> tuple[int, ...]: ...  # leading axes of every Candidate parameter
+
+    def units(self, subnet) -> jax.Array: ...  # bool[unit_grid]: the units the subnet reads (traced)
+
+    def loss(self, inputs, targets, subnet) -> jax.Array: ...  # the subnet's mean loss
+
+    def active_params(self, subnet) -> int: ...  # parameters its forward pass uses (host NumPy)
+
+
+SUPERNET_MEMBERS = ("space", "unit_grid", "units(subnet)", "loss(inputs, targets, subnet)",
+                    "active_params(subnet)")
+
+
+def check_supernet(module) -> None:
+    """Every member of ``Supernet`` at once, named in one line."""
+    def lacks(member: str) -> bool:
+        name = member.split("(")[0]
+        return not hasattr(module, name) or ("(" in member and not callable(getattr(module, name)))
+    missing = [m for m in SUPERNET_MEMBERS if lacks(m)]
+    if missing:
+        raise ConfigError(f"{type(module).__name__} is not a supernet: it lacks {', '.join(missing)} "
+                          f"(mindpipe_jax.supernet.Supernet lists what a supernet provides: "
+                          f"{', '.join(SUPERNET_MEMBERS)}; SuperGPT is one)")
+    if not isinstance(module.space, SearchSpace):
+        raise ConfigError(f"{type(module).__name__}.space is a {type(module.space).__name__}, not a "
+                          f"mindpipe_jax.supernet.SearchSpace")
+
+
 def supernet_spec(model_or_factory, seed: int = 0):
     """A supernet module (or factory ``rngs -> module``) → (SupernetSpec, create).
 
@@ -155,10 +192,7 @@ def supernet_spec(model_or_factory, seed: int = 0):
     else:
         raise ConfigError(f"the supernet must be an nnx.Module or a callable rngs -> nnx.Module, "
                           f"got {type(model_or_factory).__name__}")
-    missing = [a for a in ("space", "unit_grid", "units", "loss") if not hasattr(module, a)]
-    if missing:
-        raise ConfigError(f"{type(module).__name__} is not a supernet: it lacks {', '.join(missing)} "
-                          f"(see mindpipe_jax.supernet.model.SuperGPT)")
+    check_supernet(module)
     grid = tuple(module.unit_grid)
     searchable = nnx.to_pure_dict(nnx.map_state(lambda _, v: isinstance(v, Candidate), abstract_state))
     decay = nnx.to_pure_dict(nnx.map_state(lambda _, v: _decays(v), abstract_state))

@@ -46,6 +46,7 @@ from mindpipe_jax.config import Config, DataConfig, from_dict
 from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.sampler import Sampler
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
@@ -199,7 +200,8 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         setup_runtime(cfg.parallel, cfg.distributed)
         # With checkpoints, train.out_dir is checked writable before anything is computed
         # and locked against a second run for this run's life (see train.rundir).
-        with hold_run_dir(cfg.train.out_dir) if checkpoint else contextlib.nullcontext():
+        with hold_run_dir(cfg.train.out_dir) if checkpoint else contextlib.nullcontext(), \
+                use_rules(cfg.parallel.rules):
             return _train_supernet(cfg, model, data, search=search, log=log, checkpoint=checkpoint)
 
 

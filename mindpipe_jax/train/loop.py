@@ -43,6 +43,7 @@ from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.mesh import setup_runtime
+from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     config_changes,
@@ -155,7 +156,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         setup_runtime(cfg.parallel, cfg.distributed)
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
-        with hold_run_dir(cfg.train.out_dir):
+        with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules):
             return _train(cfg, model, data, step_model, tuning)
 
 

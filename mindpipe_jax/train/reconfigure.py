@@ -139,7 +139,8 @@ def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: flo
     mesh = make_mesh(cfg.parallel)
     check_step_config(cfg, mesh)
     with jax.set_mesh(None):  # abstract shapes keep logical names; an ambient mesh would bind them
-        spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed)
+        example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
+        spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed, example)
     tx = scale_updates(make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask), lr_gain)
     shardings = state_shardings_for(spec, tx, mesh)
     return Layout(cfg, mesh, spec, create, tx, shardings, abstract_train_state(spec, tx, mesh, shardings),

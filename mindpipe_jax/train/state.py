@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.bridge import from_linen, is_linen
 from mindpipe_jax.parallel.rules import state_shardings
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -70,12 +71,33 @@ def _decays(variable) -> bool:
     return len(shape) >= 2
 
 
-def model_spec(model_or_factory, mesh, seed: int) -> tuple[ModelSpec, Callable[[], Any] | None]:
+def _refuse_extra_state(rest) -> None:
+    """Name every variable that is not an ``nnx.Param`` (the train state holds Params
+    only; ``rest`` stays as built)."""
+    flat = [(path, var) for path, var in nnx.to_flat_state(rest) if jax.tree.leaves(var)]
+    if flat:
+        names = ", ".join(f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in flat[:6])
+        more = f" and {len(flat) - 6} more" if len(flat) > 6 else ""
+        raise ConfigError(f"the model has variables that are not nnx.Param: {names}{more}; mindpipe_jax "
+                          f"trains models whose state is nnx.Param only (make them nnx.Param, or "
+                          f"constants outside the state)")
+
+
+def model_spec(model_or_factory, mesh, seed: int, example_input=None
+               ) -> tuple[ModelSpec, Callable[[], Any] | None]:
     """Abstract model → ModelSpec, plus a zero-argument function that creates params.
 
-    ``model_or_factory`` is an ``nnx.Module`` (its current values are used) or a
-    callable ``rngs -> nnx.Module`` (created sharded, never whole on one device).
+    ``model_or_factory`` is an ``nnx.Module`` (its current values are used), a
+    callable ``rngs -> nnx.Module`` (created sharded, never whole on one device), or
+    a Linen module, wrapped through ``nnx.bridge`` and initialised on
+    ``example_input`` (``models/bridge.py``).
     """
+    if is_linen(model_or_factory):
+        if example_input is None:
+            raise ConfigError(f"a Linen model ({type(model_or_factory).__name__}) needs an example input "
+                              f"to initialise it: pass example_input=, or use "
+                              f"mindpipe_jax.from_linen(module, example_input)")
+        model_or_factory = from_linen(model_or_factory, example_input)
     if isinstance(model_or_factory, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_factory, nnx.Param, ...)
         abstract_state = nnx.eval_shape(lambda: params)
@@ -89,9 +111,7 @@ def model_spec(model_or_factory, mesh, seed: int) -> tuple[ModelSpec, Callable[[
 
         abstract_model = nnx.eval_shape(build)
         graphdef, abstract_state, rest = nnx.split(abstract_model, nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            raise ConfigError("the model has non-trainable variables (e.g. batch statistics); "
-                              "mindpipe_jax trains models whose state is nnx.Param only")
+        _refuse_extra_state(rest)
 
         def create():
             return _pure(nnx.split(build(), nnx.Param, ...)[1])

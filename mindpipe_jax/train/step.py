@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
 
 # The batch splits over these (the rules table's "batch"): expert devices run the
@@ -40,11 +41,12 @@ BATCH_AXES = ("data", "fsdp", "expert")
 def model_loss(spec: ModelSpec, params, batch, key):
     """Mean loss of the model on a batch: ``model.loss`` if it has one, else token CE."""
     model = spec.merge(params)
-    if spec.has_loss:
-        kwargs = {"dropout_key": key} if spec.loss_takes_key else {}
-        return model.loss(batch["inputs"], batch["targets"], **kwargs)
-    logits = model(batch["inputs"]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    if spec.has_loss and spec.loss_takes_key:
+        return model.loss(batch["inputs"], batch["targets"], dropout_key=key)
+    if not spec.has_loss and not callable(model):  # only the pipeline contract: its parts in order
+        return pipeline_model(spec, batch["inputs"].shape[-1]).sequential_loss(
+            params, batch["inputs"], batch["targets"])
+    return contract_loss(model, batch["inputs"], batch["targets"])
 
 
 def _to_compute(spec: ModelSpec, params):
@@ -141,10 +143,11 @@ def check_step_config(cfg: Config, mesh) -> None:
     n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
     stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
     layers = cfg.parallel.stage_layers
-    if layers and (len(layers) != stages or sum(layers) != cfg.model.n_layers or min(layers) < 0):
+    # The sum of stage_layers and the divisibility of the depth are checked against the
+    # model that was built (check_pipeline_depth), not model.n_layers.
+    if layers and (len(layers) != stages or min(layers) < 0):
         raise ConfigError(
-            f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages) "
-            f"summing to model.n_layers={cfg.model.n_layers}")
+            f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages)")
     if cfg.model.collective_matmul and mesh.shape["pipe"] > 1 and mesh.shape["tensor"] > 1:
         # The rings' collective-permutes would sit inside the pipeline's per-device
         # branches, where XLA:CPU pairs them across all devices (wrong sums or a hang).
@@ -156,11 +159,6 @@ def check_step_config(cfg: Config, mesh) -> None:
     if not isinstance(remat, str) and len(remat) != stages:
         raise ConfigError(f"parallel.stage_remat={list(remat)} must list {stages} policies (pipe x "
                           f"virtual_stages), one per global stage, or be one policy for all")
-    if not layers and cfg.model.n_layers % stages:
-        raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} must be divisible by parallel.pipe x "
-            f"parallel.virtual_stages = {mesh.shape['pipe']} x {cfg.parallel.virtual_stages} = {stages}, "
-            f"or list the layers per stage in parallel.stage_layers")
     if mesh.shape["subnet"] > 1:
         # Refuse rather than silently replicate the work over an axis the step ignores.
         raise ConfigError(
@@ -224,32 +222,59 @@ def _check_moe(cfg: Config, mesh) -> None:
                           f"(model.n_experts={experts}); set model.collective_matmul=false")
 
 
+def pipeline_model(spec: ModelSpec, seq_len: int):
+    """The model as the vPipe runtime runs it (``contract.PipelineModel``)."""
+    from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    return PipelineModel(spec.merge(shapes), shapes, spec.merge, tokens)
+
+
+def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None = None,
+                         group: int = 1) -> None:
+    """The depth of the model that was built against the stages. ``model``: the name of a
+    user's model (its stack's depth, not ``model.n_layers``, counts); None for the
+    built-in one, whose depth is ``model.n_layers``."""
+    layers = cfg.parallel.stage_layers
+    depth = (f"model.n_layers={units}" if model is None else
+             f"the layer stack of model {model} has {units} units"
+             + (f" (groups of {group} layers)" if group > 1 else ""))
+    if layers and sum(layers) != units:
+        raise ConfigError(f"parallel.stage_layers={list(layers)} sums to {sum(layers)}, but {depth}; "
+                          f"list {stages} counts summing to {units}")
+    if not layers and units % stages:
+        v = cfg.parallel.virtual_stages
+        split = f"parallel.pipe x parallel.virtual_stages = {stages // v} x {v} = {stages}"
+        rule = f" must be divisible by {split}" if model is None else f", not a multiple of {split}"
+        raise ConfigError(f"{depth}{rule}; change the depth or list the units per stage in "
+                          f"parallel.stage_layers")
+
+
 def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.contract import stage_fns
     from mindpipe_jax.parallel.pipeline.layout import StageLayout
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
 
-    groups = set(spec.abstract_params)
-    if groups != {"embed", "blocks", "head"}:
-        raise ConfigError(f"parallel.pipe>1 needs a model whose parameters are exactly embed, blocks "
-                          f"and head (the pipeline contract); got {', '.join(sorted(groups))}")
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
-    fns = stage_fns(spec.merge(shapes))
+    with jax.set_mesh(None):  # traced for its structure: no ambient mesh binds the model's constraints
+        model = pipeline_model(spec, cfg.model.seq_len)
     par = cfg.parallel
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
+    builtin = model.name in ("GPT", "MoEGPT") and model.num_units == cfg.model.n_layers
+    check_pipeline_depth(model.num_units, cfg, schedule.num_global_stages, None if builtin else model.name,
+                         model.group)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
     sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
-    run = pipeline_grads(fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
+    run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)
-        loss, grads = run(params["embed"], params["blocks"], params["head"],
-                          micro["inputs"], micro["targets"])
-        return loss, grads
+        embed_p, stack, head_p = model.split(params)
+        loss, grads = run(embed_p, stack, head_p, micro["inputs"], micro["targets"])
+        return loss, model.merge_grads(params, grads["embed"], grads["blocks"], grads["head"])
 
     return grad_fn
 
@@ -289,7 +314,13 @@ def noise_microbatches(cfg: Config, mesh) -> int:
     if cfg.train.deterministic:
         return cfg.train.virtual_shards
     accum = cfg.train.grad_accum * cfg.parallel.microbatches
-    return accum if accum >= 2 else 0
+    if accum >= 2:
+        return accum
+    # One microbatch: the statistics' step accumulates two halves instead (the same
+    # gradient up to rounding, the same FLOPs), so any model with a loss gets an
+    # estimate. Each half must still split evenly over the batch devices.
+    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return 2 if cfg.train.global_batch % (2 * n_batch) == 0 else 0
 
 
 def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
@@ -299,8 +330,11 @@ def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
     tr = cfg.train
     pipelined = mesh.shape["pipe"] > 1
     pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
-    # Without a pipeline, parallel.microbatches is plain gradient accumulation.
+    # Without a pipeline, parallel.microbatches is plain gradient accumulation; the noise
+    # statistics need at least two (noise_microbatches).
     accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
+    if stats and not pipelined:
+        accum = max(accum, 2)
 
     def grad_fn(params, batch, key):
         params = _to_compute(spec, params)

@@ -146,9 +146,21 @@ def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=N
                        compile_s, reason)
 
 
-def _model_key(cfg: Config, devices) -> str:
-    text = json.dumps({"model": cfg.to_dict()["model"], "optim": cfg.to_dict()["optim"],
-                       "device": devices[0].device_kind, "n": len(devices)}, sort_keys=True)
+def _model_key(cfg: Config, devices, model=None) -> str:
+    """What a compiled candidate's memory depends on besides the candidate: the model
+    (cfg.model, or a user's model by its class and parameter shapes), the optimizer,
+    the devices."""
+    what = {"model": cfg.to_dict()["model"], "optim": cfg.to_dict()["optim"],
+            "device": devices[0].device_kind, "n": len(devices)}
+    if model is not None:
+        from flax import nnx
+
+        with nnx.use_eager_sharding(False):
+            built = model if isinstance(model, nnx.Module) else nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+        shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)],
+                              nnx.to_pure_dict(nnx.state(built, nnx.Param)))
+        what["user_model"] = [type(built).__name__, shapes]
+    text = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -171,7 +183,7 @@ class FeasibilityCache:
     def check(self, cfg: Config, cand: Candidate, budget_bytes: float, model=None,
               devices=None) -> Feasibility:
         devices = list(jax.devices() if devices is None else devices)
-        key = f"{_model_key(cfg, devices)}:{json.dumps(cand.to_dict(), sort_keys=True)}"
+        key = f"{_model_key(cfg, devices, model)}:{json.dumps(cand.to_dict(), sort_keys=True)}"
         if key in self._entries:
             self.hits += 1
             found = Feasibility.from_dict(self._entries[key])

@@ -74,6 +74,9 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="write every row as JSON to FILE")
     p.add_argument("--cache", metavar="FILE", default=None,
                    help="keep compiled-memory results in FILE (JSON) between runs")
+    p.add_argument("--model", metavar="MODULE:NAME", default=None,
+                   help="tune your own model (a factory rngs -> nnx.Module, e.g. my_models:make_llama): "
+                        "its measured costs, parameters and compiled memory instead of model.*")
     p.set_defaults(func=run)
     return p
 
@@ -156,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
     from mindpipe_jax.parallel.mesh import setup_runtime
 
     setup_runtime(cfg.parallel, cfg.distributed)
+    model = None
+    if args.model:  # imported after setup_runtime: the module may touch JAX at import
+        from mindpipe_jax.models.loading import load_model_ref
+        model = load_model_ref(args.model)
     from mindpipe_jax.tuner.tune import tune
 
     if b_noise == "auto":
@@ -163,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         if len(batches) > 1:
             from mindpipe_jax.tuner.probe import estimate_b_noise
 
-            probe = estimate_b_noise(cfg.replace(f"train.global_batch={min(batches)}"), steps=probe_steps)
+            probe = estimate_b_noise(cfg.replace(f"train.global_batch={min(batches)}"), steps=probe_steps,
+                                     model=model)
             b_noise = probe.b_noise
             if b_noise is None:
                 raise ConfigError(f"the {probe_steps}-step noise probe gave no estimate yet (the gradient "
@@ -172,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{probe.losses[-1]:.3f}, B_noise ~ {b_noise:.1f}", flush=True)
     result = tune(cfg, budget_bytes=budget, global_batches=batches, axes=axes, microbatches=micro,
                   schedules=schedules, remats=remats, max_compile=max_compile, measure=measure,
-                  trial_steps=trial_steps, b_noise=b_noise, cache_path=args.cache,
+                  trial_steps=trial_steps, b_noise=b_noise, cache_path=args.cache, model=model,
                   log=lambda line: print(line, flush=True))
     print(result.table(), flush=True)
     best = result.best

@@ -71,9 +71,11 @@ class ModelCosts:
         return rows * (self.n_layers * self.layer_total(remat) + self.rest_fwd + self.rest_bwd)
 
     @classmethod
-    def measure(cls, cfg: Config, rows: int = 2) -> ModelCosts:
+    def measure(cls, cfg: Config, rows: int = 2, model=None) -> ModelCosts:
         """Compile one block, the embedding and the head for ``rows`` sequences on one
-        device and read their FLOPs (per row)."""
+        device and read their FLOPs (per row). ``model``: a user's factory ``rngs ->
+        nnx.Module`` measured instead of ``cfg.model`` (its stack's unit, prologue and
+        epilogue, as the pipeline splits it)."""
         from mindpipe_jax.parallel.pipeline.profile import measure_layer_costs
 
 
@@ -83,7 +85,9 @@ class ModelCosts:
         # dense twin with the layer FLOPs scaled by the active-parameter ratio (top_k
         # expert MLPs + router; dispatch einsums are routing overhead the trials see).
         dense = dataclasses.replace(m, n_experts=0) if experts else m
-        prof = measure_layer_costs(dense, microbatch=rows, repeats=1, dots=True)
+        prof = measure_layer_costs(dense, microbatch=rows, repeats=1, dots=True, model=model)
+        if model is not None:
+            experts = 0  # measured as it is
         f = {k: v / rows for k, v in prof.flops.items()}
         if experts:
             from mindpipe_jax.models import gpt, moe
@@ -97,7 +101,7 @@ class ModelCosts:
         if experts:  # the dense twin has one MLP per block; the MoE block has n_experts and a router
             params += 4.0 * m.n_layers * ((experts - 1) * 2 * m.d_model * m.ff_dim + m.d_model * experts)
         factor = m.top_k * m.capacity_factor if experts else 0.0
-        return cls(m.n_layers, f["layer_F"], bwd, f["embed_F"] + f["head_F"],
+        return cls(len(prof.layers), f["layer_F"], bwd, f["embed_F"] + f["head_F"],
                    f["embed_BW"] + f["head_BW"], params, prof.layers[0].activation_bytes / rows, factor)
 
 

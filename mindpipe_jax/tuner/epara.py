@@ -204,7 +204,7 @@ class OnlineTuner:
             return None
         why = (f"parallel.pipe={self.current.pipe}: the pipeline accumulates its microbatches inside "
                f"the runtime" if self.current.pipe > 1 else
-               "one microbatch per step: set train.grad_accum or parallel.microbatches >= 2")
+               "the batch does not split into two halves over the batch devices")
         return (f"tuner: no gradient noise estimate ({why}); only candidates with the current "
                 f"batch {self.current.global_batch} are compared")
 

@@ -139,6 +139,11 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         return str(err)
     if cand.pipe > 1:
         from mindpipe_jax.parallel.pipeline import ScheduleError, get_schedule
+        from mindpipe_jax.train.step import check_pipeline_depth
+        try:
+            check_pipeline_depth(run.model.n_layers, run, cand.pipe * cand.virtual_stages)
+        except ConfigError as err:
+            return str(err)
         try:
             get_schedule(cand.schedule, cand.pipe, cand.microbatches, cand.virtual_stages)
         except (ScheduleError, ValueError) as err:

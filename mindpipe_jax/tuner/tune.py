@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
@@ -93,6 +94,14 @@ class TuneResult:
         return "\n".join(lines)
 
 
+def _factory(model):
+    """A user's model as a factory for the cost measurement (None: cfg.model's GPT)."""
+    if model is None or not isinstance(model, nnx.Module):
+        return model
+    graphdef, state = nnx.split(model)
+    return lambda rngs: nnx.merge(graphdef, state)
+
+
 def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = math.inf,
          global_batches: Sequence[int] | None = None,
          axes: Sequence[str] | None = None,
@@ -125,7 +134,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
         raise ConfigError(f"tune: no valid configuration of this model on {n} devices ({reasons})")
     log(f"space: {len(space.valid)} valid, {len(space.rejected)} rejected")
     hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes)
-    costs = costs or ModelCosts.measure(cfg)
+    costs = costs or ModelCosts.measure(cfg, model=_factory(model))
     model_cost = CostModel(costs, hardware, cfg.model.seq_len)
     log(f"hardware: {hardware.note}")
     rows = [Row(c, b, efficiency(c.global_batch, b_noise, b0)) for c, b in model_cost.rank(space.valid)]

@@ -1,45 +1,367 @@
-"""The pipeline model contract: a model with ``embed``, stacked ``blocks`` and ``head``.
+"""The pipeline model contract: where a model's layer stack is, and what runs around it.
 
-``stage_fns(model)`` checks that an ``nnx.Module`` follows the contract and
-turns it into the three pure functions the runtime executes. ``blocks`` must be
-created stacked (``nnx.vmap`` over a leading layer axis, as the reference GPT
-does) so a stage is a slice of the layer axis run with ``lax.scan``; ``head``
-must have ``loss(h, targets)``.
+A pipelined model is three parts: a **prologue** (tokens -> hidden, on the first
+stage), a **stack** of units that the stages split (each unit: hidden -> hidden)
+and an **epilogue** (hidden, targets -> mean loss, on the last stage). A model
+says where they are in one of two ways:
+
+* ``pipeline_parts()`` — a method returning ``PipelineParts(stack, prologue,
+  epilogue)``: the stack's attribute path (``"model.layers"``) and two functions
+  of the *whole* model, so an epilogue may use any parameter, e.g. the input
+  embedding's table as the output projection (tied embeddings);
+* the reference shape: attributes ``embed``, ``blocks`` and ``head`` with
+  ``head.loss(h, targets)`` (what ``models/gpt.py`` has).
+
+The stack is either a module created stacked (``nnx.vmap``: every parameter has
+a leading layer axis; its ``__call__`` is one layer), or an ``nnx.List`` of
+layers. A list whose layers repeat with period k (local/global attention,
+dense/MoE every k-th layer) is split as a stack of groups of k layers: the
+group is the unit, so the depth must be a multiple of k.
+
+``PipelineModel`` turns a model into what the runtime executes: the three pure
+functions (``StageFns``), and the parameters cut into the prologue's part, the
+stacked units and the epilogue's part. A parameter both ends use (a tied
+embedding) is in both parts; its gradient is the sum of both uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs
 from mindpipe_jax.parallel.pipeline.runtime import StageFns
 
+HOOK = "pipeline_parts"
 
-def check_contract(model) -> None:
-    missing = [name for name in ("embed", "blocks", "head") if not hasattr(model, name)]
-    if missing:
-        raise ConfigError(f"model {type(model).__name__} does not follow the pipeline contract "
-                          f"(missing {', '.join(missing)}); parallel.pipe>1 needs embed, stacked blocks "
-                          f"and head with head.loss(h, targets)")
+
+@dataclasses.dataclass(frozen=True)
+class PipelineParts:
+    """What ``model.pipeline_parts()`` returns (see the module docstring)."""
+
+    stack: str  # attribute path of the layer stack, dots between names: "decoder.layers"
+    prologue: Callable[[Any, jax.Array], jax.Array]  # (model, tokens) -> hidden
+    epilogue: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, hidden, targets) -> loss
+
+
+def _how_to(name: str) -> str:
+    return (f"model {name} does not follow the pipeline contract: give it a {HOOK}() method returning "
+            f"mindpipe_jax.PipelineParts(stack='<attribute of the layer stack>', prologue=(model, "
+            f"tokens) -> hidden, epilogue=(model, hidden, targets) -> loss), or attributes embed, "
+            f"blocks (stacked) and head with head.loss(h, targets)")
+
+
+def pipeline_parts(model) -> PipelineParts | None:
+    """The model's parts: its ``pipeline_parts()``, else the reference shape, else None
+    (the stack is then found in the traced loss, ``autosplit.py``)."""
+    name = type(model).__name__
+    hook = getattr(model, HOOK, None)
+    if callable(hook):
+        parts = hook()
+        if not isinstance(parts, PipelineParts):
+            raise ConfigError(f"{name}.{HOOK}() returned {type(parts).__name__}; it must return "
+                              f"mindpipe_jax.PipelineParts(stack, prologue, epilogue)")
+        return parts
+    present = [a for a in ("embed", "blocks", "head") if hasattr(model, a)]
+    if len(present) < 3:
+        return _list_parts(model)
     if not callable(getattr(model.head, "loss", None)):
-        raise ConfigError(f"model {type(model).__name__}.head has no loss(h, targets) method, which "
-                          f"parallel.pipe>1 needs")
+        raise ConfigError(f"{_how_to(name)} ({name}.head has no loss(h, targets) method)")
+    return PipelineParts("blocks", lambda m, tokens: m.embed(tokens), lambda m, h, t: m.head.loss(h, t))
+
+
+class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    def __init__(self, x, extra):
+        super().__init__()
+        self.x, self.extra = x, extra
+
+
+class _Stop(nnx.Module):
+    """Stands in for the first layer: stops the model there with its input."""
+
+    def __call__(self, x, *args, **kwargs):
+        raise _Reached(x, bool(args or kwargs))
+
+
+class _Pass(nnx.Module):
+    """Stands in for a layer: the hidden state goes through unchanged, or is replaced
+    by the one the pipeline delivers (the last layer)."""
+
+    def __init__(self, h=None):
+        self.h = nnx.data(h)
+
+    def __call__(self, x, *args, **kwargs):
+        return x if self.h is None else self.h
+
+
+def _list_parts(model) -> PipelineParts | None:
+    """Parts of a model whose layers are one ``nnx.List`` that it calls in order: the
+    prologue is the model's loss stopped at the first layer, the epilogue its loss
+    with every layer passing the hidden state through and the last one replaced by
+    the pipeline's output. None if the model has no such list."""
+    lists = [(path, node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.List) and len(node) > 1
+             and all(isinstance(x, nnx.Module) for x in node)]
+    if len(lists) != 1:
+        return None
+    path = lists[0][0]
+    name = type(model).__name__
+
+    def stack_of(m):
+        for k in path:
+            m = m[k] if isinstance(k, int) else getattr(m, k)
+        return m
+
+    def prologue(m, tokens):
+        layers = stack_of(m)
+        layers[0] = _Stop()
+        try:
+            model_loss(m, tokens, jnp.zeros_like(tokens))
+        except _Reached as reached:
+            if reached.extra:
+                raise ConfigError(f"{name}.{_name(path)}: its layers are called with more than the "
+                                  f"hidden state; the pipeline passes one hidden state between stages "
+                                  f"(compute the rest inside the layer, or give {name} a {HOOK}())") \
+                    from None
+            return reached.x
+        raise ConfigError(f"{name}'s loss never calls {_name(path)}[0]; give {name} a {HOOK}() method")
+
+    def epilogue(m, h, targets):
+        layers = stack_of(m)
+        for i in range(len(layers)):
+            layers[i] = _Pass(h if i == len(layers) - 1 else None)
+        return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
+
+    return PipelineParts(_name(path), prologue, epilogue)
+
+
+def model_loss(model, inputs, targets):
+    """A model's mean loss: ``model.loss`` if it has one, else token cross-entropy of its
+    logits."""
+    if callable(getattr(model, "loss", None)):
+        return model.loss(inputs, targets)
+    logits = model(inputs).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def stage_fns(model) -> StageFns:
-    """Pure (params, inputs) functions for the runtime, from an (abstract) model."""
-    check_contract(model)
-    embed_def = nnx.graphdef(model.embed)
-    blocks_def = nnx.graphdef(model.blocks)
-    head_def = nnx.graphdef(model.head)
+    """The reference shape as three functions of its own subtrees (embed params,
+    one block's params, head params): the runtime's low-level form, for tests and
+    benchmarks that pass ``params["embed"]``, ``params["blocks"]``, ``params["head"]``."""
+    if pipeline_parts(model) is None or hasattr(model, HOOK):
+        raise ConfigError(_how_to(type(model).__name__))
+    embed_def, blocks_def, head_def = (nnx.graphdef(getattr(model, a)) for a in ("embed", "blocks", "head"))
+    return StageFns(embed=lambda p, tokens: nnx.merge(embed_def, p)(tokens),
+                    layer=lambda p, h: nnx.merge(blocks_def, p)(h),
+                    head_loss=lambda p, h, targets: nnx.merge(head_def, p).loss(h, targets))
 
-    def embed(params, tokens):
-        return nnx.merge(embed_def, params)(tokens)
 
-    def layer(params, h):
-        return nnx.merge(blocks_def, params)(h)
+def _key(k) -> Any:
+    return getattr(k, "key", getattr(k, "idx", k))
 
-    def head_loss(params, h, targets):
-        return nnx.merge(head_def, params).loss(h, targets)
 
-    return StageFns(embed, layer, head_loss)
+def _name(path: tuple) -> str:
+    return ".".join(map(str, path))
+
+
+def _flat(tree) -> dict[tuple, Any]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(_key(k) for k in path): leaf for path, leaf in flat}
+
+
+def _get(tree, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _unflatten(flat: dict[tuple, Any]) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = leaf
+    return out
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _period(layers) -> int:
+    """Smallest k such that layer i has the structure of layer i mod k (k divides n)."""
+    n = len(layers)
+    sigs = [(nnx.graphdef(layer), jax.tree.map(lambda a: (a.shape, a.dtype),
+                                               nnx.to_pure_dict(nnx.state(layer, nnx.Param))))
+            for layer in layers]
+    for k in range(1, n + 1):
+        if n % k == 0 and all(sigs[i] == sigs[i % k] for i in range(n)):
+            return k
+    return n
+
+
+class PipelineModel:
+    """A model as the runtime executes it. ``merge(params) -> model`` rebuilds a
+    model from a pure parameter dict; ``params`` is that dict (arrays or shapes);
+    ``tokens`` an example microbatch of token ids (its length and dtype count)."""
+
+    def __init__(self, model, params: dict, merge: Callable[[dict], Any], tokens):
+        self.name = type(model).__name__
+        self._merge = merge
+        flat = _flat(params)
+        self._paths = {_name(p): p for p in flat}
+        self._abstract = {n: _abstract(flat[p]) for n, p in self._paths.items()}
+        self._length = tokens.shape[-1]
+        self._traced: dict[int, TracedSplit] = {}
+        self.group = 1
+        self.parts = parts = pipeline_parts(model)
+        if parts is None:
+            split = self._split_for(tokens.shape[0])
+            self.stack_names, self.num_units = split.stack_names, split.num_units
+            embed, head = split.prologue_names, split.epilogue_names
+            self.fns = StageFns(embed=lambda p, t: self._split_for(t.shape[0], t).prologue(p, t),
+                                layer=lambda u, h: self._split_for(h.shape[0], h).unit(u, h),
+                                head_loss=lambda p, h, t: self._split_for(h.shape[0], h).epilogue(p, h, t))
+        else:
+            layer = self._stack_from_parts(model, parts)
+            prologue = lambda p, t: parts.prologue(self._model(p), t)  # noqa: E731
+            epilogue = lambda p, h, t: parts.epilogue(self._model(p), h, t)  # noqa: E731
+            example = _abstract(tokens)
+            hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
+            embed = self._used(prologue, example)
+            head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))
+            self.fns = StageFns(embed=prologue, layer=layer, head_loss=epilogue)
+        self._embed_names, self._head_names = tuple(sorted(embed)), tuple(sorted(head))
+
+    # -- finding the stack ------------------------------------------------------------
+
+    def _stack_from_parts(self, model, parts: PipelineParts):
+        path = tuple(int(k) if k.isdigit() else k for k in parts.stack.split("."))
+        try:
+            stack = model
+            for k in path:
+                stack = stack[k] if isinstance(k, int) else getattr(stack, k)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            stack = None
+        prefix = _name(path) + "."
+        self.stack_names = [n for n in self._paths if n.startswith(prefix)]
+        if not isinstance(stack, nnx.Module) or not self.stack_names:
+            raise ConfigError(f"{self.name}: pipeline stack {parts.stack!r} is not a module with "
+                              f"parameters in the model")
+        self._stack_path = path
+        if isinstance(stack, nnx.List):
+            self.group = k = _period(list(stack))
+            depth = len(stack)
+            if k == depth and depth > 1:
+                raise ConfigError(f"{self.name}.{parts.stack}: its {depth} layers do not repeat in "
+                                  f"groups (layer i must have the structure of layer i - k for a k "
+                                  f"dividing the depth); the pipeline splits a stack of like units")
+            self.num_units = depth // k
+            defs = [nnx.graphdef(stack[j]) for j in range(k)]
+
+            def layer(unit, h):
+                for j, gdef in enumerate(defs):
+                    h = nnx.merge(gdef, unit[j])(h)
+                return h
+            return layer
+        leading = {n: self._abstract[n].shape[:1] for n in self.stack_names}
+        if len(set(leading.values())) != 1 or () in leading.values():
+            shapes = ", ".join(f"{n} {self._abstract[n].shape}" for n in self.stack_names)
+            raise ConfigError(f"{self.name}.{parts.stack} is neither a stacked module (nnx.vmap: "
+                              f"every parameter has the same leading layer axis) nor an nnx.List of "
+                              f"layers; its parameters: {shapes}")
+        self.num_units = next(iter(leading.values()))[0]
+        gdef = nnx.graphdef(stack)
+        return lambda unit, h: nnx.merge(gdef, unit)(h)
+
+    def _split_for(self, rows: int, like=None) -> TracedSplit:
+        """The traced cut for microbatches of ``rows`` rows (a jaxpr has fixed shapes),
+        traced with the manual-axis typing of ``like``: inside the pipeline's shard_map
+        every value varies over its manual axes, and a jaxpr traced outside would mix
+        varying and invariant operands that tracing there reconciles itself."""
+        manual = jax.typeof(like).manual_axis_type if like is not None else None
+        key = (rows, manual)
+        if key not in self._traced:
+            names = list(self._paths)
+
+            def loss(leaves, tokens, targets):
+                return model_loss(self._merge(_unflatten({self._paths[n]: x for n, x in
+                                                          zip(names, leaves, strict=True)})),
+                                  tokens, targets)
+            varying = tuple(sorted(manual.varying)) if manual is not None else ()
+
+            def typed(shape, dtype):  # a value, not a shape: only values carry the typing
+                zeros = jnp.zeros(shape, dtype)
+                return jax.lax.pcast(zeros, varying, to="varying") if varying else _abstract(zeros)
+            example = typed((rows, self._length), jnp.int32)
+            leaves = [typed(self._abstract[n].shape, self._abstract[n].dtype) for n in names]
+            self._traced[key] = TracedSplit(loss, names, leaves, example, example, self.name, HOOK)
+        return self._traced[key]
+
+    # -- parameters -------------------------------------------------------------------
+
+    def _outer_abstract(self) -> dict:
+        return {n: a for n, a in self._abstract.items() if n not in set(self.stack_names)}
+
+    def _model(self, part: dict):
+        """A model holding ``part``'s parameters. The stack's are shapes only (reading one
+        fails); other parameters ``part`` lacks are zeros, which only dead code reads
+        (a part is given every parameter that reaches its result, ``_used``)."""
+        stack = set(self.stack_names)
+        flat = {self._paths[n]: part[n] if n in part else a if n in stack else jnp.zeros(a.shape, a.dtype)
+                for n, a in self._abstract.items()}
+        return self._merge(_unflatten(flat))
+
+    def _used(self, fn, *args) -> list[str]:
+        """The outer parameters whose values reach ``fn``'s result."""
+        outer = self._outer_abstract()
+        jaxpr = jax.make_jaxpr(fn)(outer, *args).jaxpr
+        live = live_inputs(jaxpr)
+        return [n for n, v in zip(outer, jaxpr.invars[:len(outer)], strict=True) if v in live]
+
+    def split(self, params: dict):
+        """(prologue's params, stacked units [num_units, ...], epilogue's params)."""
+        flat = {n: _get(params, p) for n, p in self._paths.items()}
+        if self.parts is None:
+            stack = {n: flat[n] for n in self.stack_names}
+        else:
+            stack = _get(params, self._stack_path)
+            if self.group > 1:
+                k = self.group
+                stack = {j: jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *[stack[j + g * k] for g in range(self.num_units)])
+                         for j in range(k)}
+        return ({n: flat[n] for n in self._embed_names}, stack, {n: flat[n] for n in self._head_names})
+
+    def merge_grads(self, params: dict, d_embed: dict, d_stack, d_head: dict) -> dict:
+        """Gradients shaped like ``params``: a parameter both ends use gets the sum of both
+        uses; one neither uses gets zeros."""
+        out = {}
+        if self.parts is None:
+            out.update(d_stack)
+        else:
+            if self.group > 1:
+                k = self.group
+                d_stack = {j + g * k: jax.tree.map(lambda x, g=g: x[g], d_stack[j])
+                           for j in range(k) for g in range(self.num_units)}
+            out.update({_name(self._stack_path + p): x for p, x in _flat(d_stack).items()})
+        for n in self._paths:
+            if n not in out:
+                uses = [d[n] for d in (d_embed, d_head) if n in d]
+                out[n] = sum(uses[1:], uses[0]) if uses else jnp.zeros_like(_get(params, self._paths[n]))
+        return _unflatten({self._paths[n]: out[n] for n in self._paths})
+
+    def sequential_loss(self, params: dict, inputs, targets):
+        """The loss without a pipeline: prologue, every unit in order, epilogue."""
+        embed_p, stack, head_p = self.split(params)
+        h = self.fns.embed(embed_p, inputs)
+        h = jax.lax.scan(lambda x, unit: (self.fns.layer(unit, x), None), h, stack)[0]
+        return self.fns.head_loss(head_p, h, targets)

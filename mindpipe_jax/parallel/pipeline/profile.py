@@ -174,9 +174,13 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
     return out
 
 
-def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True) -> ProfiledModel:
-    """Measure the reference GPT (``GPT(model_cfg, rngs=nnx.Rngs(0))``) on the current
-    default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens.
+def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True,
+                        model=None) -> ProfiledModel:
+    """Measure the reference GPT (``GPT(model_cfg, rngs=nnx.Rngs(0))``), or ``model``
+    (a factory ``rngs -> nnx.Module``: its prologue, one unit of its stack and its
+    epilogue, found as the pipeline finds them, ``contract.PipelineModel``), on the
+    current default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens
+    (ids below ``model_cfg.vocab_size``).
 
     Every time is the median of ``repeats`` samples after a warm-up run, each
     program ``jax.jit``-compiled and waited for with ``block_until_ready``. One
@@ -192,26 +196,31 @@ def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: b
     # One device whatever the caller's context: under an ambient mesh (e.g. train's
     # repartition) the model's sharding constraints would compile a sharded program.
     with jax.set_mesh(None):
-        return _measure_gpt(model_cfg, microbatch, repeats, dots)
+        return _measure(model_cfg, microbatch, repeats, dots, model)
 
 
-def _measure_gpt(model_cfg, microbatch: int, repeats: int, dots: bool) -> ProfiledModel:
+def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> ProfiledModel:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from mindpipe_jax.models.gpt import GPT
-    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+    from mindpipe_jax.parallel.pipeline.contract import PipelineModel
 
-    model = GPT(model_cfg, rngs=nnx.Rngs(0))
-    fns = stage_fns(model)
-    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jax.devices()[0])
-    block = jax.tree.map(lambda x: x[0], params["blocks"])
+    with nnx.use_eager_sharding(False):
+        model = factory(nnx.Rngs(0)) if factory is not None else GPT(model_cfg, rngs=nnx.Rngs(0))
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.device_put(nnx.to_pure_dict(state), jax.devices()[0])
     rng = np.random.default_rng(0)
     shape = (microbatch, model_cfg.seq_len)
     tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
     targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
+    split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
+    fns = split.fns
+    embed_p, stack, head_p = split.split(params)
+    params = {"embed": embed_p, "head": head_p}
+    block = jax.tree.map(lambda x: x[0], stack)
     hidden = fns.embed(params["embed"], tokens)
     d_hidden = jnp.asarray(rng.standard_normal(hidden.shape) * 1e-3, hidden.dtype)
 
@@ -227,20 +236,23 @@ def _measure_gpt(model_cfg, microbatch: int, repeats: int, dots: bool) -> Profil
     act = float(hidden.size * hidden.dtype.itemsize)
     layer = LayerCost(lay["F"], lay["B"], lay["W"], lay["BW"], act, _nbytes(block))
     embed = LayerCost(emb["F"], 0.0, emb["W"], emb["W"], act, _nbytes(params["embed"]))
-    head_cost = LayerCost(hd["F"], hd["B"], hd["W"], hd["BW"], 0.0, _nbytes(params["head"]))
+    # A parameter both ends use (a tied embedding) is stored once: counted with the embedding.
+    head_only = {k: v for k, v in params["head"].items() if k not in params["embed"]}
+    head_cost = LayerCost(hd["F"], hd["B"], hd["W"], hd["BW"], 0.0, _nbytes(head_only))
     flops = {f"{part}_{k[6:]}": v for part, d in (("layer", lay), ("embed", emb), ("head", hd))
              for k, v in d.items() if k.startswith("flops_")}
     extra: dict[str, Any] = {}
     if dots:
         extra = {"dots_residual_bytes": _residual_bytes(saved, block, hidden),
                  "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
-    n = model_cfg.n_layers
+    n = split.num_units
     device = jax.devices()[0]
     where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
-    note = (f"measured on {where}: one block of GPT(d_model="
-            f"{model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
-            f"vocab={model_cfg.vocab_size}, {model_cfg.dtype}) at microbatch {microbatch}, "
-            f"median of {repeats}; blocks are identical, so its costs are replicated over {n} layers")
+    what = (f"GPT(d_model={model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
+            f"vocab={model_cfg.vocab_size}, {model_cfg.dtype})" if factory is None
+            else f"{type(model).__name__} (seq_len={model_cfg.seq_len})")
+    note = (f"measured on {where}: one unit of {what} at microbatch {microbatch}, median of {repeats}; "
+            f"units are identical, so its costs are replicated over {n} units")
     return ProfiledModel(
         layers=(layer,) * n, embed=embed, head=head_cost,
         residual_bytes=_residual_bytes(fns.layer, block, hidden),

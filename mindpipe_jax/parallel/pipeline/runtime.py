@@ -172,6 +172,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
 
     if lockstep is None:
         lockstep = needs_lockstep(mesh)
+    # XLA:CPU starts independent ops in any order per device: with collectives inside
+    # the ticks (lockstep), a ring step beside them could pair up wrongly. GPUs run one
+    # fixed order, so there the ring stays free to overlap the tick.
+    serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
 
     def layers_runner(layer):
         def run_layers(c, x):
@@ -317,8 +321,12 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             side of each ``cond``) and keeps the outputs of its own."""
             out = branch_fns[0](operand)
             for k, fn in enumerate(branch_fns[1:], start=1):
-                new = lax.cond(active[t, k - 1], fn, branch_fns[0], operand)
-                out = jax.tree.map(lambda n, o, k=k: jnp.where(branch == k, n, o), new, out)
+                # Each cond takes the previous one's outputs, so every device runs them in
+                # the same order: XLA:CPU starts independent ops in any order per device,
+                # and two conds with collectives started in different orders deadlock.
+                def run(prev, fn=fn, k=k):
+                    return jax.tree.map(lambda n, o: jnp.where(branch == k, n, o), fn(operand), prev)
+                out = lax.cond(active[t, k - 1], run, lambda prev: prev, out)
             return out
 
         def tick(carry, t):
@@ -363,6 +371,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             def tick_and_step(c, t):
                 inner, state = c
                 inner, _ = tick(inner, t)
+                if serialize_ring:  # the ring's collectives after the tick's, on every device
+                    # (its pieces only: they vary over every manual axis as the tick's values
+                    # do, and a barrier types all its outputs with the union of its inputs')
+                    inner, parts = lax.optimization_barrier((inner, state["parts"]))
+                    state = {**state, "parts": parts}
                 return (inner, step(state, t - first + offset)), None
             return lax.scan(tick_and_step, carry, jnp.arange(first, last))[0]
 
