@@ -195,6 +195,10 @@ CASES = [
     ("infinite float", ["optim.lr=1e999"], "optim.lr=inf is not a finite number", None),
     ("too many simulated devices", ["parallel.simulate_cpu_devices=100000"],
      "parallel.simulate_cpu_devices=100000 must be in 0..1024", None),
+    # Rules-table rows for other logical names (issue 14).
+    ("rules row on no mesh axis", ['parallel.rules=["tp=tensr"]'],
+     "parallel.rules entry tp=tensr: 'tensr' is not a mesh axis", None),
+    ("rules row without =", ['parallel.rules=["tp"]'], "parallel.rules entry 'tp' must be", None),
     # Messages that say what the thing is.
     ("config section set to a value", ["model=3"], "config section 'model' must be a table", None),
     ("config file section set to a value", ["--config={tmp}/model_3.toml"],

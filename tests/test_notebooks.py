@@ -89,3 +89,17 @@ def test_train_custom_model_script(tmp_path):
     assert "final train loss" in proc.stdout
     assert (out_dir / "metrics.jsonl").is_file()
     assert (out_dir / "checkpoints" / "10").is_dir()
+
+
+@pytest.mark.slow
+def test_bring_your_own_model_script(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "bring_your_own_model.py"), "--steps", "2",
+         "--out-dir", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    losses = [line.split("->")[1].split()[0] for line in proc.stdout.splitlines() if " -> " in line]
+    assert len(losses) == 3  # data x tensor, fsdp, pipeline x tensor: one run each
+    assert len({round(float(x), 3) for x in losses}) == 1  # the same training on every layout
+    for run in range(3):
+        assert (tmp_path / str(run) / "checkpoints" / "2").is_dir()

@@ -377,13 +377,17 @@ def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | N
 
 
 # Keys whose change on a resume is the point of resuming or says nothing about the run.
-_EXPECTED_CHANGES = ("train.resume", "train.steps")
+# What a resume may change without it being news: how long to train, and what the
+# trained bits do not depend on (where the run lives, what it prints and keeps).
+_EXPECTED_CHANGES = ("train.resume", "train.steps", "train.out_dir", "train.progress", "train.tensorboard",
+                     "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+                     "train.keep_checkpoints")
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
     """``key old -> new`` for each config value of ``current`` (``Config.to_dict()``) that
     differs from the checkpoint's ``saved`` one, save those a resume is expected to
-    change (``train.resume``, ``train.steps``, ``distributed.*``)."""
+    change (``_EXPECTED_CHANGES``, ``distributed.*``)."""
     changes = []
     for section in sorted(set(saved) | set(current)):
         old, new = saved.get(section), current.get(section)
