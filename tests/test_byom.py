@@ -18,6 +18,7 @@ from byom_models import (
     LlamaStyle,
     OtherNames,
     PartsOnly,
+    PositionsInLayers,
     TwoOpSupernet,
     WithBatchStats,
     linen_transformer,
@@ -286,3 +287,14 @@ def test_tuner_costs_come_from_the_user_model():
         assert costs.layer_fwd > 0 and costs.rest_fwd > 0
     builtin = ModelCosts.measure(cfg)
     assert builtin.param_bytes != ModelCosts.measure(cfg, model=FAMILIES["llama-tied"]).param_bytes
+
+
+def test_layers_with_side_inputs_are_refused_in_one_line():
+    cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", "parallel.pipe=2", "parallel.data=4",
+                           "parallel.tensor=1", "parallel.microbatches=4")
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, _ = model_spec(PositionsInLayers, mesh, SEED)
+    with pytest.raises(ConfigError, match=r"PositionsInLayers.layers: its layers are called with more than "
+                                          r"the hidden state.*compute positions or masks inside the layer"):
+        make_grad_fn(spec, cfg, mesh)

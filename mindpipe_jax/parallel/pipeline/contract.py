@@ -128,8 +128,8 @@ def _list_parts(model) -> PipelineParts | None:
             if reached.extra:
                 raise ConfigError(f"{name}.{_name(path)}: its layers are called with more than the "
                                   f"hidden state; the pipeline passes one hidden state between stages "
-                                  f"(compute the rest inside the layer, or give {name} a {HOOK}())") \
-                    from None
+                                  f"and no side inputs yet: compute positions or masks inside the layer "
+                                  f"from its input") from None
             return reached.x
         raise ConfigError(f"{name}'s loss never calls {_name(path)}[0]; give {name} a {HOOK}() method")
 

@@ -7,6 +7,9 @@ the first, a middle or the last global stage — or to the idle branch, which
 computes nothing. After the switch, and never inside a branch (a collective in
 one branch only would hang the others), every device executes the same two
 ``ppermute``s: activations one device down the ring, gradients one device up.
+With an automatic mesh axis > 1 (tensor, expert) the ticks run in lockstep
+instead (``needs_lockstep``): the model's own collectives may sit in the stage
+code, so every device runs every task kind of the tick and keeps its own.
 
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers whose size is the schedule's peak number of live
