@@ -318,11 +318,8 @@ def test_resume_with_changed_lr_and_dtype_says_what_changed(tmp_path, capsys):
                      'optim.lr 0.003 -> 0.001'], lines
 
 
-def test_resume_auto_on_a_finished_dense_run_is_exit_0_already_complete(tmp_path, capsys):
-    out = tmp_path / "run"
-    args = ["train", *HERE, "train.steps=2", f"train.out_dir={out}"]
-    assert main(args) == 0
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+def _assert_requeue_is_already_complete(args, out, capsys) -> None:
+    """``args`` again with train.resume=auto: exit 0, one line on stdout, nothing on stderr."""
     capsys.readouterr()
     assert main([*args, "train.resume=auto"]) == 0
     captured = capsys.readouterr()
@@ -330,6 +327,14 @@ def test_resume_auto_on_a_finished_dense_run_is_exit_0_already_complete(tmp_path
     assert captured.out.strip().splitlines() == [
         f"already complete at step 2: {out / 'checkpoints'}/2 is the final checkpoint (train.steps=2); "
         f"nothing to train"], captured.out
+
+
+def test_resume_auto_on_a_finished_dense_run_is_exit_0_already_complete(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", *HERE, "train.steps=2", f"train.out_dir={out}"]
+    assert main(args) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    _assert_requeue_is_already_complete(args, out, capsys)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
     result = mp.train(None, None, mp.Config(), *HERE, "train.steps=2", f"train.out_dir={out}",
                       "train.resume=auto")
@@ -340,12 +345,6 @@ def test_resume_auto_on_a_finished_supernet_run_is_exit_0_already_complete(tmp_p
     out = tmp_path / "super"
     args = ["supernet", *SUPERNET, "train.steps=2", f"train.out_dir={out}"]
     assert main(args) == 0
-    capsys.readouterr()
-    assert main([*args, "train.resume=auto"]) == 0
-    captured = capsys.readouterr()
-    assert captured.err == ""
-    assert captured.out.strip().splitlines() == [
-        f"already complete at step 2: {out / 'checkpoints'}/2 is the final checkpoint (train.steps=2); "
-        f"nothing to train"], captured.out
+    _assert_requeue_is_already_complete(args, out, capsys)
     assert not (out / LOCK_NAME).exists()
     np.testing.assert_array_equal(committed_steps(out / "checkpoints"), [2])
