@@ -20,7 +20,7 @@ from mindpipe_jax.parallel.pipeline.runtime.bwsplit import ChunkSplit, PieceSpli
 from mindpipe_jax.parallel.pipeline.runtime.jaxpr_tools import count_primitive, inline_calls
 
 TOL = dict(rtol=1e-6, atol=1e-6)
-B, T, D, H, KV, V = 2, 8, 32, 4, 2, 64
+B, T, D, H, KV, V = 2, 12, 32, 4, 2, 64  # head dim 8 != T: a T x T value stands out
 
 
 def _w(rng, *shape, scale=None):
@@ -196,7 +196,7 @@ def _gpt_work_case():
 
     XLA duplicates cheap elementwise producers into several fusions and counts them
     once per fusion; which ones it duplicates depends on the program, so at toy
-    sizes (D=32, T=8) the fused backward counts ~5% more than B + W, all of it
+    sizes (D=32, T=12) the fused backward counts ~5% more than B + W, all of it
     elementwise. At D=64, T=16 the counts agree exactly.
     """
     rng = np.random.default_rng(5)
@@ -243,11 +243,15 @@ def test_gpt_block_cut_is_the_matmul_cotangents():
     # (qkv 3D, attention out D, MLP up 4D, MLP down D per token), plus the layernorm
     # weight gradients (4 vectors of D), which B forms on the way; W reads the
     # matmul inputs from the residuals. Under "full" the cut also carries those inputs.
+    # Under remat (dots saved) B recomputes those inputs, so they are in the cut too;
+    # W recomputes no attention: nothing quadratic in T is stashed.
     fn, params, h, _, _ = _case("gpt")
-    for policy, per_token in (("none", 9 * D), ("full", 9 * D + 7 * D)):
-        s = PieceSplit(fn, params, h, policy=policy)
-        acts = sum(math.prod(a.shape) for a in s.cut_avals if a.ndim == 3)
-        vecs = [a.shape for a in s.cut_avals if a.ndim != 3]
+    remat = _case("gpt-remat")[0]
+    for f, policy, per_token in ((fn, "none", 9 * D), (fn, "full", 9 * D + 7 * D),
+                                 (remat, "none", 9 * D + 7 * D)):
+        s = PieceSplit(f, params, h, policy=policy)
+        acts = sum(math.prod(a.shape) for a in s.cut_avals if a.ndim > 1)
+        vecs = [a.shape for a in s.cut_avals if a.ndim == 1]
         assert acts == B * T * per_token and vecs == [(D,)] * 4, (policy, s.cut_avals)
     kept_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in PieceSplit(fn, params, h).kept_avals)
     assert B * T * 9 * D * 4 < kept_bytes / 3

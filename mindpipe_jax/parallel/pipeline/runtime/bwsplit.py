@@ -116,7 +116,8 @@ class PieceSplit:
         n_k = len(kept_ex)
         given = [True] * self._n_params + [not stash] * n_k + [False]
         weights = [True] * self._n_params + [False] * (n_k + 1)
-        self._split = split_jaxpr(inline_calls(self.fused_jaxpr), int(self.has_dh), given, weights)
+        cots = [False] * (self._n_params + n_k) + [True]
+        self._split = split_jaxpr(inline_calls(self.fused_jaxpr), int(self.has_dh), given, weights, cots)
         self.b_jaxpr, self.w_jaxpr = self._split.b, self._split.w
         n_dh = int(self.has_dh)
         self.cut_avals = list(self.b_jaxpr.out_avals[n_dh:])

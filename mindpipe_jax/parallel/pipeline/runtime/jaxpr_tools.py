@@ -22,6 +22,16 @@ the fused backward. The exception is values that depend on the weights only
 (casts, transposes of a parameter): W recomputes them rather than have them
 stashed per microbatch.
 
+Making the cut small: liveness alone can leave W computing a value from two
+bigger ones B has (a GELU output from its two factors; under remat, an attention
+output from the probabilities, quadratic in the length). Such equations move
+from W into B when that shrinks the cut's bytes, greedily, best move first:
+cheap ones (elementwise, layout, reductions, e.g. a layernorm's weight
+gradients, a vector per microbatch instead of two activations) and any that do
+not depend on the cotangent (forward work). The weight-gradient matmuls never
+move. For a GPT block the cut is then the cotangent at each weight matmul's
+output plus, where B recomputed them, that matmul's input.
+
 Equations with their own sub-programs that were not inlined (``scan``,
 ``while``, ``cond``, ``shard_map``, ...) are atoms: one needed by both halves
 runs whole in B and W reads its outputs through the cut. That is correct but
@@ -123,7 +133,9 @@ class Split:
 
 
 # Cheap work (elementwise, layout, reductions) that may move from W into B when that
-# shrinks the cut; matmuls, convolutions and sub-programs never move.
+# shrinks the cut. Other equations move only if they do not depend on the cotangent
+# (forward work W would otherwise recompute, e.g. under remat); the weight-gradient
+# matmuls never do.
 CHEAP = frozenset("""
     abs add add_any and broadcast_in_dim clamp concatenate convert_element_type copy copy_p cos
     div eq erf erf_inv exp exp2 expand_dims ge gt integer_pow iota le log log1p logistic lt max
@@ -137,16 +149,20 @@ def _nbytes(v) -> int:
     return int(math.prod(aval.shape)) * aval.dtype.itemsize
 
 
-def split_jaxpr(closed: ClosedJaxpr, n_first: int, w_given, weight_inputs, shrink: bool = True) -> Split:
+def split_jaxpr(closed: ClosedJaxpr, n_first: int, w_given, weight_inputs, cot_inputs,
+                shrink: bool = True) -> Split:
     """Split ``closed`` (already inlined) into B for its first ``n_first`` outputs and W for the rest.
 
     ``w_given``: per input, whether W may read it directly (weights, kept residuals);
     the others (the cotangent, stashed values) reach W through the cut.
     ``weight_inputs``: per input, whether it is a weight: values computed from
     weights alone are recomputed by W rather than stashed per microbatch.
-    ``shrink``: move cheap equations of W whose inputs B has into B where that
-    makes the cut smaller in bytes (greedy, best move first). The total work
-    stays the same; B gains a little elementwise and reduction work.
+    ``cot_inputs``: per input, whether it is a cotangent.
+    ``shrink``: move equations of W whose inputs B has into B where that makes
+    the cut smaller in bytes (greedy, best move first): cheap ones (elementwise,
+    layout, reductions) and those that do not depend on the cotangent (forward
+    values W would recompute, e.g. an attention output under remat). The total
+    work stays the same; B gains that work.
     """
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
@@ -170,6 +186,12 @@ def split_jaxpr(closed: ClosedJaxpr, n_first: int, w_given, weight_inputs, shrin
         if not e.effects and all(v in weight_only for v in _vars(e.invars)):
             weight_only.update(_vars(e.outvars))
     recompute = [all(v in weight_only for v in _vars(e.outvars)) for e in eqns]
+    linear = {v for v, c in zip(jaxpr.invars, cot_inputs, strict=True) if c}
+    for e in eqns:
+        if any(v in linear for v in _vars(e.invars)):
+            linear.update(_vars(e.outvars))
+    movable = [not e.effects and (e.primitive.name in CHEAP or not any(v in linear for v in _vars(e.outvars)))
+               for e in eqns]
 
     def w_side(in_b):
         """W's equations (liveness from the other outputs, stopping at values B has) and the cut."""
@@ -188,7 +210,7 @@ def split_jaxpr(closed: ClosedJaxpr, n_first: int, w_given, weight_inputs, shrin
     while shrink:
         size = sum(map(_nbytes, cut))
         best = None
-        for moved in _candidates(eqns, in_w, in_b, cut):
+        for moved in _candidates(eqns, in_w, in_b, cut, movable):
             trial = [b or j in moved for j, b in enumerate(in_b)]
             t_w, t_needed, t_cut = w_side(trial)
             gain = size - sum(map(_nbytes, t_cut))
@@ -209,9 +231,9 @@ def split_jaxpr(closed: ClosedJaxpr, n_first: int, w_given, weight_inputs, shrin
     return Split(ClosedJaxpr(b, closed.consts), ClosedJaxpr(w, closed.consts), w_inputs, len(cut))
 
 
-def _candidates(eqns, in_w, in_b, cut):
-    """Sets of W-only equations that B could take over: each cheap equation with its
-    W ancestors, and for each cut value every cheap W equation downstream of it
+def _candidates(eqns, in_w, in_b, cut, movable):
+    """Sets of W-only equations that B could take over: each movable equation with its
+    W ancestors, and for each cut value every movable W equation downstream of it
     (with their ancestors), so a value read by several chains can leave the cut."""
     only_w = [w and not b for w, b in zip(in_w, in_b, strict=True)]
     producer = {v: j for j, e in enumerate(eqns) if only_w[j] for v in _vars(e.outvars)}
@@ -227,7 +249,7 @@ def _candidates(eqns, in_w, in_b, cut):
             j = todo.pop()
             if j in moved:
                 continue
-            if eqns[j].primitive.name not in CHEAP:
+            if not movable[j]:
                 return None
             moved.add(j)
             todo.extend(producer[v] for v in _vars(eqns[j].invars) if v in producer)
@@ -240,7 +262,7 @@ def _candidates(eqns, in_w, in_b, cut):
         cone, todo = set(), list(readers.get(v, []))
         while todo:
             j = todo.pop()
-            if j in cone or eqns[j].primitive.name not in CHEAP:
+            if j in cone or not movable[j]:
                 continue
             cone.add(j)
             todo.extend(k for u in _vars(eqns[j].outvars) for k in readers.get(u, []))
