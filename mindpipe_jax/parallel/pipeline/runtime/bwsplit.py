@@ -78,6 +78,14 @@ class _Store(ResidualStore):
 
 
 class PieceSplit:
+    """The B/W split of ``piece(params, h, *aux) -> out``, traced once from example arguments.
+
+    ``fwd``/``b``/``w`` as in the module docstring; ``kept_avals``, ``cut_avals``
+    (one microbatch's worth, for ``[slots, *shape]`` buffers), ``w_reads_kept``,
+    ``has_dh``. ``b_jaxpr``/``w_jaxpr`` are the two halves, ``fused_jaxpr`` and
+    ``fused`` the unsplit backward (a reference and a cost baseline).
+    """
+
     def __init__(self, piece, params, h, *aux, policy: str = "none", stash: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
