@@ -1,7 +1,7 @@
 """Pipeline schedules as data: generators, the validator, bubble and memory figures.
 
 Pure Python, no devices: every number asserted here is derived in the docstrings
-of ``mindpipe_jax/parallel/pipeline/schedules.py``.
+of ``mindpipe_jax/parallel/pipeline/schedules/__init__.py``.
 """
 
 import pytest
@@ -12,14 +12,19 @@ from mindpipe_jax.parallel.pipeline.schedules import (
     Schedule,
     ScheduleError,
     Task,
+    analytic,
+    fb_pair_timeline,
+    fb_pairs,
     from_orders,
     get_schedule,
     gpipe,
     interleaved,
     one_f_one_b,
     register_schedule,
+    v_placement,
     validate,
     zb_h1,
+    zbv,
 )
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
@@ -298,3 +303,186 @@ def test_schedules_are_hashable_data():
     assert a == b and hash(a) == hash(b)
     assert {a: 1}[b] == 1
     assert Task(3, 1, "W") == Task(3, 1, Kind.W) and str(Task(3, 1, "W")) == "W3b"
+
+
+# ------------------------------------------------------- V schedules: ZB-V and DualPipeV
+# Every figure below is derived in the docstrings of schedules/vshape.py and
+# schedules/analytic.py. Memory is counted in chunk activations: a chunk holds half
+# a stage, so 1F1B's p live microbatches are 2p chunks.
+def v_sizes(low):
+    """(p, m) with p = 1, 2, 3, 4, 8 and m from ``low(p)`` on: p, 2p, 4p where they are
+    allowed and numbers that are not multiples of p."""
+    return [(p, m) for p in (1, 2, 3, 4, 8)
+            for m in sorted({p, 2 * p, 4 * p, 2 * p + 1, 3 * p - 1, 5} - {0}) if m >= low(p)]
+
+
+def _work_by_kind(sched):
+    tasks = [t for row in sched.table for t in row if t is not None]
+    return {kind: sum(t.kind is kind for t in tasks) for kind in Kind}
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 1))
+def test_zbv_validates_with_v_placement_and_its_analytic_ticks(p, m):
+    sched = get_schedule("zbv", p, m)
+    report = validate(sched)
+    assert sched.virtual_stages == 2 and sched.placement == v_placement(p)
+    assert sched.owner(p - 1)[0] == sched.owner(p)[0] == p - 1   # the turn of the V stays on a device
+    # one F, B and W per (microbatch, global stage)
+    assert _work_by_kind(sched) == {Kind.F: 2 * p * m, Kind.B: 2 * p * m, Kind.W: 2 * p * m, Kind.BW: 0}
+    ticks = max(6 * m + p - 1, 4 * m + 4 * p - 2)
+    assert report.ticks == ticks
+    assert sched.bubble_fraction() == pytest.approx((ticks - 6 * m) / ticks)
+    if 2 * m >= 3 * p - 1:   # each device idles p - 1 ticks: s before, p - 1 - s after
+        assert sched.bubble_fraction() == pytest.approx((p - 1) / (6 * m + p - 1))
+        for s in range(p):
+            first, last = sched.tasks_of(s)[0][0], sched.tasks_of(s)[-1][0]
+            assert (first, ticks - 1 - last) == (s, p - 1 - s)
+    figures = analytic(sched, FBW)
+    assert (figures.ticks, figures.peak_live) == (ticks, min(2 * m, 2 * p))
+    assert figures.bubble == pytest.approx(sched.bubble_fraction())
+    assert figures.weighted_bubble == pytest.approx(sched.bubble_fraction_weighted(FBW))
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 1))
+def test_zbv_live_activations_are_1f1bs(p, m):
+    sched = get_schedule("zbv", p, m)
+    one_f_one_b_chunks = 2 * max(one_f_one_b(p, m).peak_live_activations())   # min(p, m) microbatches
+    assert max(sched.peak_live_activations()) == min(2 * m, 2 * p) == one_f_one_b_chunks
+    assert all(n <= 2 * p for n in sched.peak_live_activations())
+    assert max(sched.peak_pending_weight_grads()) <= 2 * p - 1
+
+
+ZBV_COSTS = [{"F": 1, "B": 1, "W": 1}, {"F": 2, "B": 2, "W": 2}, {"F": 1, "B": 2, "W": 1},
+             {"F": 1, "B": 1, "W": 0.5}, {"F": 1, "B": 1.5, "W": 1}, {"F": 0.8, "B": 1.6, "W": 0.9}]
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 2 * p - 1))
+@pytest.mark.parametrize("cost", ZBV_COSTS)
+def test_zbv_weighted_bubble_is_the_analytic_one(p, m, cost):
+    """F <= B <= 2W, W <= B: device p - 1 waits (p - 1)(B - F) for its first gradient
+    and never again, and ends last: makespan (p - 1) B + 2m (F + B + W)."""
+    sched = get_schedule("zbv", p, m)
+    F, B, W = cost["F"], cost["B"], cost["W"]
+    timeline = sched.timeline(cost)
+    assert timeline.makespan == pytest.approx((p - 1) * B + 2 * m * (F + B + W))
+    expected = (p - 1) * B / ((p - 1) * B + 2 * m * (F + B + W))
+    assert timeline.bubble_fraction == pytest.approx(expected)
+    assert analytic(sched, cost).weighted_bubble == pytest.approx(expected)
+
+
+def test_zbv_weighted_bubble_has_no_closed_form_outside_its_range():
+    sched = get_schedule("zbv", 4, 16)
+    assert analytic(sched, {"F": 1, "B": 3, "W": 1}).weighted_bubble is None     # B > 2W
+    assert analytic(sched, {"F": 2, "B": 1, "W": 1}).weighted_bubble is None     # B < F
+    assert analytic(sched, lambda stage, task: 1.0).weighted_bubble is None      # per-stage costs
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 2 * p))
+def test_dualpipev_validates_and_its_tick_figures(p, m):
+    sched = get_schedule("dualpipev", p, m)
+    report = validate(sched)
+    assert sched.virtual_stages == 2 and sched.placement == v_placement(p)
+    work = _work_by_kind(sched)
+    assert work[Kind.F] == 2 * p * m and work[Kind.BW] + work[Kind.B] == 2 * p * m
+    assert work[Kind.W] == work[Kind.B] == sum(2 * p - s - 1 for s in range(p))   # split backwards
+    # device s holds 4m + 2p - 1 - s cells (2p - s - 1 of its backwards are split) and idles s ticks
+    assert report.ticks == 4 * m + 2 * p - 1
+    assert [report.ticks - len(sched.tasks_of(s)) for s in range(p)] == list(range(p))
+    assert sched.bubble_fraction() == pytest.approx((p - 1) / (2 * (4 * m + 2 * p - 1)))
+    assert sched.peak_live_activations() == [2 * p + 1] * p          # the repository's PP + 1, PP = 2p
+    assert sched.peak_pending_weight_grads() == [s + 1 for s in range(p)]
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 2 * p))
+def test_dualpipev_fb_pairs_are_consecutive_f_and_bw_of_the_other_chunk(p, m):
+    sched = get_schedule("dualpipev", p, m)
+    for s, pairs in enumerate(fb_pairs(sched)):
+        # steady state: 2 per round, m - 2p + s + 1 rounds; drain: one per round, p - s - 1 rounds
+        assert len(pairs) == 2 * (m - 2 * p + s + 1) + (p - s - 1)
+        for t0, t1 in pairs:
+            f, bw = sched.table[t0][s], sched.table[t1][s]
+            assert (f.kind, bw.kind) == (Kind.F, Kind.BW) and f.chunk != bw.chunk
+            assert t1 == t0 + 1                          # in the table the two cells sit in a row
+    with pytest.raises(ScheduleError, match="DualPipeV"):
+        fb_pairs(get_schedule("zbv", p, m))
+
+
+DPV_COSTS = [{"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 2, "W": 1}, {"F": 1, "B": 1, "W": 0.5},
+             {"F": 1.1, "B": 1.3, "W": 1.3}, {"F": 0.6, "B": 1.7, "W": 1.2}]   # F <= B, W <= B
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 2 * p))
+@pytest.mark.parametrize("cost", DPV_COSTS)
+def test_dualpipev_pairs_run_as_one_unit_give_the_repositorys_bubble(p, m, cost):
+    """(PP/2 - 1)(F&B + B - 3W) per device with PP = 2p stages, the repository's B our
+    BW = B + W and F&B = F + BW; the table's cells run one by one do better."""
+    sched = get_schedule("dualpipev", p, m)
+    F, B, W = cost["F"], cost["B"], cost["W"]
+    BW = B + W
+    idle = (p - 1) * (F + BW + BW - 3 * W)
+    paired = fb_pair_timeline(sched, cost)
+    assert paired.makespan == pytest.approx(idle + 2 * m * (F + B + W))
+    assert [paired.makespan - b for b in paired.busy] == pytest.approx([idle] * p)
+    assert analytic(sched, cost).paired_bubble == pytest.approx(paired.bubble_fraction)
+    assert sched.timeline(cost).makespan <= paired.makespan + 1e-9
+
+
+@pytest.mark.parametrize("p,m", v_sizes(lambda p: 2 * p))
+def test_dualpipev_weighted_bubble_with_equal_costs(p, m):
+    # F = B = W = c, cells one by one: every device idles (p - 1) c, as ZB-V
+    for c in (1.0, 2.5):
+        cost = {"F": c, "B": c, "W": c}
+        sched = get_schedule("dualpipev", p, m)
+        timeline = sched.timeline(cost)
+        assert [timeline.makespan - b for b in timeline.busy] == pytest.approx([(p - 1) * c] * p)
+        assert timeline.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert analytic(sched, cost).weighted_bubble == pytest.approx(timeline.bubble_fraction)
+    assert analytic(get_schedule("dualpipev", p, m), {"F": 1, "B": 2, "W": 1}).weighted_bubble is None
+    # F > B: the paired replay takes longer than the repository's formula, which is then not given
+    assert analytic(get_schedule("dualpipev", p, m), {"F": 1.3, "B": 1.1, "W": 0.7}).paired_bubble is None
+
+
+def test_v_schedules_registry_and_bad_input():
+    # the chunk count is fixed at 2: get_schedule's default, and the only value taken
+    assert get_schedule("zbv", 4, 8) == get_schedule("zbv", 4, 8, 2) == zbv(4, 8)
+    assert get_schedule("dualpipev", 4, 8).virtual_stages == 2
+    assert get_schedule("1f1b", 4, 8).virtual_stages == 1 == get_schedule("interleaved", 4, 8).virtual_stages
+    # odd p and m that is not a multiple of p are fine
+    assert validate(get_schedule("zbv", 3, 7)).ticks == 6 * 7 + 3 - 1
+    assert validate(get_schedule("dualpipev", 3, 7)).ticks == 4 * 7 + 2 * 3 - 1
+    for args, words in [(("zbv", 4, 8, 3), "'zbv' places exactly 2 chunks per stage in a V "
+                                           "(virtual_stages=2), got 3"),
+                        (("dualpipev", 4, 8, 1), "(virtual_stages=2), got 1"),
+                        (("dualpipev", 4, 7), "dualpipev needs at least 2p microbatches: m=7 with p=4 stages "
+                                              "(use m >= 8)"),
+                        (("dualpipev", 3, 1), "m=1 with p=3 stages (use m >= 6)"),
+                        (("zbv", 0, 8), "pipeline stages (p) must be an integer >= 1, got 0"),
+                        (("zbv", 4, 0), "microbatches (m) must be an integer >= 1, got 0")]:
+        with pytest.raises(ScheduleError) as err:
+            get_schedule(*args)
+        assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_v_schedules_render_parse_round_trip(name):
+    sched = get_schedule(name, 4, 9)
+    again = Schedule.parse(sched.render(), name=name, num_microbatches=9, placement=v_placement(4))
+    assert again == sched
+    assert "F0b" in sched.render()
+
+
+def test_analytic_figures_of_the_other_schedules_match_their_tables():
+    for p, m in SIZES:
+        for sched in (gpipe(p, m), one_f_one_b(p, m), zb_h1(p, m), interleaved(p, m, 2),
+                      interleaved(p, m, 1)):
+            figures = analytic(sched, F_BW)
+            assert figures.ticks == sched.num_ticks, sched.name
+            assert figures.bubble == pytest.approx(sched.bubble_fraction())
+            assert figures.peak_live == max(sched.peak_live_activations())
+            if figures.weighted_bubble is not None:
+                assert figures.weighted_bubble == pytest.approx(sched.bubble_fraction_weighted(F_BW))
+    zb = zb_h1(4, 8)
+    assert analytic(zb, FBW).weighted_bubble == pytest.approx(zb.bubble_fraction_weighted(FBW))
+    # a table that is not what its name's generator builds has no closed form
+    assert analytic(interleaved(4, 8, 2, warmup="minimal")) is None
+    assert analytic(Schedule.parse("s0: F0 BW0", name="zbv")) is None
