@@ -1,7 +1,7 @@
 """The pipeline simulator: analytic bubbles, transfer and sync costs, calibration.
 
 Pure Python, no devices. Every expected number is derived in a comment next to
-its assertion or in ``mindpipe_jax/parallel/pipeline/simulate.py``.
+its assertion or in ``mindpipe_jax/sim/__init__.py``.
 """
 
 import math
@@ -14,13 +14,14 @@ from mindpipe_jax.parallel.pipeline.schedules import (
     Kind,
     Schedule,
     Task,
+    from_orders,
     get_schedule,
     gpipe,
     interleaved,
     one_f_one_b,
     zb_h1,
 )
-from mindpipe_jax.parallel.pipeline.simulate import (
+from mindpipe_jax.sim import (
     Collective,
     DPSync,
     LayerCost,
@@ -456,3 +457,142 @@ def test_bad_input_is_refused():
         simulate(sched, UNIT, tick_overhead=0.1)                  # async has no ticks
     with pytest.raises(ValueError, match="one per device"):
         simulate(sched, UNIT, mode="neighbour", tick_overhead=[0.1, 0.1, 0.1])
+
+
+# ------------------------------------------------ V placement (ZB-V, DualPipeV)
+def v_schedules(p, m):
+    yield get_schedule("zbv", p, m)
+    if m >= 2 * p:
+        yield get_schedule("dualpipev", p, m)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_v_placement_turn_is_free_and_chunk_b_goes_the_other_way(name):
+    p, m = 4, 8
+    sched = get_schedule(name, p, m)
+    r = simulate(sched, UNIT, link=0.5)
+    sends = [e for e in r.events if e.kind == "send"]
+    # 2p global stages, 2p - 1 boundaries; one of them (p - 1 -> p, the turn of the V)
+    # is inside device p - 1 and sends nothing: 2p - 2 hops each way per microbatch
+    assert len(sends) == 2 * m * (2 * p - 2)
+    for e in sends:
+        kind = sched.table[e.tick][e.device].kind
+        chunk_a = e.global_stage < p
+        if kind is Kind.F:      # activations: chunk a to s + 1, chunk b to s - 1
+            assert e.peer == (e.device + 1 if chunk_a else e.device - 1)
+            assert e.global_stage != p - 1                       # the turn is not sent
+        else:                   # gradients the other way round
+            assert e.peer == (e.device - 1 if chunk_a else e.device + 1)
+            assert e.global_stage != p
+        assert e.end - e.start == pytest.approx(0.5)
+    # a hand-off inside a device waits for nothing: stage p's F starts when stage
+    # p - 1's ends on device p - 1 (microbatch 0 has nothing else in its way)
+    spans = {(ev.kind, ev.microbatch, ev.global_stage): (ev.start, ev.end)
+             for ev in r.events_of(p - 1, "compute")}
+    assert spans[("F", 0, p)][0] == spans[("F", 0, p - 1)][1]
+    # one device (p = 1) holds both stages: nothing crosses, no exchange in any mode
+    one = get_schedule(name, 1, 4)
+    for mode in ("async", "lockstep", "neighbour"):
+        r1 = simulate(one, UNIT, link=Link(1e-3, 1e6), mode=mode)
+        assert not [ev for ev in r1.events if ev.lane == "network"], mode
+        assert r1.step_time == pytest.approx(sum(r1.busy))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8)])
+@pytest.mark.parametrize("lockstep", [False, True])
+@pytest.mark.parametrize("transfer", [0.0, 0.25])
+def test_v_schedules_reproduce_schedule_timeline(p, m, lockstep, transfer):
+    for sched in v_schedules(p, m):
+        for cost in COSTS:
+            ref = sched.timeline(cost, transfer=transfer, lockstep=lockstep)
+            got = simulate(sched, cost, link=transfer, mode="lockstep" if lockstep else "async").to_timeline()
+            assert got.makespan == pytest.approx(ref.makespan) and got.busy == pytest.approx(ref.busy)
+            for mine, theirs in ((got.start, ref.start), (got.end, ref.end)):   # equal up to round-off
+                flat = [-1.0 if x is None else x for row in mine for x in row]
+                assert flat == pytest.approx([-1.0 if x is None else x for row in theirs for x in row])
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_v_schedules_in_the_tick_modes(p, m):
+    # the orderings the other schedules obey: nothing beats async, and with free
+    # transfers a neighbour-synchronised clock never runs ahead of lockstep's
+    rng = random.Random(p * 7 + m)
+    for sched in v_schedules(p, m):
+        G = sched.num_global_stages
+        cost = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                          B=[rng.uniform(0.5, 2) for _ in range(G)],
+                          W=[rng.uniform(0.2, 1) for _ in range(G)],
+                          activation_bytes=[rng.uniform(0, 1e6) for _ in range(G)])
+        for link in (None, Link(1e-3, 1e8)):
+            a = simulate(sched, cost, link=link)
+            lk = simulate(sched, cost, link=link, mode="lockstep")
+            nb = simulate(sched, cost, link=link, mode="neighbour")
+            assert lk.step_time >= a.step_time - 1e-9 and lk.busy == pytest.approx(a.busy)
+            assert nb.busy == pytest.approx(a.busy) and nb.step_time >= a.step_time - 1e-9
+            if link is None:
+                assert nb.step_time <= lk.step_time + 1e-9, sched.name
+            # the neighbour mode pays two ppermutes per tick, whichever way a value goes
+            assert sum(e.kind == "exchange" for e in nb.events) == (2 * p * sched.num_ticks if p > 1 else 0)
+
+
+def test_neighbour_mode_refuses_a_placement_that_skips_devices():
+    # global stage 1 on device 2: two hops from stage 0's device 0
+    orders = [[Task(0, 0, "F"), Task(0, 0, "BW")] for _ in range(4)]
+    sched = from_orders(orders, num_microbatches=1, placement=[[0], [2], [1], [3]])
+    with pytest.raises(ValueError, match="global stage 0 is on device 0 and 1 on device 2"):
+        simulate(sched, UNIT, mode="neighbour")
+    # async and lockstep take any hop: 4 F + 4 BW, 3 hops each way
+    assert simulate(sched, UNIT, link=0.5).step_time == pytest.approx(12 + 6 * 0.5)
+
+
+# ZB-V's steady state (step 4 of its order: F a, B a, W a, F b, B b, W b while chunk
+# a still has forwards to run) starts on device s after its 5p - 3s - 1 warm-up tasks
+# and lasts m - 2p + s + 1 rounds of 6 (schedules/vshape.py). Zero steady-state bubble:
+# no device waits between two of those tasks.
+ZBV_STEADY_COSTS = [StageCosts(F=1, B=1, W=1), StageCosts(F=1, B=1.5, W=1), StageCosts(F=1.5, B=1, W=1),
+                    StageCosts(F=1, B=2, W=2), StageCosts(F=1, B=1, W=0.5), StageCosts(F=2, B=1.5, W=2)]
+
+
+def _steady_gaps(r, p, m):
+    gaps = []
+    for s in range(p):
+        tasks = r.events_of(s, "compute")
+        lo = 5 * p - 3 * s - 1
+        hi = lo + 6 * (m - 2 * p + s + 1)
+        gaps += [b.start - a.end for a, b in zip(tasks[lo:hi], tasks[lo + 1:hi], strict=False)]
+    return gaps
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("costs", ZBV_STEADY_COSTS)
+def test_zbv_async_has_zero_steady_state_bubble_when_w_plus_2b_covers_2f(p, costs):
+    F, B, W = costs.F, costs.B, costs.W
+    assert W + 2 * B >= 2 * F and W + 2 * F >= 2 * B          # the paper's condition
+    m = 4 * p
+    r = simulate(get_schedule("zbv", p, m), costs)
+    gaps = _steady_gaps(r, p, m)
+    assert len(gaps) == sum(6 * (m - 2 * p + s + 1) - 1 for s in range(p))
+    assert max(gaps) <= 1e-9                                  # tolerance: float round-off only
+    # and so one more microbatch costs each device exactly its work, 2 (F + B + W)
+    more = simulate(get_schedule("zbv", p, m + 1), costs)
+    assert more.step_time - r.step_time == pytest.approx(2 * (F + B + W), abs=1e-9)
+
+
+def test_zbv_steady_state_waits_when_the_condition_fails():
+    # B > F + W/2 (W + 2F < 2B): a device waits inside the steady state
+    p, m = 4, 16
+    r = simulate(get_schedule("zbv", p, m), StageCosts(F=1, B=3, W=1))
+    assert max(_steady_gaps(r, p, m)) > 0.5
+
+
+def test_predict_utilization_of_the_v_schedules():
+    # 16 layers on 2p = 16 global stages, one per chunk, F = B = W = 1 per chunk:
+    # both V schedules idle p - 1 per device over 2m (F + B + W) of work, 7 / 199 at p = 8, m = 32
+    layer = LayerCost(F=1, B=1, W=1)
+    for name in ("zbv", "dualpipev"):
+        r = predict_utilization(layer, num_layers=16, schedule=name, p=8, m=32)
+        assert r.mean_utilization == pytest.approx(1 - 7 / 199)
+    # embed and head both land on device 0 (global stages 0 and 2p - 1)
+    heavy = predict_utilization(layer, num_layers=16, schedule="zbv", p=8, m=32,
+                                embed=LayerCost(F=1, B=0, W=0), head=LayerCost(F=1, B=1, W=1))
+    assert heavy.busy[0] == pytest.approx(max(heavy.busy)) and heavy.busy[0] > heavy.busy[1]

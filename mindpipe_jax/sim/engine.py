@@ -1,0 +1,432 @@
+"""The simulator's engine: replays of a schedule table in the async, lockstep and
+neighbour modes, the per-device network lanes, and what a replay returns (``Event``,
+``SimResult``). The model and the modes are described in ``sim/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, Task, Timeline
+from mindpipe_jax.sim.costs import StageCosts, _is_number, _number, _Resolved
+from mindpipe_jax.sim.network import DPSync, Link
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval on one device's lane, for plotting.
+
+    ``lane`` is ``"compute"`` (kind ``F``/``B``/``W``/``BW``) or ``"network"``
+    (kind ``"send"``: a point-to-point transfer to ``peer``, ``end`` = arrival;
+    ``"exchange"``: a tick-end ppermute of the tick modes, in neighbour mode one per
+    ppermute with its ``peer``, ``end`` = arrival; ``"sync"``: a gradient sync slice).
+    """
+
+    device: int
+    lane: str
+    kind: str
+    start: float
+    end: float
+    tick: int | None = None
+    microbatch: int | None = None
+    chunk: int | None = None
+    global_stage: int | None = None
+    peer: int | None = None
+    nbytes: float = 0.0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What ``simulate`` measured. ``utilization[d] = busy[d] / step_time`` (compute
+    only: time spent in an exposed sync counts as idle); ``bubble_fraction = 1 -
+    sum(busy) / (p * step_time)``."""
+
+    schedule: str
+    mode: str
+    step_time: float
+    compute_time: float                  # when the last compute task ends
+    busy: tuple[float, ...]              # per device: sum of its task durations
+    network_busy: tuple[float, ...]      # per device: time its network lane was occupied
+    events: tuple[Event, ...] = field(repr=False)
+    start: tuple[tuple[float | None, ...], ...] = field(repr=False)   # [tick][stage]
+    end: tuple[tuple[float | None, ...], ...] = field(repr=False)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.busy)
+
+    @property
+    def utilization(self) -> tuple[float, ...]:
+        return tuple(b / self.step_time if self.step_time > 0 else 0.0 for b in self.busy)
+
+    @property
+    def mean_utilization(self) -> float:
+        if self.step_time <= 0:
+            return 0.0
+        return sum(self.busy) / (len(self.busy) * self.step_time)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.mean_utilization if self.step_time > 0 else 0.0
+
+    @property
+    def exposed_communication(self) -> float:
+        """Step time after the last compute (syncs that nothing hid)."""
+        return self.step_time - self.compute_time
+
+    def events_of(self, device: int, lane: str | None = None) -> list[Event]:
+        return [e for e in self.events if e.device == device and (lane is None or e.lane == lane)]
+
+    def to_timeline(self) -> Timeline:
+        """The compute part as a ``schedules.Timeline`` (makespan = step time)."""
+        return Timeline(self.start, self.end, self.step_time, self.busy)
+
+    def summary(self) -> str:
+        per = " ".join(f"{u:.2f}" for u in self.utilization)
+        return (f"{self.schedule} ({self.mode}): step {self.step_time:.6g} s, compute "
+                f"{self.compute_time:.6g} s, utilization {self.mean_utilization:.3f} "
+                f"(per device {per}), bubble {self.bubble_fraction:.3f}")
+
+
+# ---------------------------------------------------------------- simulator
+def _inputs(kind: Kind, mb: int, g: int, num_global: int) -> list[tuple[str, int, int]]:
+    """What a task consumes, keyed (``"F"`` | ``"B"``, mb, global stage); a ``B``
+    key is produced by a ``B`` or a ``BW``."""
+    if kind is Kind.F:
+        return [("F", mb, g - 1)] if g > 0 else []
+    if kind is Kind.W:
+        return [("B", mb, g)]
+    return [("F", mb, g)] + ([("B", mb, g + 1)] if g < num_global - 1 else [])
+
+
+class _Lanes:
+    """Per-device network lanes. Sync slices wait in a per-device queue and are
+    started lazily: ``claim(s, at)`` first runs every queued slice that can start
+    before ``at`` (a running slice is never interrupted), then hands the lane to
+    the caller, so a send overtakes the slices that have not started yet."""
+
+    def __init__(self, p: int, events: list[Event]):
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.events = events
+        self.pending: list[deque] = [deque() for _ in range(p)]
+        self.last = 0.0
+
+    def request_sync(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync) -> None:
+        coll = dp.collective
+        for n in dp.slices(nbytes):
+            self.pending[s].append((at, n, coll.time(n), chunk, g))
+
+    def drain(self, s: int, before: float = math.inf) -> None:
+        queue = self.pending[s]
+        while queue:
+            at, n, d, chunk, g = queue[0]
+            start = max(at, self.free[s])
+            if start >= before:
+                break
+            queue.popleft()
+            self.free[s] = start + d
+            self.busy[s] += d
+            self.last = max(self.last, start + d)
+            self.events.append(Event(s, "network", "sync", start, start + d, chunk=chunk,
+                                     global_stage=g, nbytes=n))
+
+    def claim(self, s: int, at: float) -> float:
+        """When a send issued at ``at`` gets device ``s``'s lane."""
+        self.drain(s, before=at)
+        return max(at, self.free[s])
+
+    def finish(self) -> None:
+        for s in range(len(self.pending)):
+            self.drain(s)
+
+
+class _Trace:
+    """What a replay records and returns: per tick and device when its task ran,
+    per device the time its tasks took, and every event."""
+
+    def __init__(self, schedule: Schedule):
+        p, ticks = schedule.num_stages, schedule.num_ticks
+        self.schedule = schedule
+        self.start: list[list[float | None]] = [[None] * p for _ in range(ticks)]
+        self.end: list[list[float | None]] = [[None] * p for _ in range(ticks)]
+        self.busy = [0.0] * p
+        self.events: list[Event] = []
+
+    def compute(self, cc: _Resolved, t: int, s: int, task: Task, at: float) -> float:
+        """Record device ``s`` running ``task`` (tick ``t``) from ``at``; returns its duration."""
+        g = self.schedule.global_stage(s, task.chunk)
+        d = cc.duration(s, task, g)
+        self.start[t][s], self.end[t][s] = at, at + d
+        self.busy[s] += d
+        self.events.append(Event(s, "compute", task.kind.value, at, at + d, t, task.microbatch,
+                                 task.chunk, g))
+        return d
+
+    def result(self, mode: str, step_time: float, compute_time: float,
+               network_busy: Sequence[float]) -> SimResult:
+        return SimResult(self.schedule.name, mode, step_time, compute_time, tuple(self.busy),
+                         tuple(network_busy), tuple(self.events), tuple(map(tuple, self.start)),
+                         tuple(map(tuple, self.end)))
+
+
+MODES = ("async", "lockstep", "neighbour")
+
+
+def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None = None, *,
+             link: Link | float | None = None, dp_sync: DPSync | None = None, mode: str = "async",
+             contention: bool = True, tick_overhead: float | Sequence[float] = 0.0) -> SimResult:
+    """Replay ``schedule`` with ``costs`` on ``link`` (see the module docstring).
+
+    ``costs``: ``StageCosts`` (per-stage durations and bytes), a mapping kind ->
+    seconds (as ``Schedule.timeline``: missing kinds from ``DEFAULT_COST``) or a
+    function ``(stage, task) -> seconds``; ``None`` is ``StageCosts()`` (F = B = W
+    = 1, BW = 2). ``link``: a ``Link``, a float (every transfer takes that many
+    seconds) or ``None`` (free). ``dp_sync``: gradient sync over data ranks, or
+    ``None``. ``mode``: ``"async"``, ``"lockstep"`` or ``"neighbour"``. ``contention``:
+    sends share the sender's network lane with each other and with its syncs
+    (``False``: infinite link capacity; syncs still run one at a time per device).
+    ``tick_overhead``: seconds every device spends in every tick besides its task
+    (a tick-synchronous runtime's per-tick bookkeeping; one number or one per
+    device); the tick modes only."""
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"simulate needs a Schedule, got {type(schedule).__name__}")
+    if mode not in MODES:
+        raise ConfigError(f"simulate mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    overhead = _per_device(tick_overhead, "tick_overhead", schedule.num_stages)
+    if mode == "async" and any(overhead):
+        raise ConfigError("tick_overhead is a cost of tick-synchronous runtimes: use mode 'lockstep' "
+                          "or 'neighbour' (mode 'async' has no ticks)")
+    if link is None:
+        link = Link()
+    elif _is_number(link):
+        link = Link.fixed(_number(link, "link (seconds per transfer)"))
+    elif not isinstance(link, Link):
+        raise ConfigError(f"link must be a Link, a number of seconds or None, got {link!r}")
+    if dp_sync is not None and not isinstance(dp_sync, DPSync):
+        raise ConfigError(f"dp_sync must be a DPSync or None, got {dp_sync!r}")
+    cc = _Resolved(costs, schedule)
+    if mode == "async":
+        return _run_async(schedule, cc, link, dp_sync, contention)
+    run = _run_lockstep if mode == "lockstep" else _run_neighbour
+    return run(schedule, cc, link, dp_sync, contention, overhead)
+
+
+def _per_device(value, name: str, p: int) -> list[float]:
+    if _is_number(value):
+        return [_number(value, name)] * p
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != p:
+        raise ConfigError(f"{name} must be a number or {p} numbers (one per device), got {value!r}")
+    return [_number(x, f"{name}[{s}]") for s, x in enumerate(value)]
+
+
+def _last_grad_ticks(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """(device, chunk) -> tick of the chunk's last weight-gradient task (BW or W)."""
+    last: dict[tuple[int, int], int] = {}
+    for t, row in enumerate(schedule.table):
+        for s, task in enumerate(row):
+            if task is not None and task.kind in (Kind.BW, Kind.W):
+                last[(s, task.chunk)] = t
+    return last
+
+
+def _finished_in(last_grad: dict[tuple[int, int], int]) -> dict[int, list[tuple[int, int]]]:
+    """tick -> the (device, chunk)s whose last weight-gradient task runs in it."""
+    finished_in: dict[int, list[tuple[int, int]]] = {}
+    for (s, c), t in last_grad.items():
+        finished_in.setdefault(t, []).append((s, c))
+    return finished_in
+
+
+def _request_syncs(lanes: _Lanes, schedule: Schedule, cc: _Resolved, chunks: Iterable[tuple[int, int]],
+                   at: Sequence[float], dp: DPSync) -> None:
+    """Queue the gradient sync of each (device, chunk) in ``chunks``, device ``s``'s from ``at[s]``."""
+    for s, c in chunks:
+        g = schedule.global_stage(s, c)
+        lanes.request_sync(s, c, g, cc.params[g], at[s], dp)
+
+
+def _by_finish(last_grad: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
+    """``dp.when == "end"``: the (device, chunk)s in the order their gradients became final."""
+    return sorted(last_grad, key=last_grad.get)
+
+
+def _crossing_bytes(schedule: Schedule, cc: _Resolved) -> list[float]:
+    """The activation bytes of every global stage whose output goes to another device:
+    a tick mode's exchange buffer is sized for the largest (none: no exchange)."""
+    G = schedule.num_global_stages
+    owner = [schedule.owner(g)[0] for g in range(G)]
+    return [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
+
+
+def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None):
+    """What both tick modes start from: the trace, the network lanes, each chunk's
+    last weight-gradient tick (and, per tick, the chunks finished in it), whether
+    any activation crosses devices, and the exchange buffer (the largest that does:
+    every exchange sends one of that size) with its lane occupancy."""
+    trace = _Trace(schedule)
+    lanes = _Lanes(schedule.num_stages, trace.events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    crossing = _crossing_bytes(schedule, cc)
+    buffer = max(crossing, default=0.0)
+    return trace, lanes, last_grad, _finished_in(last_grad), bool(crossing), buffer, link.occupancy(buffer)
+
+
+def _consumer(schedule: Schedule, task: Task, g: int) -> tuple[int, int] | None:
+    """(device, global stage whose output is sent) of the task's cross-stage output."""
+    G = schedule.num_global_stages
+    if task.kind is Kind.F and g < G - 1:
+        return schedule.owner(g + 1)[0], g
+    if task.kind in (Kind.B, Kind.BW) and g > 0:
+        return schedule.owner(g - 1)[0], g - 1
+    return None
+
+
+def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+               contention: bool) -> SimResult:
+    p, G = schedule.num_stages, schedule.num_global_stages
+    trace = _Trace(schedule)
+    free = [0.0] * p
+    events = trace.events
+    lanes = _Lanes(p, events)
+    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    done: dict[tuple[str, int, int], tuple[float, int]] = {}   # key -> (end, device)
+    arrival: dict[tuple[str, int, int], float] = {}           # key -> arrival at its consumer
+    for t, row in enumerate(schedule.table):
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            g = schedule.global_stage(s, task.chunk)
+            ready = free[s]
+            for key in _inputs(task.kind, task.microbatch, g, G):
+                finish, where = done[key]
+                ready = max(ready, finish if where == s else arrival[key])
+            stop = ready + trace.compute(cc, t, s, task, ready)
+            free[s] = stop
+            if task.kind is Kind.W:
+                key = ("W", task.microbatch, g)
+            else:
+                key = ("F" if task.kind is Kind.F else "B", task.microbatch, g)
+            done[key] = (stop, s)
+            out = _consumer(schedule, task, g)
+            if out is not None and out[0] != s:
+                dest, boundary = out
+                nbytes = cc.act[boundary]
+                occ = link.occupancy(nbytes)
+                leave = lanes.claim(s, stop) if contention else stop
+                if contention:
+                    lanes.free[s] = leave + occ
+                lanes.busy[s] += occ
+                arrival[key] = leave + occ + link.latency_s
+                events.append(Event(s, "network", "send", leave, arrival[key], t, task.microbatch,
+                                    task.chunk, g, dest, nbytes))
+            if dp is not None and dp.when == "overlap" and last_grad.get((s, task.chunk)) == t:
+                lanes.request_sync(s, task.chunk, g, cc.params[g], stop, dp)
+    compute = max(free, default=0.0)
+    if dp is not None and dp.when == "end":
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), free, dp)
+    lanes.finish()
+    return trace.result("async", max(compute, lanes.last), compute, lanes.busy)
+
+
+def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+                  contention: bool, overhead: Sequence[float]) -> SimResult:
+    p, ticks = schedule.num_stages, schedule.num_ticks
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    events = trace.events
+    clock = 0.0
+    for t, row in enumerate(schedule.table):
+        longest = max(overhead, default=0.0)
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            d = trace.compute(cc, t, s, task, clock)
+            longest = max(longest, d + overhead[s])
+        compute_end = clock + longest
+        clock = compute_end
+        if t < ticks - 1 and crossing:
+            leave = max(lanes.claim(s, compute_end) for s in range(p)) if contention else compute_end
+            arrive = leave + occ + link.latency_s
+            for s in range(p):
+                if contention:
+                    lanes.free[s] = leave + occ
+                lanes.busy[s] += occ
+                events.append(Event(s, "network", "exchange", leave, arrive, t, nbytes=buffer))
+            clock = arrive
+        if dp is not None and dp.when == "overlap":
+            _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), [compute_end] * p, dp)
+    compute = clock
+    if dp is not None and dp.when == "end":
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), [compute] * p, dp)
+    lanes.finish()
+    return trace.result("lockstep", max(compute, lanes.last), compute, lanes.busy)
+
+
+def _check_ring_neighbours(schedule: Schedule) -> None:
+    """Neighbour mode moves a value one device along the ring per ppermute, in either
+    direction (a V placement sends chunk b's activations to ``s - 1``): refuse a
+    placement whose consecutive global stages sit further apart."""
+    p = schedule.num_stages
+    for g in range(schedule.num_global_stages - 1):
+        a, b = schedule.owner(g)[0], schedule.owner(g + 1)[0]
+        if a != b and (b - a) % p not in (1, p - 1):
+            raise ConfigError(f"mode 'neighbour' moves values one device along the ring per ppermute, but "
+                              f"global stage {g} is on device {a} and {g + 1} on device {b}; use mode "
+                              f"'async' or 'lockstep', or a placement with consecutive stages on the same "
+                              f"or adjacent devices")
+
+
+def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
+                   contention: bool, overhead: Sequence[float]) -> SimResult:
+    """The SPMD runtime as it executes: every device keeps its own clock. In tick ``t``
+    it runs its task (if any) and its bookkeeping, then the two ``ppermute``s one
+    after the other, sending to and receiving from its ring neighbours; it leaves a
+    ppermute once its own message has left its lane and its neighbour's has arrived.
+    Nothing waits for devices further away, so a delay travels one hop per
+    ppermute instead of stopping every device at once. A device sends at most one
+    value per tick (its one task's output), in whichever ppermute goes its way: with
+    a V placement chunk a's activations and chunk b's gradients go to ``s + 1``,
+    chunk b's activations and chunk a's gradients to ``s - 1``; a hand-off within a
+    device (the turn of the V) uses neither."""
+    _check_ring_neighbours(schedule)
+    p = schedule.num_stages
+    # Every device sends one buffer, sized for the largest activation that crosses
+    # devices, in each of the two ppermutes of every tick, whether or not it carries
+    # anything (the scan body is the same each tick, the last one included).
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    events = trace.events
+    clock = [0.0] * p
+    for t, row in enumerate(schedule.table):
+        ready = []
+        for s, task in enumerate(row):
+            d = 0.0 if task is None else trace.compute(cc, t, s, task, clock[s])
+            ready.append(clock[s] + d + overhead[s])
+        compute_end = list(ready)
+        if crossing:
+            # One ppermute sends to s + 1, the other to s - 1 (both cyclic).
+            for shift in (1, -1):
+                leave = [lanes.claim(s, ready[s]) if contention else ready[s] for s in range(p)]
+                arrive = [leave[s] + occ + link.latency_s for s in range(p)]
+                for s in range(p):
+                    if contention:
+                        lanes.free[s] = leave[s] + occ
+                    lanes.busy[s] += occ
+                    events.append(Event(s, "network", "exchange", leave[s], arrive[s], t,
+                                        peer=(s + shift) % p, nbytes=buffer))
+                ready = [max(leave[s] + occ, arrive[(s - shift) % p]) for s in range(p)]
+        clock = ready
+        if dp is not None and dp.when == "overlap":
+            _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), compute_end, dp)
+    if dp is not None and dp.when == "end":
+        _request_syncs(lanes, schedule, cc, _by_finish(last_grad), clock, dp)
+    compute = max(clock, default=0.0)
+    lanes.finish()
+    return trace.result("neighbour", max(compute, lanes.last), compute, lanes.busy)
