@@ -38,12 +38,22 @@ def add_parsers(sub, fmt) -> None:
                            divisible by P (bubble (p-1)/(V*m+p-1) in ticks)
               zb-h1        zero bubble H1: backward split into B and W, W's fill the
                            bubbles (about (p-1)/(3m+p-1) with F=B=W)
+              zbv          zero bubble V: 2 chunks per stage in a V (stage s holds s and
+                           2P-1-s), B/W split; (p-1)/(6m+p-1) with F=B=W at 1F1B's memory
+              dualpipev    DeepSeek's DualPipe cut in half, same V; M >= 2P; an F&B pair is
+                           an F then the other chunk's BW; 2P+1 live chunks
+
+            With a closed form the analytic bubble and memory are printed beside the
+            measured ones; for dualpipev also its F&B pairs replayed as one unit, which
+            gives the DualPipe repository's (p-1)(F&B+B-3W).
 
             examples:
               mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8
               mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out 1f1b.png
               mindpipe schedule --schedule interleaved --stages 4 --microbatches 8 --virtual 2 --out il.svg
               mindpipe schedule --schedule zb-h1 --stages 4 --microbatches 8 --weighted --out zb.pdf
+              mindpipe schedule --schedule zbv --stages 4 --microbatches 16 --out zbv.png
+              mindpipe schedule --schedule dualpipev --stages 4 --microbatches 10 --out dpv.png
 
             pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
             """) + "\n" + ERRORS_HELP)
@@ -53,8 +63,9 @@ def add_parsers(sub, fmt) -> None:
                             help="pipeline stages (devices along the pipe axis), an integer >= 1")
     p_schedule.add_argument("--microbatches", required=True, metavar="M",
                             help="microbatches per step, an integer >= 1")
-    p_schedule.add_argument("--virtual", default="1", metavar="V",
-                            help="model chunks per stage (interleaved only; default: 1)")
+    p_schedule.add_argument("--virtual", default=None, metavar="V",
+                            help="model chunks per stage (interleaved, afapab; default: 1, and 2 "
+                                 "for zbv and dualpipev, which take no other value)")
     p_schedule.add_argument("--out", metavar="FILE", default=None,
                             help="also draw the timeline to FILE (.png, .svg or .pdf); its "
                                  "directory must exist")
@@ -113,7 +124,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     # Every check before any output, so that a mistake writes nothing.
     p = positive_int(args.stages, "--stages")
     m = positive_int(args.microbatches, "--microbatches")
-    v = positive_int(args.virtual, "--virtual")
+    v = None if args.virtual is None else positive_int(args.virtual, "--virtual")
     schedule = get_schedule(args.schedule, p, m, v)
     if args.out is not None:
         viz.check_picture_path(args.out)

@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.schedules import DEFAULT_COST, Kind, Schedule
+from mindpipe_jax.parallel.pipeline.schedules import (
+    DEFAULT_COST,
+    Kind,
+    Schedule,
+    analytic,
+    fb_pair_timeline,
+    fb_pairs,
+)
 
 __all__ = ["draw_schedule", "draw_plan", "draw_lanes", "draw_landscape", "schedule_summary",
            "check_picture_path",
@@ -41,6 +48,7 @@ KIND_COLORS: Mapping[Kind, str] = {
 _KIND_NAMES = {Kind.F: "F  forward", Kind.B: "B  input grad", Kind.BW: "BW  backward (B+W)",
                Kind.W: "W  weight grad"}
 _IDLE_FACE, _IDLE_HATCH = "#f4f4f4", "#cfcfcf"
+_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 
 _MATPLOTLIB_MISSING = "matplotlib is needed for pictures: pip install 'mindpipe-jax[plots]'"
 
@@ -88,7 +96,9 @@ def schedule_summary(schedule: Schedule) -> str:
     """The ASCII timeline (``Schedule.render``), the tick count, the bubble fraction
     counted in unit ticks and replayed with ``DEFAULT_COST`` durations, and the
     peak live activations per stage (plus pending weight gradients when the
-    backward is split)."""
+    backward is split); for a generated schedule with a closed form, the analytic
+    bubble and memory beside them (``schedules.analytic``), and for DualPipeV its
+    F&B pairs replayed as one unit next to the DualPipe repository's figure."""
     p = schedule.num_stages
     unit = schedule.bubble_fraction()
     weighted = schedule.timeline(DEFAULT_COST)
@@ -107,6 +117,17 @@ def schedule_summary(schedule: Schedule) -> str:
     if any(pending):
         lines.append("peak pending W:        " + "  ".join(f"s{s}={n}" for s, n in enumerate(pending))
                      + "  (B done, W not yet)")
+    figures = analytic(schedule, DEFAULT_COST)
+    if figures is not None:
+        weighted_text = ("no closed form for these durations" if figures.weighted_bubble is None
+                         else f"{figures.weighted_bubble:.3f} weighted")
+        lines += [f"analytic bubble:       {figures.bubble:.3f} in ticks, {weighted_text}  "
+                  f"({figures.formula})",
+                  f"analytic live:         {figures.peak_live}  ({figures.memory})"]
+        if figures.paired_bubble is not None:
+            paired = fb_pair_timeline(schedule, DEFAULT_COST).bubble_fraction
+            lines.append(f"F&B pairs as one unit: {paired:.3f} replayed, {figures.paired_bubble:.3f} "
+                         f"analytic ({figures.paired_formula}: the DualPipe repository's figure)")
     return "\n".join(lines)
 
 
@@ -192,9 +213,22 @@ def draw_schedule(schedule: Schedule, out_path: str | os.PathLike, *,
                 ax.text((start + end) / 2, s, label, ha="center", va="center",
                         fontsize=fontsize, color=_ink(face), zorder=3)
 
+    # DualPipeV's F&B pairs (a forward and the other chunk's backward that DualPipe
+    # overlaps): one black border around both boxes, as in DualPipe's own pictures.
+    pairs = fb_pairs(schedule) if schedule.name == "dualpipev" else []
+    for s, device_pairs in enumerate(pairs):
+        for t0, t1 in device_pairs:
+            start, end = spans[t0][s][0], spans[t1][s][1]
+            ax.add_patch(Rectangle((start, s - 0.43), end - start, 0.86, facecolor="none",
+                                   edgecolor="black", linewidth=0.9, zorder=4))
+
     ax.set_xlim(0, makespan)
     ax.set_ylim(p - 0.5, -0.5)   # stage 0 on top
-    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    if v > 1:   # name the global stages each device holds (interleaved: s, s + p; V: s, 2p - 1 - s)
+        ax.set_yticks(range(p), [f"stage {s} ({', '.join(map(str, schedule.placement[s]))})"
+                                 for s in range(p)])
+    else:
+        ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_xlabel(xlabel)
     if cost is None and makespan <= 60:
         ax.set_xticks(range(0, int(makespan) + 1, 1 if makespan <= 30 else 2))
@@ -210,7 +244,7 @@ def draw_schedule(schedule: Schedule, out_path: str | os.PathLike, *,
     right.spines["right"].set_visible(False)
     right.set_ylabel("peak live activations", fontsize=8)
 
-    name = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}.get(schedule.name, schedule.name)
+    name = _NAMES.get(schedule.name, schedule.name)
     ax.set_title(title or f"{name}   p={p}  m={m}  v={v}   ·   {schedule.num_ticks} ticks   ·   "
                           f"bubble {bubble:.1%} ({how})", fontsize=11, loc="left")
 
@@ -222,6 +256,8 @@ def draw_schedule(schedule: Schedule, out_path: str | os.PathLike, *,
             handles.append(Patch(facecolor=_shade(kind, c, v), edgecolor="white",
                                  label=_KIND_NAMES[kind] + suffix))
     handles.append(Patch(facecolor=_IDLE_FACE, edgecolor=_IDLE_HATCH, hatch="////", label="idle (bubble)"))
+    if any(pairs):
+        handles.append(Patch(facecolor="none", edgecolor="black", label="F&B pair (overlapped in DualPipe)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=8, frameon=False, handlelength=1.6)
 
@@ -307,7 +343,7 @@ def draw_plan(plan, out_path: str | os.PathLike, *, title: str | None = None) ->
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
 
-    name = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1"}.get(plan.schedule, plan.schedule)
+    name = _NAMES.get(plan.schedule, plan.schedule)
     fig.suptitle(title or f"vPipe plan: {name}  p={plan.p} v={plan.v} m={plan.m}, layers per stage "
                           f"{list(plan.counts)}   ·   predicted utilization {plan.utilization['async']:.2f} "
                           f"(async), {plan.utilization['lockstep']:.2f} (lockstep)", fontsize=10)

@@ -29,7 +29,8 @@ def _assert_png(path, min_width=600, min_height=200):
 # --- draw_schedule ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zbv", 4, 8, 2),
+                                           ("dualpipev", 4, 8, 2)])
 def test_draw_schedule_writes_a_png(tmp_path, name, p, m, v):
     out = tmp_path / f"{name}.png"
     assert viz.draw_schedule(get_schedule(name, p, m, v), out) == out
@@ -110,11 +111,40 @@ def test_cli_schedule_out_writes_the_picture(tmp_path, capsys):
 def test_cli_schedule_help(capsys):
     assert main(["schedule", "--help"]) == 0
     out = capsys.readouterr().out
-    for word in ("gpipe", "1f1b", "interleaved", "zb-h1", "--stages", "--microbatches", "--virtual",
+    for word in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "--stages", "--microbatches",
+                 "--virtual",
                  "--out", "mindpipe schedule --schedule 1f1b --stages 4 --microbatches 8 --out"):
         assert word in out
     assert main(["--help"]) == 0
     assert "schedule" in capsys.readouterr().out
+
+
+def test_schedule_summary_sets_the_analytic_figures_beside_the_measured_ones():
+    text = viz.schedule_summary(get_schedule("zbv", 4, 16))
+    assert "99 ticks" in text and "bubble fraction:       0.030" in text          # 3/99, measured
+    assert "analytic bubble:       0.030 in ticks, 0.030 weighted" in text        # (p-1)/(6m+p-1)
+    assert "analytic live:         8  (min(2m, 2p) chunks" in text               # 1F1B's 4 microbatches
+    assert "s0=8  s1=8  s2=8  s3=8" in text
+    text = viz.schedule_summary(get_schedule("dualpipev", 4, 10))
+    assert "47 ticks" in text and "bubble (weighted):     0.048" in text          # 3/63 with F = B = W
+    assert "analytic bubble:       0.032 in ticks, 0.048 weighted" in text        # 3/94 and 3/63
+    assert "analytic live:         9  (2p + 1 chunks" in text
+    # pairs as one unit: 3 (F&B + BW - 3W) = 3 (3 + 2 - 3) = 6 idle per device, 6/66
+    assert "F&B pairs as one unit: 0.091 replayed, 0.091 analytic" in text
+    # a schedule without a closed form prints no analytic lines
+    assert "analytic" not in viz.schedule_summary(get_schedule("afapab", 2, 4, 2))
+
+
+def test_cli_schedule_v_schedules(tmp_path, capsys):
+    out = tmp_path / "dpv.png"
+    assert main(["schedule", "--schedule", "dualpipev", "--stages", "4", "--microbatches", "8",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "# dualpipev: p=4 m=8 v=2" in printed and "F&B pairs as one unit" in printed
+    _assert_png(out)
+    assert main(["schedule", "--schedule", "zbv", "--stages", "3", "--microbatches", "7",
+                 "--virtual", "2"]) == 0
+    assert "analytic bubble:       0.045 in ticks" in capsys.readouterr().out   # 2/(6*7+3-1)
 
 
 BAD = {
@@ -131,6 +161,12 @@ BAD = {
                            "--out", "{tmp}/nope/x.png"], "does not exist"),
     "bad extension": (["--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
                        "--out", "{tmp}/x.jpg"], ".png, .svg, .pdf"),
+    "dualpipev m < 2p": (["--schedule", "dualpipev", "--stages", "3", "--microbatches", "5"],
+                         "dualpipev needs at least 2p microbatches: m=5 with p=3 stages (use m >= 6)"),
+    "virtual 3 on zbv": (["--schedule", "zbv", "--stages", "4", "--microbatches", "8", "--virtual", "3"],
+                         "(virtual_stages=2), got 3"),
+    "virtual 1 on dualpipev": (["--schedule", "dualpipev", "--stages", "2", "--microbatches", "4",
+                                "--virtual", "1"], "(virtual_stages=2), got 1"),
 }
 
 
