@@ -26,7 +26,7 @@ The α–β link is fitted (``simcomm.fit_collective``) on a separate probe: a l
 of ``psum``s of several sizes over the two processes. ``ppermute`` (one ring step)
 and ``all_gather`` probes, and a probe timing a compute and an independent
 ``psum`` alone and in one program, are printed to check the model's premises
-(full mode only). The simulator (``simcomm.simulate_sync``) then replays the
+(full mode only). The simulator (``sim/comm.simulate_sync``) then replays the
 schedule with the collectives the runtime issues (``simcomm.sync_ops``) and
 predicts each variant's step time. Compute is calibrated on the compute-only run
 (its median step time spread over the ticks by FLOPs: a layer's backward costs
@@ -103,8 +103,8 @@ def worker(args) -> None:
     from mindpipe_jax.parallel.mesh import make_mesh
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.contract import stage_fns
-    from mindpipe_jax.parallel.pipeline.gradsync import sync_points
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+    from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 
     dims = spec["dims"]
     m, v = dims["m"], dims["v"]
@@ -316,7 +316,7 @@ def stage_costs(dims: dict, compute_s: float):
     """Per-task costs of the afapab p=1 schedule, spread from the measured compute
     step by FLOPs: F of a layer 1 unit, its backward 2; the last chunk's forward
     runs inside its backward (its F tick computes nothing, its BW costs 3 units)."""
-    from mindpipe_jax.parallel.pipeline.simulate import StageCosts
+    from mindpipe_jax.sim import StageCosts
 
     m, v = dims["m"], dims["v"]
     per_chunk = dims["layers"] // v
@@ -330,7 +330,7 @@ def stage_costs(dims: dict, compute_s: float):
 def analyse(dims: dict, results: list[dict]) -> dict:
     from mindpipe_jax.errors import ConfigError
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.simcomm import (
+    from mindpipe_jax.sim.comm import (
         collective_time,
         fit_collective,
         simulate_sync,
@@ -344,7 +344,7 @@ def analyse(dims: dict, results: list[dict]) -> dict:
     try:
         link, note = fit_collective("all-reduce", 2, list(ar), list(ar.values())), ""
     except ConfigError:   # noise above the size effect (tiny smoke sizes on a loaded machine)
-        from mindpipe_jax.parallel.pipeline.simulate import Link
+        from mindpipe_jax.sim import Link
         link, note = Link(latency_s=min(ar.values()) / 2), " (times did not grow with size: latency only)"
     checks = [(kind, n, t, collective_time(kind, n, 2, link)) for kind, by in probe.items()
               for n, t in sorted(by.items())]
@@ -378,7 +378,7 @@ def analyse(dims: dict, results: list[dict]) -> dict:
 
 def describe_ops(ops, link) -> str:
     """'2 ring-steps beside ticks 12-13, ... (x ms)' for a list of CommOps."""
-    from mindpipe_jax.parallel.pipeline.simcomm import op_time
+    from mindpipe_jax.sim.comm import op_time
 
     groups: dict[tuple, list] = {}
     for op in ops:
@@ -471,7 +471,7 @@ SCALE_VARIANTS = (("Megatron", "megatron", False), ("Megatron + CM", "megatron",
 
 
 def scale_rows(cluster, shape, base: dict, gpus: int, v: int, **layout_kw) -> list:
-    from mindpipe_jax.parallel.pipeline.simcluster import Layout3D, predict
+    from mindpipe_jax.sim.cluster import Layout3D, predict
 
     layout = Layout3D(d=gpus // (base["t"] * base["p"]), v=v, **base, **layout_kw)
     return [(label, predict(shape, cluster, layout, sched, tp_overlap=cm))
@@ -482,7 +482,7 @@ def report_part2(out, smoke: bool = False) -> dict:
     """The table (``smoke``: one model at 64 GPUs, v = 2, no sensitivity runs)."""
     from dataclasses import replace
 
-    from mindpipe_jax.parallel.pipeline.simcluster import GPT3_2_7B, GPT3_6_7B, V100_CLOUD, Layout3D
+    from mindpipe_jax.sim.cluster import GPT3_2_7B, GPT3_6_7B, V100_CLOUD, Layout3D
 
     shapes = {"GPT-3 2.7B": GPT3_2_7B, "GPT-3 6.7B": GPT3_6_7B}
     c = V100_CLOUD
@@ -597,7 +597,7 @@ def report_part2(out, smoke: bool = False) -> dict:
 def draw_picture(out_path: str):
     """The Megatron and AFAPAB timelines of one 64-GPU row of the table."""
     from mindpipe_jax import viz
-    from mindpipe_jax.parallel.pipeline.simcluster import GPT3_6_7B, V100_CLOUD
+    from mindpipe_jax.sim.cluster import GPT3_6_7B, V100_CLOUD
 
     name, base = SCALE_MODELS[1]
     rows = dict(scale_rows(V100_CLOUD, GPT3_6_7B, base, 64, 2))

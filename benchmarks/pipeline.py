@@ -86,10 +86,10 @@ from mindpipe_jax.models.gpt import GPT  # noqa: E402
 from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
 from mindpipe_jax.parallel.pipeline import Kind, get_schedule  # noqa: E402
 from mindpipe_jax.parallel.pipeline.contract import stage_fns  # noqa: E402
-from mindpipe_jax.parallel.pipeline.gpipe_autodiff import gpipe_autodiff_grads  # noqa: E402
-from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition  # noqa: E402
+from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition  # noqa: E402
 from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads  # noqa: E402
-from mindpipe_jax.parallel.pipeline.simulate import LayerCost, predict_utilization  # noqa: E402
+from mindpipe_jax.parallel.pipeline.runtime.gpipe_autodiff import gpipe_autodiff_grads  # noqa: E402
+from mindpipe_jax.sim import LayerCost, predict_utilization  # noqa: E402
 
 P, M, ROWS, SEQ, D_MODEL, HEADS, VOCAB = 4, 16, 8, 64, 128, 4, 256
 SIM_P, SIM_M, SIM_LAYERS = 8, 32, 32
@@ -203,7 +203,7 @@ def vpipe_plan(cfg, budget_bytes, fns, mesh, step_args):
     """The partitioner's plan for this model: measured layer costs, 1F1B, every remat
     policy allowed, GPipe-autodiff+remat's compiled temp memory as the budget, and
     each candidate's fit judged by compiling it (``measure_memory``), not by the model."""
-    from mindpipe_jax.parallel.pipeline.layout import StageLayout
+    from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 
     tried = []
 

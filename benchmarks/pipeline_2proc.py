@@ -312,7 +312,7 @@ def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
     """Costs for the simulator from the calibration runs (see the module docstring)."""
     from mindpipe_jax.errors import ConfigError
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.simulate import Link, StageCosts, fit_alpha_beta
+    from mindpipe_jax.sim import Link, StageCosts, fit_alpha_beta
 
     # Means, not medians, of per-tick samples: a step is a sum of many ticks, and the
     # median over calls of a sum is close to the sum of the means; on a loaded
@@ -358,7 +358,7 @@ def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
 
 def predict(configs, results, cal) -> list[dict]:
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.simulate import simulate
+    from mindpipe_jax.sim import simulate
 
     rows = []
     for c in configs:

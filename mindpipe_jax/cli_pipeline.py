@@ -140,7 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import math
 
     from mindpipe_jax import viz
-    from mindpipe_jax.parallel.pipeline.partition import MB, REMAT_POLICIES
+    from mindpipe_jax.parallel.pipeline.plan.partition import MB, REMAT_POLICIES
     from mindpipe_jax.parallel.pipeline.schedules import get_schedule
 
     # Every check before touching JAX or writing anything.
@@ -174,7 +174,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from mindpipe_jax.parallel.mesh import setup_runtime
 
     setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
-    from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition
+    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
 
     profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
                                   dots="dots" in options)

@@ -13,8 +13,8 @@ from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline import Kind, get_schedule
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
-from mindpipe_jax.parallel.pipeline.gradsync import last_backward_ticks, sync_points
 from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+from mindpipe_jax.parallel.pipeline.schedules.sync import last_backward_ticks, sync_points
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 3)])

@@ -17,22 +17,22 @@ from two_procs import run_smoke
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
-from mindpipe_jax.parallel.pipeline.gradsync import sync_points
-from mindpipe_jax.parallel.pipeline.simcluster import (
+from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
+from mindpipe_jax.sim.cluster import (
     GPT3_2_7B,
     V100_CLOUD,
     Layout3D,
     layer_cost,
     predict,
 )
-from mindpipe_jax.parallel.pipeline.simcomm import (
+from mindpipe_jax.sim.comm import (
     RingGeometry,
     collective_time,
     fit_collective,
     simulate_sync,
     sync_ops,
 )
-from mindpipe_jax.parallel.pipeline.simnetwork import Link
+from mindpipe_jax.sim.network import Link
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "afapab.py"
@@ -40,7 +40,7 @@ SCRIPT = ROOT / "benchmarks" / "afapab.py"
 
 @pytest.mark.parametrize("n,d,bucket", [(1000, 2, None), (1000, 4, 1000), (12345, 3, 4096), (7, 8, 16)])
 def test_ring_geometry_is_ringsyncs(n, d, bucket):
-    from mindpipe_jax.parallel.pipeline.ringsync import RingSync
+    from mindpipe_jax.parallel.pipeline.runtime.ringsync import RingSync
 
     ring, geo = RingSync(n, ("data",), d, bucket), RingGeometry(n, d, bucket)
     assert (geo.buckets, geo.piece, geo.scatter_steps, geo.num_steps) == \

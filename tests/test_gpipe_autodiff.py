@@ -8,7 +8,7 @@ from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
 from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
-from mindpipe_jax.parallel.pipeline.gpipe_autodiff import gpipe_autodiff_grads
+from mindpipe_jax.parallel.pipeline.runtime.gpipe_autodiff import gpipe_autodiff_grads
 
 # (p, m, remat, other mesh axes): p in {2, 4}, m in {p, 2p}, both remat settings,
 # and the batch axes (data, fsdp) and tensor composed on the 8 simulated devices.

@@ -56,14 +56,17 @@ def test_per_stage_remat_policies(name, p, m, v, remat):
 
 
 def test_residual_buffers_are_sized_per_policy():
-    # 1F1B, p=4: stage s holds p-s microbatches. "full" on stages 0-1 keeps inputs
-    # only; the residual buffer serves stage 2 (2 in flight); the last stage
-    # keeps its input (its forward runs inside its backward) and no residuals.
-    plan = make_plan(get_schedule("1f1b", 4, 16), ("full", "full", "none", "none"))
+    # 1F1B, p=4, one task per tick: stage s holds p-s microbatches. "full" on stages
+    # 0-1 keeps inputs only; the residual buffer serves stage 2 (2 in flight); the
+    # last stage keeps its input (its forward runs inside its backward) and no residuals.
+    plan = make_plan(get_schedule("1f1b", 4, 16), ("full", "full", "none", "none"), "table")
     assert plan.res_slots == {"none": 2}
     assert plan.x_slots == 4
-    assert make_plan(get_schedule("1f1b", 4, 16), "none").res_slots == {"none": 4}
+    assert make_plan(get_schedule("1f1b", 4, 16), "none", "table").res_slots == {"none": 4}
     assert make_plan(get_schedule("1f1b", 4, 16), "full").res_slots == {}
+    # Fused ticks let stage s run 2(p-s)-1 forwards ahead (stage 0: 2p-1 at most).
+    fused = make_plan(get_schedule("1f1b", 4, 16), "none")
+    assert fused.num_ticks < plan.num_ticks and fused.res_slots["none"] <= 2 * 4 - 1
     with pytest.raises(ValueError, match="one policy each"):
         make_plan(get_schedule("1f1b", 4, 16), ("full", "none"))
     with pytest.raises(ValueError, match="'offload' is not one of"):
@@ -84,9 +87,11 @@ def check_pipeline_grads(name, p, m, v, parallel, *, remat, layout=None):
 
 
 def test_slot_buffers_follow_the_schedule_not_m():
-    # 1F1B keeps at most p microbatches alive on a stage; GPipe keeps all m.
+    # 1F1B keeps at most p microbatches alive on a stage (2p - 1 with fused ticks);
+    # GPipe keeps all m.
     for m in (4, 8, 32):
-        assert make_plan(get_schedule("1f1b", 4, m)).x_slots <= 4
+        assert make_plan(get_schedule("1f1b", 4, m), fuse_mode="table").x_slots <= 4
+        assert make_plan(get_schedule("1f1b", 4, m)).x_slots <= 2 * 4 - 1
         assert make_plan(get_schedule("gpipe", 4, m)).x_slots == m
 
 
@@ -140,10 +145,10 @@ def _temp_bytes(name, m, *, remat):
 
 
 def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
-    ms = (4, 16)
+    ms = (8, 32)  # both >= 2p - 1, what fused 1F1B keeps on stage 0 at most
     one_f_one_b = [_temp_bytes("1f1b", m, remat=False) for m in ms]
     gpipe = [_temp_bytes("gpipe", m, remat=False) for m in ms]
-    # 4x the microbatches: 1F1B keeps p slots (inputs grow only by the token ids),
+    # 4x the microbatches: 1F1B keeps 2p - 1 slots (inputs grow only by the token ids),
     # GPipe keeps every microbatch's residuals until the flush.
     assert one_f_one_b[1] < 1.25 * one_f_one_b[0], one_f_one_b
     assert gpipe[1] > 2 * gpipe[0], gpipe

@@ -13,7 +13,7 @@ import pytest
 from mindpipe_jax.cli import main
 from mindpipe_jax.config import Config
 from mindpipe_jax.parallel.mesh import make_mesh
-from mindpipe_jax.parallel.pipeline.simnetwork import Link
+from mindpipe_jax.sim.network import Link
 from mindpipe_jax.tuner.aot import FeasibilityCache, compile_candidate
 from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space

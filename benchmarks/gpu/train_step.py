@@ -83,7 +83,7 @@ from flax import nnx  # noqa: E402
 
 from mindpipe_jax.config import ModelConfig  # noqa: E402
 from mindpipe_jax.models.gpt import GPT, flops_per_token, matmul_params  # noqa: E402
-from mindpipe_jax.parallel.pipeline.profile import measure_layer_costs  # noqa: E402
+from mindpipe_jax.parallel.pipeline.plan.profile import measure_layer_costs  # noqa: E402
 from mindpipe_jax.train.metrics import PEAK_TFLOPS, peak_flops_per_device  # noqa: E402
 
 

@@ -278,7 +278,7 @@ def _aside(*intervals: _Interval):
 
 def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     """Measure the model's layer costs now and return the balanced stage split."""
-    from mindpipe_jax.parallel.pipeline.partition import measure_layer_costs, partition
+    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
 
     par = cfg.parallel
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]

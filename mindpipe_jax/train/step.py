@@ -254,8 +254,8 @@ def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None
 def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.layout import StageLayout
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+    from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 
     with jax.set_mesh(None):  # traced for its structure: no ambient mesh binds the model's constraints
         model = pipeline_model(spec, cfg.model.seq_len)

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mindpipe_jax.config import Config
-from mindpipe_jax.parallel.pipeline.simnetwork import Collective, Link
+from mindpipe_jax.sim.network import Collective, Link
 from mindpipe_jax.tuner.space import Candidate
 
 FEATURES = ("compute_s", "comm_s", "launch", "iterations")
@@ -76,7 +76,7 @@ class ModelCosts:
         device and read their FLOPs (per row). ``model``: a user's factory ``rngs ->
         nnx.Module`` measured instead of ``cfg.model`` (its stack's unit, prologue and
         epilogue, as the pipeline splits it)."""
-        from mindpipe_jax.parallel.pipeline.profile import measure_layer_costs
+        from mindpipe_jax.parallel.pipeline.plan.profile import measure_layer_costs
 
 
         m = cfg.model
@@ -137,7 +137,7 @@ class Hardware:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from mindpipe_jax.parallel.pipeline.simcomm import fit_collective
+        from mindpipe_jax.sim.comm import fit_collective
 
         devices = list(jax.devices() if devices is None else devices)
         n = len(devices)
@@ -222,9 +222,9 @@ class CostModel:
             flops = k.step_flops(c.global_batch // shards, c.remat) / c.tensor
             return flops / rate, 0.0, c.microbatches
         from mindpipe_jax.parallel.pipeline import get_schedule
-        from mindpipe_jax.parallel.pipeline.simcosts import StageCosts
-        from mindpipe_jax.parallel.pipeline.simengine import simulate
-        from mindpipe_jax.parallel.pipeline.simulate import even_assignment
+        from mindpipe_jax.sim import even_assignment
+        from mindpipe_jax.sim.costs import StageCosts
+        from mindpipe_jax.sim.engine import simulate
 
         sched = get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages)
         stages = sched.num_global_stages

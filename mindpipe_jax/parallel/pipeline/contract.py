@@ -37,7 +37,7 @@ from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs
-from mindpipe_jax.parallel.pipeline.runtime import StageFns
+from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
 HOOK = "pipeline_parts"
 

@@ -4,7 +4,7 @@ splits, not a heuristic), then, among the fastest splits, the least total work
 and the most even.
 
 Pure Python over a cost function ``cost(g, i, j)`` (global stage ``g`` holding
-layers ``[i, j)``); ``partition`` gives it stage times from ``partmem``.
+layers ``[i, j)``); ``partition`` gives it stage times from ``memory``.
 """
 
 from __future__ import annotations

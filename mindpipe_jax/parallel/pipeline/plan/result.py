@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mindpipe_jax.parallel.pipeline.partmem import MB, PARAM_COPIES
-from mindpipe_jax.parallel.pipeline.simulate import SimResult, StageCosts
+from mindpipe_jax.parallel.pipeline.plan.memory import MB, PARAM_COPIES
+from mindpipe_jax.sim import SimResult, StageCosts
 
 
 @dataclass(frozen=True)
@@ -17,13 +17,13 @@ class PipelinePlan:
     ``forward_s``/``backward_s``/``recompute_s`` and ``stage_time_s`` (their sum:
     the stage's work per microbatch). Per device (tuples of ``p``):
     ``memory_bytes`` = ``memory_params_bytes`` + ``memory_activations_bytes`` +
-    ``memory_transient_bytes`` (the model is in ``partmem``) and ``in_flight``.
+    ``memory_transient_bytes`` (the model is in ``memory``) and ``in_flight``.
     Predictions from ``simulate.simulate`` with these stage costs and ``link``:
     ``step_time_s`` and ``utilization`` for ``"async"`` (an MPMD executor) and
     ``"lockstep"`` (the SPMD runtime's tick loop). ``remat`` is what
     ``pipeline_grads(remat=plan.remat)`` and ``parallel.stage_remat`` take;
     ``spmd_memory_bytes`` the per-device figure of the SPMD runtime (see
-    ``partmem``). ``even_split``: the same figures for an even split without remat."""
+    ``memory``). ``even_split``: the same figures for an even split without remat."""
 
     schedule: str
     p: int
@@ -61,7 +61,7 @@ class PipelinePlan:
 
     def layout(self):
         """The ``StageLayout`` for ``pipeline_grads(..., layout=plan.layout())``."""
-        from mindpipe_jax.parallel.pipeline.layout import StageLayout
+        from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 
         return StageLayout(self.counts, self.p, self.v)
 

@@ -25,10 +25,10 @@ least recompute. It returns a ``PipelinePlan``: ``plan.layout()`` is the
 ``mindpipe plan`` prints.
 
 The code lives in four modules: this one (checks, choosing the split and the
-remat together, predictions), ``partsearch`` (the exact split search),
-``partmem`` (a stage's time and bytes under each remat policy, the memory model
+remat together, predictions), ``search`` (the exact split search),
+``memory`` (a stage's time and bytes under each remat policy, the memory model
 in full, the per-device remat choice and the SPMD runtime's buffers) and
-``partplan`` (``PipelinePlan`` and its table); the names callers use are
+``result`` (``PipelinePlan`` and its table); the names callers use are
 re-exported here.
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.partmem import (
+from mindpipe_jax.parallel.pipeline.plan.memory import (
     MB,
     PARAM_COPIES,
     REMAT_POLICIES,
@@ -50,11 +50,11 @@ from mindpipe_jax.parallel.pipeline.partmem import (
     fit_spmd_budget,
     memory_per_device,
 )
-from mindpipe_jax.parallel.pipeline.partplan import PipelinePlan
-from mindpipe_jax.parallel.pipeline.partsearch import lex_less, split_dp
-from mindpipe_jax.parallel.pipeline.profile import ProfiledModel, measure_layer_costs
+from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel, measure_layer_costs
+from mindpipe_jax.parallel.pipeline.plan.result import PipelinePlan
+from mindpipe_jax.parallel.pipeline.plan.search import lex_less, split_dp
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, get_schedule, interleaved_placement
-from mindpipe_jax.parallel.pipeline.simulate import Link, SimResult, StageCosts, simulate
+from mindpipe_jax.sim import Link, SimResult, StageCosts, simulate
 
 __all__ = ["ProfiledModel", "PipelinePlan", "measure_layer_costs", "partition", "REMAT_POLICIES",
            "PARAM_COPIES", "MB"]
@@ -73,7 +73,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
               measure_memory: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None
               ) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
-    each stage; see ``partmem`` for the cost and memory model.
+    each stage; see ``memory`` for the cost and memory model.
 
     Time: a stage's work is F + its backward (BW, or B + W for a schedule that splits
     the backward) + the recompute of its remat policy, embed on global stage 0 and
@@ -96,7 +96,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     and the budget. ``link``: transfer cost for the simulation (None = free).
 
     With ``fit_spmd`` (the default) the SPMD runtime then gets the same budget
-    checked against its own buffers (``partmem.fit_spmd_budget``), which can move a stage to a
+    checked against its own buffers (``memory.fit_spmd_budget``), which can move a stage to a
     policy that keeps less; ``fit_spmd=False`` keeps the per-device optimum (what
     a runtime with per-device buffers would run). ``measure_memory(remat, counts)``,
     when given, replaces the model in that check with a measurement (the bytes per
@@ -260,7 +260,7 @@ def _raise_no_fit(model: StageModel, sched: Schedule, options, budget, param_cop
 def _even_split(model: StageModel, sched: Schedule, profile: ProfiledModel, G: int, param_copies: float,
                 link) -> dict[str, Any]:
     """An even split without remat, for comparison."""
-    from mindpipe_jax.parallel.pipeline.simulate import even_assignment
+    from mindpipe_jax.sim import even_assignment
 
     stage_of = even_assignment(profile.num_layers, G)
     counts = [stage_of.count(g) for g in range(G)]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.simulate import LayerCost
+from mindpipe_jax.sim import LayerCost
 
 _ZERO = LayerCost(0.0, 0.0, 0.0)
 
@@ -137,7 +137,7 @@ def _nbytes(tree) -> float:
 def _residual_bytes(fn, params, x) -> float:
     """Bytes the runtime's residual buffer keeps per microbatch for ``fn(params, x)``:
     the vjp closure's leaves that are not the parameters themselves."""
-    from mindpipe_jax.parallel.pipeline.residuals import ResidualStore
+    from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 
     avals = ResidualStore(fn, params, x).buffer_avals
     return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))

@@ -27,7 +27,7 @@ the data-parallel gradient all-reduce (a ring over ``d`` GPUs, fp16 gradients)
 go between nodes through a NIC shared by ``nic_sharing`` GPUs, so each GPU gets
 ``nic_Bps / nic_sharing``. Sends and syncs share that lane (``contention``).
 
-The replay is ``simengine.simulate(mode="async")`` (an MPMD executor, as
+The replay is ``engine.simulate(mode="async")`` (an MPMD executor, as
 Megatron-LM runs): Megatron's baseline is interleaved 1F1B with every gradient
 all-reduced after the flush (``DPSync(when="end")``); AFAPAB runs all forwards,
 then all backwards chunk by chunk in reverse, each chunk's sync starting after
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import Schedule, get_schedule
-from mindpipe_jax.parallel.pipeline.simcosts import LayerCost, StageCosts
-from mindpipe_jax.parallel.pipeline.simengine import SimResult, simulate
-from mindpipe_jax.parallel.pipeline.simnetwork import Collective, DPSync, Link
-from mindpipe_jax.parallel.pipeline.simulate import even_assignment
+from mindpipe_jax.sim import even_assignment
+from mindpipe_jax.sim.costs import LayerCost, StageCosts
+from mindpipe_jax.sim.engine import SimResult, simulate
+from mindpipe_jax.sim.network import Collective, DPSync, Link
 
 __all__ = ["GPTShape", "ClusterSpec", "Layout3D", "Prediction", "layer_cost", "predict", "GPT3_2_7B",
            "GPT3_6_7B", "V100_CLOUD"]

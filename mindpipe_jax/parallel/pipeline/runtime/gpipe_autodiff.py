@@ -40,7 +40,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.parallel.pipeline.runtime import AXIS, BATCH, MANUAL, StageFns, _vary
+from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, MANUAL, StageFns, _vary
 
 ITERATION_INPUT = "iteration_input"
 

@@ -47,7 +47,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.profile import ProfiledModel
+from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 
 REMAT_POLICIES = ("none", "dots", "full")
@@ -197,7 +197,7 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     the SPMD runtime lays them out: one program, so every buffer is as deep as its
     deepest stage and as wide as its widest; all parameters of a device's stages
     plus embed and head (replicated); the largest transient of any stage."""
-    from mindpipe_jax.parallel.pipeline.tickplan import make_plan
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
     p, G = sched.num_stages, sched.num_global_stages
     plan = make_plan(sched, tuple(chosen))

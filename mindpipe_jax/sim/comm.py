@@ -1,13 +1,13 @@
 """The data-parallel gradient sync our SPMD runtime issues, replayed by the simulator.
 
-``simnetwork.DPSync`` models a chunk's sync as one collective (or slices of one)
+``network.DPSync`` models a chunk's sync as one collective (or slices of one)
 on a network lane beside compute, as an asynchronous executor would run it. The
 runtime (``runtime.pipeline_grads``) issues something more particular, and this
 module lists and replays exactly that:
 
 * ``grad_sync="end"`` (Megatron): after the last tick, one all-reduce (``pmean``)
   of each chunk's fp32 gradient over the batch axes (``d`` ranks).
-* ``grad_sync="chunk"`` (AFAPAB): at each sync point (``gradsync.sync_points``)
+* ``grad_sync="chunk"`` (AFAPAB): at each sync point (``sync.sync_points``)
   that leaves ticks to run, the chunks that finished there are flattened into one
   fp32 vector and reduced by a ring (``ringsync.RingSync``): ``buckets * (d - 1)``
   reduce-scatter steps, each a ``ppermute`` of one piece, then one all-gather of
@@ -20,7 +20,7 @@ module lists and replays exactly that:
 ``sync_ops`` lists those collectives with where they run; ``simulate_sync``
 replays a schedule tick by tick with per-device clocks — each tick a device runs
 its task and its bookkeeping (``tick_overhead``), then the two pipeline
-``ppermute``s (simengine's ``"neighbour"`` mode) — plus the collectives, in one
+``ppermute``s (engine's ``"neighbour"`` mode) — plus the collectives, in one
 of two ways:
 
 * ``overlap=False``: a collective blocks its device (what XLA:CPU does with Gloo:
@@ -33,7 +33,7 @@ of two ways:
   between loop segments and after the loop still block.
 
 Cost of a collective over ``r`` ranks on a ``Link`` (α, bw), as
-``simnetwork.Collective``: a ring step (``ppermute`` of ``n`` bytes) ``α + n/bw``;
+``network.Collective``: a ring step (``ppermute`` of ``n`` bytes) ``α + n/bw``;
 an all-gather of ``r`` pieces of ``n/r`` bytes ``(r - 1)(α + n/(r bw))``; an
 all-reduce of ``n`` bytes ``2 (r - 1)(α + n/(r bw))``. ``fit_collective`` fits α
 and bw to timings of any of them. No contention between the pipeline's
@@ -50,11 +50,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.gradsync import sync_points
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
-from mindpipe_jax.parallel.pipeline.simcosts import _Resolved
-from mindpipe_jax.parallel.pipeline.simengine import Event, SimResult, _crossing_bytes, _per_device, _Trace
-from mindpipe_jax.parallel.pipeline.simnetwork import Collective, Link, fit_alpha_beta
+from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
+from mindpipe_jax.sim.costs import _Resolved
+from mindpipe_jax.sim.engine import Event, SimResult, _crossing_bytes, _per_device, _Trace
+from mindpipe_jax.sim.network import Collective, Link, fit_alpha_beta
 
 __all__ = ["CommOp", "RingGeometry", "sync_ops", "simulate_sync", "fit_collective", "op_time",
            "collective_time"]
@@ -196,7 +196,7 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
                   pipe_link: Link | None = None, tick_overhead: float | Sequence[float] = 0.0,
                   overlap: bool = False) -> SimResult:
     """Replay ``schedule`` tick by tick with the runtime's gradient sync (see the
-    module docstring). ``costs`` as ``simengine.simulate``; ``chunk_elems``
+    module docstring). ``costs`` as ``engine.simulate``; ``chunk_elems``
     (see ``sync_ops``) default: each chunk's ``param_bytes / 4`` as one leaf (largest over devices: the SPMD
     program gives every device the same shapes). Returns a ``SimResult`` whose
     network events are the pipeline ppermutes (``"exchange"``) and the

@@ -1,0 +1,146 @@
+"""Execute any schedule table inside ``jax.shard_map`` (manual over ``pipe`` and the
+batch axes): ``pipeline_grads``.
+
+Every device runs the same program: a ``lax.scan`` over the schedule's fused
+ticks (``tickplan``: up to one forward, one backward and one weight-gradient task
+per device and tick). A tick (``ticks.py``) runs each part's branch for this
+device (``stage.py``), adds the weight-gradient contributions under ``cond``s on
+the table, and moves activations and gradients one device along the ring with
+``ppermute``s that every device executes, outside every branch. With an automatic
+mesh axis > 1 (tensor, expert) the parts run in lockstep (``spmd.needs_lockstep``).
+
+Memory. What a microbatch leaves behind between its forward and its backward is
+kept in slot buffers as deep as the fused schedule keeps microbatches alive on a
+device, not ``m``, one per remat policy (``stage.py``); only the task's own slot
+enters a branch.
+
+The model enters through three functions (the pipeline model contract, see
+``contract.py``): ``embed(embed_params, tokens) -> h``, ``layer(layer_params, h)
+-> h`` scanned over a chunk's slice of the stacked blocks (``StageLayout`` says
+which layers each chunk runs; uneven stages are padded and the padding skipped
+by ``lax.cond``), and ``head_loss(head_params, h, targets) -> mean loss``.
+Gradients of the first (embed) and last (head) stages are formed on the devices
+that own them and summed over ``pipe`` once, at the end, outside every branch.
+Chunk gradients are averaged over the batch axes after the last tick, or, with
+``grad_sync="chunk"``, behind the ticks that follow each chunk's last backward
+(``tickloop.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
+from mindpipe_jax.parallel.pipeline.runtime.spmd import (
+    AXIS,
+    BATCH,
+    MANUAL,
+    StageFns,
+    _vary,
+    _zeros_like,
+    needs_lockstep,
+)
+from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
+from mindpipe_jax.parallel.pipeline.runtime.tickloop import run_ticks_with_sync
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+from mindpipe_jax.parallel.pipeline.runtime.ticks import make_tick
+from mindpipe_jax.parallel.pipeline.schedules import Schedule
+from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
+
+
+def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
+                   layout: StageLayout | None = None, nan_bubbles: bool = False,
+                   grad_sync: str = "end", sync_bucket_bytes: int | None = None,
+                   lockstep: bool | None = None, fuse_mode: str = "auto"):
+    """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
+
+    ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
+    ``layout`` (default: evenly, L divisible by p·v); inputs
+    and targets are ``[m, microbatch, length]``. Returns the mean loss over the m
+    microbatches and the gradients of all three parameter groups, with the same
+    structure and layer order as the inputs.
+    ``remat``: one policy per global stage ("none", "dots" or "full", see the
+    ``stage.py``), one name for all, or a bool (True = "full" everywhere,
+    False = "none" everywhere).
+    ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
+    proves idle slots never reach the results.
+    ``grad_sync``: when each chunk's gradient is averaged over the batch axes.
+    ``"end"`` (Megatron-style): all of them after the last tick. ``"chunk"``
+    (AFAPAB): after each chunk's last backward (``sync.sync_points``) its
+    gradient's sync starts and runs one ring step per tick beside the ticks still
+    to come (``ringsync.py``); what the remaining ticks cannot hide, and a chunk
+    that finishes at the last tick, is synced after them. Embedding and head
+    gradients (small, owned by one stage each) are synced at the end.
+    ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
+    (None: one bucket), i.e. at most bucket/d bytes per tick and device.
+    ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
+    None decides from the mesh. ``fuse_mode``: how the table is re-timed into fused
+    ticks (``schedules.fused.fuse``; "table" runs one task per tick).
+    """
+    n_batch = math.prod(mesh.shape[a] for a in BATCH)
+    plan = make_plan(schedule, remat, fuse_mode)
+    points = sync_points(plan.fused, grad_sync)
+    p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
+    if layout is not None and (layout.p, layout.v) != (p, v):
+        raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
+    if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
+        layout = dataclasses.replace(layout, placement=schedule.placement)
+    counts = None if layout is None or layout.uniform else jnp.asarray(layout.counts_array())
+    width = None if layout is None else layout.width
+    if lockstep is None:
+        lockstep = needs_lockstep(mesh)
+    # XLA:CPU starts independent ops in any order per device: with collectives inside
+    # the ticks (lockstep), a ring step beside them could pair up wrongly. GPUs run one
+    # fixed order, so there the ring stays free to overlap the tick.
+    serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
+
+    def body(embed_p, blocks_p, head_p, inputs, targets):
+        stage_idx = lax.axis_index(AXIS)
+        # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
+        # a branch (a hang) and double-count; varying values keep gradients local.
+        embed_p, head_p = _vary(embed_p), _vary(head_p)
+        chunks = _vary(jax.tree.map(lambda x: x[0], blocks_p))  # [v, L_chunk, ...] on this device
+        inputs, targets = _vary(inputs), _vary(targets)
+        fill = jnp.nan if nan_bubbles else 0.0
+        tasks = StageTasks(fns, plan, {"embed": embed_p, "chunks": chunks, "head": head_p}, (inputs, targets),
+                           counts, width, stage_idx, lockstep=lockstep, fill=fill, num_microbatches=m)
+        h = tasks.h_shape
+        x_buf = _vary(jnp.full((plan.x_slots, *h.shape), fill, h.dtype))
+        g_buf = _vary(jnp.full((plan.g_slots, *h.shape), fill, h.dtype))
+        acc = _vary({"embed": _zeros_like(embed_p, jnp.float32), "blocks": _zeros_like(chunks, jnp.float32),
+                     "head": _zeros_like(head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)})
+        res_buf = _vary(tasks.residual_buffers())
+        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep)
+        carry, synced = run_ticks_with_sync(tick, (acc, x_buf, g_buf, res_buf), plan.num_ticks, points,
+                                            n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
+                                            serialize_ring=serialize_ring)
+        # Embed/head gradients live on their owners only (zeros elsewhere): one psum
+        # over pipe. Shards hold equal row counts, so the global mean over the batch
+        # axes is the mean of the shard means.
+        acc = carry[0]
+        loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
+        owned = lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype)  # noqa: E731
+        synced["embed"] = jax.tree.map(owned, acc["embed"], embed_p)
+        synced["head"] = jax.tree.map(owned, acc["head"], head_p)
+        d_blocks = jax.tree.map(lambda x, *cs: jnp.stack(cs).astype(x.dtype)[None], chunks,
+                                *(synced[c] for c in range(v)))
+        return loss, synced["embed"], d_blocks, synced["head"]
+
+    def run(embed_p, blocks_p, head_p, inputs, targets):
+        num_layers = jax.tree.leaves(blocks_p)[0].shape[0]
+        stage_layout = layout or StageLayout.even(num_layers, p, v, schedule.placement)
+        staged = stage_layout.to_stages(blocks_p)
+        rows = P(None, BATCH)
+        fn = jax.shard_map(body, mesh=mesh, axis_names=set(MANUAL),
+                           in_specs=(P(), P(AXIS), P(), rows, rows),
+                           out_specs=(P(), P(), P(AXIS), P()))
+        loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
+        return loss, {"embed": d_embed, "blocks": stage_layout.from_stages(d_blocks), "head": d_head}
+
+    return run

@@ -1,0 +1,144 @@
+"""One fused tick on one device: read the slots, run the parts, accumulate, transfer, store.
+
+Order within a tick, the same on every device:
+
+1. every operand is read from the buffers (the task's input, output gradient and
+   residual slot), so all reads precede all writes and a slot read for the last time
+   can take a new value at the end of the same tick (``tickplan``'s colouring);
+2. the parts run, F then backward then W, each a ``lax.switch`` on this device's
+   cell of the table (a branch holds no collective the other devices would miss:
+   ``pipe`` and the batch axes are manual, and ``needs_lockstep`` handles the rest),
+   or in lockstep every task kind some device runs in this tick, each a ``cond``
+   on the table (the same predicate on every device), chained through their
+   outputs so that every device issues their collectives in the same order;
+3. weight-gradient contributions are added to the accumulators, each under a
+   ``cond`` on the table: a tick that makes none touches no accumulator, and no
+   accumulator enters a branch (a branch's outputs are new buffers; an
+   accumulator passed through one was copied every tick);
+4. the ring transfers, outside every branch: one ``ppermute`` per direction the
+   schedule uses (activations forward, gradients backward; V placements use both
+   ways and keep the turn on the device);
+5. what arrived and the forward's residuals are stored in their slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
+from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, _add_at, _put, _take
+from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, Plan, shift
+from mindpipe_jax.parallel.pipeline.schedules import Kind
+
+
+def _lockstep(branch_fns, branch, active_row, operand, after=None):
+    """Every device runs every branch some device takes in this tick (``active_row``:
+    the table's, the same everywhere) and keeps the outputs of its own (``branch``).
+    ``after``: values the first branch must wait for (the previous part's outputs)."""
+    if after is not None:  # issue this part's collectives after the previous part's
+        operand, _ = lax.optimization_barrier((operand, after))
+    out = branch_fns[0](operand)
+    for k, fn in enumerate(branch_fns[1:], start=1):
+        # Each cond takes the previous one's outputs, so every device runs them in the
+        # same order: XLA:CPU starts independent ops in any order per device, and two
+        # conds with collectives started in different orders deadlock.
+        def run(prev, fn=fn, k=k):
+            return jax.tree.map(lambda n, o: jnp.where(branch == k, n, o), fn(operand), prev)
+        out = lax.cond(active_row[k - 1], run, lambda prev: prev, out)
+    return out
+
+
+_ADDS_TO = {"chunk": lambda kind, pos: kind in (Kind.BW, Kind.W),
+            "embed": lambda kind, pos: kind in (Kind.BW, Kind.W) and pos == FIRST,
+            "head": lambda kind, pos: kind in (Kind.BW, Kind.W) and pos == LAST,
+            "loss": lambda kind, pos: kind in (Kind.BW, Kind.B) and pos == LAST}
+
+
+def _gates(plan: Plan) -> dict[tuple[int, str], jax.Array]:
+    """``[ticks, p]`` bool per (part, accumulator): does this device's task add to it?
+    Pairs no task of the schedule adds to are left out."""
+    gates = {}
+    for i, part in enumerate(plan.parts[1:], start=1):
+        for name, adds in _ADDS_TO.items():
+            hit = np.asarray([False] + [adds(kind, pos) for kind, pos, _ in part.keys])
+            if hit.any():
+                gates[(i, name)] = jnp.asarray(hit[part.branch])
+    return gates
+
+
+def _rows(buf, slots):
+    """``buf[slots]`` as one gather (see ``make_tick``)."""
+    return jnp.take(buf, jnp.stack(slots), axis=0)
+
+
+def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
+    """``tick((acc, x_buf, g_buf, res_buf), t) -> (carry, None)`` for ``lax.scan``."""
+    p = plan.fused.num_stages
+    tables = [part.arrays() for part in plan.parts]
+    actives = [jnp.asarray(part.active()) for part in plan.parts]
+    branch_fns = [tasks.forward_branches(), tasks.backward_branches(), tasks.weight_branches()]
+    gates = _gates(plan)
+    send = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.send.items()}
+    recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
+
+    def run_part(i, t, operand, after):
+        task = operand["task"]
+        if lockstep:
+            return _lockstep(branch_fns[i], task["branch"], actives[i][t], operand, after)
+        return lax.switch(task["branch"], branch_fns[i], operand)
+
+    def tick(carry, t):
+        acc, x_buf, g_buf, res_buf = carry
+        cells = [{k: v[t, stage_idx] for k, v in table.items()} for table in tables]
+
+        # Every slot the three parts read, gathered at once per buffer: reads of one
+        # buffer feeding different switches made XLA copy the whole buffer every tick.
+        res_at = [{r: jnp.clip(c["res_slot"], 0, n - 1) for r, n in plan.res_slots.items()} for c in cells]
+        xs = _rows(x_buf, [jnp.maximum(c["x_slot"], 0) for c in cells])
+        dys = _rows(g_buf, [jnp.maximum(c["g_slot"], 0) for c in cells[1:]])
+        kept = {r: [_rows(leaf, [at[r] for at in res_at]) for leaf in res_buf[r]] for r in res_buf}
+        # A buffer a task does not use lends its slot 0 (a forward hands it back unchanged).
+        ops = [{"task": c, "x": xs[i], "res": {r: [leaf[i] for leaf in kept[r]] for r in kept}}
+               for i, c in enumerate(cells)]
+        for i in (1, 2):
+            ops[i]["dy"] = dys[i - 1]
+        f_op, b_op, w_op = ops
+        res_at = res_at[0]
+        f_out = run_part(0, t, f_op, None)
+        b_out = run_part(1, t, b_op, f_out if lockstep else None)
+        w_out = run_part(2, t, w_op, b_out if lockstep else None)
+
+        acc = dict(acc)
+        for (i, name), gate in gates.items():
+            made = (b_out, w_out)[i - 1]["grads"][name]
+            if name == "chunk":
+                add = lambda a, g=made, c=cells[i]["chunk"]: _add_at(a, c, g)  # noqa: E731
+            else:
+                add = lambda a, g=made: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)  # noqa: E731
+            key = "blocks" if name == "chunk" else name
+            acc[key] = lax.cond(gate[t, stage_idx], add, lambda a: a, acc[key])
+
+        res_buf = {r: ResidualStore.write(res_buf[r], res_at[r], f_out["res"][r]) for r in res_buf}
+        # Every device takes part in every transfer of every tick (outside the branches).
+        for what, made, buf_name in (("x", f_out["send"], "x"), ("g", b_out["send"], "g")):
+            buf = x_buf if buf_name == "x" else g_buf
+            both_ways = len(recv[what]) > 1  # then each direction carries only its own sends
+            for d, slots in recv[what].items():
+                out = made
+                if both_ways:
+                    out = jnp.where(send[what][d][t, stage_idx], made, jnp.zeros_like(made))
+                arrived = out if d == "self" else lax.ppermute(out, AXIS, shift(d, p))
+                slot = slots[t, stage_idx]
+                keep = _take(buf, jnp.maximum(slot, 0))
+                buf = _put(buf, jnp.maximum(slot, 0), jnp.where(slot >= 0, arrived, keep))
+            if buf_name == "x":
+                x_buf = buf
+            else:
+                g_buf = buf
+        return (acc, x_buf, g_buf, res_buf), None
+
+    return tick

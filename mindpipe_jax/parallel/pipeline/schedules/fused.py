@@ -1,0 +1,204 @@
+"""Fused ticks: a schedule table re-timed so one tick carries up to one forward,
+one backward (B or BW) and one weight-gradient task per device.
+
+Why. The SPMD runtime moves values between devices with ``ppermute``s at the end
+of every tick, so a tick lasts as long as its slowest device. In a plain table a
+device runs one task per tick: in 1F1B's steady state one device runs an F while
+its neighbour runs a BW, and both pay a BW. Fused, each device runs its F and its
+BW in the same tick, so a steady-state tick costs F + BW on every device, which
+is what the asynchronous schedule costs anyway.
+
+How. Each device keeps the order of its own tasks (so what it holds alive, and
+the schedule's memory bound, is the table's). Ticks are filled greedily: a device
+takes its next tasks in order while their part of the tick (F, backward, W) is
+free and their inputs are ready; it stops at the first that is not, so nothing
+overtakes. An input made on another device must come from an earlier tick (it
+arrives with the tick-end transfer); one made on the same device may come from the
+same tick only when the task before it in the tick's order (F, then backward,
+then W) made it and nothing has to be kept between them: the last global stage's
+F, which the runtime runs inside its backward. Every other input is read from a
+buffer written at the end of an earlier tick. Progress is guaranteed: the earliest
+unplaced task of the table has all its inputs placed and nothing before it on its
+device, so each tick places at least one task.
+
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mindpipe_jax.parallel.pipeline.schedules.table import Schedule
+from mindpipe_jax.parallel.pipeline.schedules.types import Kind, ScheduleError, Task, _cost_fn
+
+PARTS = ("F", "B", "W")  # a fused tick's parts, in the order a device runs them
+PART_OF = {Kind.F: 0, Kind.B: 1, Kind.BW: 1, Kind.W: 2}
+
+Key = tuple[Kind, int, int]  # (kind, microbatch, global stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSchedule:
+    """``cells[t][s]`` is device ``s``'s ``(F, backward, W)`` tasks in fused tick ``t``
+    (each ``Task`` or None). ``tick_of`` maps (kind, microbatch, global stage) to its
+    fused tick."""
+
+    schedule: Schedule
+    cells: tuple[tuple[tuple[Task | None, Task | None, Task | None], ...], ...]
+    tick_of: dict[Key, int]
+
+    @property
+    def num_ticks(self) -> int:
+        return len(self.cells)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    def where(self) -> dict[Key, tuple[int, int]]:
+        """(kind, microbatch, global stage) -> (fused tick, device)."""
+        out = {}
+        for t, row in enumerate(self.cells):
+            for s, cell in enumerate(row):
+                for task in cell:
+                    if task is not None:
+                        out[(task.kind, task.microbatch, self.schedule.global_stage(s, task.chunk))] = (t, s)
+        return out
+
+    def peak_live(self) -> list[int]:
+        """Per device, the most microbatches between their forward and their backward
+        at the end of a fused tick (what the runtime keeps in its slot buffers)."""
+        peaks = []
+        for s in range(self.num_stages):
+            live = peak = 0
+            for row in self.cells:
+                for task in row[s]:
+                    if task is not None and task.kind is not Kind.W:
+                        live += 1 if task.kind is Kind.F else -1
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+    def render(self) -> str:
+        """One line per device, one column per fused tick (``F3+BW1`` style)."""
+        def name(task):
+            chunk = chr(97 + task.chunk) if self.schedule.virtual_stages > 1 else ""
+            return f"{task.kind}{task.microbatch}{chunk}"
+
+        lines = []
+        for s in range(self.num_stages):
+            cols = ["+".join(name(x) for x in row[s] if x is not None) or "." for row in self.cells]
+            width = max(len(c) for c in cols)
+            lines.append(f"stage {s}: " + " ".join(c.ljust(width) for c in cols))
+        return "\n".join(lines)
+
+
+def _inputs(kind: Kind, mb: int, g: int, last: int) -> list[Key]:
+    """The tasks whose results ``kind`` of (mb, g) reads; a backward input is made
+    by a B or a BW, whichever the schedule has."""
+    if kind is Kind.F:
+        return [(Kind.F, mb, g - 1)] if g > 0 else []
+    if kind is Kind.W:
+        return [(Kind.B, mb, g)]
+    return [(Kind.F, mb, g)] + ([(Kind.B, mb, g + 1)] if g < last else [])
+
+
+FUSE_MODES = ("auto", "table", "in-order", "forward-ahead")
+
+
+def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
+    """Re-time ``schedule`` into fused ticks (see the module docstring).
+
+    ``mode``: ``"table"`` keeps one task per tick (the table as it is);
+    ``"in-order"`` fills ticks keeping each device's order; ``"forward-ahead"``
+    lets a device's forwards run ahead of its backwards while it holds fewer than
+    ``2·peak − 1`` microbatches (``peak``: the table's peak live activations on
+    that device), which is what fusing 1F1B needs (stage 0 holds 2p − 1 at most)
+    and otherwise keeps each kind in table order; ``"auto"`` takes whichever of the
+    three the tick-synchronous replay (``replay_time``) finds fastest under
+    ``cost`` (default: ``DEFAULT_COST``), the one holding fewer microbatches on a tie.
+    """
+    if mode not in FUSE_MODES:
+        raise ScheduleError(f"fuse mode {mode!r} is not one of {', '.join(FUSE_MODES)}")
+    if mode == "auto":
+        options = [fuse(schedule, m) for m in FUSE_MODES[1:]]
+        return min(options, key=lambda f: (round(replay_time(f, cost), 9), max(f.peak_live())))
+    p, last = schedule.num_stages, schedule.num_global_stages - 1
+    order = [[task for _, task in schedule.tasks_of(s)] for s in range(p)]
+    if mode == "table":
+        cells = tuple(tuple(_cell(task) for task in row) for row in schedule.table)
+        return FusedSchedule(schedule, cells, _tick_of(schedule, cells))
+    if mode == "in-order":
+        queues = [[list(tasks)] for tasks in order]
+        cap = [None] * p
+    else:
+        queues = [[[t for t in tasks if t.kind is Kind.F], [t for t in tasks if t.kind is not Kind.F]]
+                  for tasks in order]
+        cap = [2 * n - 1 for n in schedule.peak_live_activations()]
+    done: dict[Key, tuple[int, int, int]] = {}  # key -> (tick, device, part)
+    live = [0] * p
+    cells = []
+    while any(q for qs in queues for q in qs):
+        t = len(cells)
+        row = [[None, None, None] for _ in range(p)]
+        for s in range(p):
+            for queue in queues[s]:
+                while queue:
+                    task = queue[0]
+                    part = PART_OF[task.kind]
+                    g = schedule.global_stage(s, task.chunk)
+                    if row[s][part] is not None or not _ready(task.kind, task.microbatch, g, last, s, t, part,
+                                                              done):
+                        break
+                    if task.kind is Kind.F and cap[s] is not None and live[s] >= cap[s]:
+                        break
+                    row[s][part] = task
+                    done[(Kind.B if task.kind is Kind.BW else task.kind, task.microbatch, g)] = (t, s, part)
+                    live[s] += {Kind.F: 1, Kind.B: -1, Kind.BW: -1}.get(task.kind, 0)
+                    queue.pop(0)
+        if not any(any(c) for c in row):  # cannot happen for a valid table (see module docstring)
+            raise AssertionError(f"fusing {schedule.name} made no progress at fused tick {t}")
+        cells.append(tuple(tuple(c) for c in row))
+    cells = tuple(cells)
+    return FusedSchedule(schedule, cells, _tick_of(schedule, cells))
+
+
+def _cell(task: Task | None) -> tuple[Task | None, Task | None, Task | None]:
+    cell = [None, None, None]
+    if task is not None:
+        cell[PART_OF[task.kind]] = task
+    return tuple(cell)
+
+
+def _tick_of(schedule: Schedule, cells) -> dict[Key, int]:
+    return {(task.kind, task.microbatch, schedule.global_stage(s, task.chunk)): t
+            for t, row in enumerate(cells) for s, cell in enumerate(row) for task in cell if task is not None}
+
+
+def replay_time(fused: FusedSchedule, cost=None) -> float:
+    """Step time of ``fused`` as the SPMD runtime runs it, with free transfers: each
+    device runs its tick's tasks one after the other, then the two ring transfers
+    (to s + 1, then to s − 1), each of which waits for the sending neighbour (the
+    simulator's neighbour mode, ``mindpipe_jax.sim``, adds link costs)."""
+    cost_of = _cost_fn(cost)
+    p = fused.num_stages
+    clock = [0.0] * p
+    for row in fused.cells:
+        ready = [clock[s] + sum(cost_of(s, task) for task in row[s] if task is not None) for s in range(p)]
+        for shift in (1, -1):
+            ready = [max(ready[s], ready[(s - shift) % p]) for s in range(p)]
+        clock = ready
+    return max(clock, default=0.0)
+
+
+def _ready(kind: Kind, mb: int, g: int, last: int, s: int, t: int, part: int, done: dict) -> bool:
+    for dep in _inputs(kind, mb, g, last):
+        if dep not in done:
+            return False
+        dep_tick, dep_device, dep_part = done[dep]
+        if dep_tick < t:
+            continue
+        # Same tick: only the last stage's F (a no-op the backward re-runs) feeds its own backward.
+        if not (dep_device == s and dep_part < part and dep[0] is Kind.F and dep[2] == last):
+            return False
+    return True

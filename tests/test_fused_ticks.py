@@ -1,0 +1,141 @@
+"""Fused ticks: the re-timed tables keep every rule, run faster as the runtime runs
+them, and the compiled tick loop copies no accumulator or buffer."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
+
+from mindpipe_jax.config import ParallelConfig
+from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.parallel.pipeline import DEFAULT_COST, Kind, get_schedule
+from mindpipe_jax.parallel.pipeline.contract import stage_fns
+from mindpipe_jax.parallel.pipeline.runtime import make_plan, pipeline_grads
+from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES, PART_OF, fuse, replay_time
+
+NAMES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("afapab", 2), ("zbv", 2),
+         ("dualpipev", 2)]
+
+
+def _inputs(kind, mb, g, last):
+    if kind is Kind.F:
+        return [(Kind.F, mb, g - 1)] if g > 0 else []
+    if kind is Kind.W:
+        return [("B", mb, g)]
+    return [(Kind.F, mb, g)] + ([("B", mb, g + 1)] if g < last else [])
+
+
+@pytest.mark.parametrize("mode", FUSE_MODES)
+@pytest.mark.parametrize("name,v", NAMES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_fused_tables_run_every_task_once_after_its_inputs(name, v, p, m, mode):
+    sched = get_schedule(name, p, m, v)
+    fused = fuse(sched, mode)
+    last = sched.num_global_stages - 1
+    seen = {}
+    for t, row in enumerate(fused.cells):
+        for s, cell in enumerate(row):
+            for part, task in enumerate(cell):
+                if task is None:
+                    continue
+                assert PART_OF[task.kind] == part
+                g = sched.global_stage(s, task.chunk)
+                key = ("B" if task.kind in (Kind.B, Kind.BW) else task.kind, task.microbatch, g)
+                assert key not in seen, (t, s, task)
+                seen[key] = (t, s, part)
+    want = {("B" if task.kind in (Kind.B, Kind.BW) else task.kind, task.microbatch,
+             sched.global_stage(s, task.chunk))
+            for row in sched.table for s, task in enumerate(row) if task is not None}
+    assert set(seen) == want
+    for (kind, mb, g), (t, s, part) in seen.items():
+        for dep in _inputs(Kind(kind) if kind != "B" else Kind.B, mb, g, last):
+            dt, ds, dpart = seen[dep]
+            # from an earlier tick, or the last stage's F (a no-op) feeding its own backward
+            assert dt < t or (dt == t and ds == s and dpart < part and dep[0] is Kind.F and g == last), \
+                (kind, mb, g, dep)
+
+
+@pytest.mark.parametrize("name,v", NAMES)
+def test_auto_fusion_is_never_slower_than_the_table(name, v):
+    for p, m in [(4, 16), (8, 32)]:
+        sched = get_schedule(name, p, m, v)
+        plain = replay_time(fuse(sched, "table"))
+        assert replay_time(fuse(sched)) <= plain + 1e-9
+
+
+def test_fused_1f1b_reaches_its_asynchronous_bound_and_holds_at_most_2p_minus_1():
+    for p, m in [(4, 16), (8, 32)]:
+        sched = get_schedule("1f1b", p, m)
+        fused = fuse(sched)
+        work = sum(DEFAULT_COST[t.kind] for row in sched.table for t in row if t is not None) / p
+        # The asynchronous 1F1B step is (m + p - 1)(F + BW): utilization m / (m + p - 1).
+        assert work / replay_time(fused) == pytest.approx(m / (m + p - 1), rel=1e-9)
+        assert work / replay_time(fuse(sched, "table")) < m / (m + p - 1) - 0.1
+        assert max(fused.peak_live()) <= 2 * p - 1
+        assert max(make_plan(sched, "none").res_slots.values()) <= 2 * p - 1
+
+
+def test_fuse_mode_is_checked():
+    with pytest.raises(ValueError, match="fuse mode 'eager' is not one of auto, table"):
+        fuse(get_schedule("1f1b", 2, 4), "eager")
+
+
+@pytest.mark.parametrize("name,p,m,v,remat", [("zbv", 2, 4, 2, False), ("dualpipev", 2, 4, 2, True),
+                                              ("1f1b", 4, 8, 1, "dots")])
+def test_fused_and_v_schedules_equal_unpipelined(name, p, m, v, remat):
+    model, params = tiny_gpt(p * v)
+    inputs, targets = microbatches(p * m + 1, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat, nan_bubbles=True)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
+def _loop_body_copies(hlo: str) -> list[str]:
+    """The shapes copied in the body of the while loop that holds the ring transfers."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            cur = head.group(1)
+            comps[cur] = []
+        elif cur:
+            comps[cur].append(line)
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    ticking = [b for b in bodies if any("collective-permute" in ln for ln in comps.get(b, []))]
+    assert ticking, "no while loop with ring transfers found"
+    return [re.search(r"= (\S+) copy\(", ln).group(1) for b in ticking for ln in comps[b]
+            if re.search(r"= \S+ copy\(", ln)]
+
+
+@pytest.mark.parametrize("name,v,remat", [("1f1b", 1, False), ("zb-h1", 1, "dots"), ("interleaved", 2, True)])
+def test_tick_loop_copies_no_accumulator_or_buffer(name, v, remat):
+    # Before: the accumulators went through the switch and XLA copied each of them
+    # (and, with several reads of a buffer feeding different branches, whole slot
+    # buffers) every tick. Now no array of an accumulator's or a buffer's shape is
+    # copied inside the tick loop.
+    p, m = 4, 8
+    model, params = tiny_gpt(p * v * 2)
+    inputs, targets = microbatches(0, m)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    sched = get_schedule(name, p, m, v)
+    run = pipeline_grads(stage_fns(model), sched, mesh, remat=remat)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"],
+                                 inputs, targets).compile().as_text()
+    plan = make_plan(sched, remat)
+    chunk_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
+    acc_shapes = {(v, 2, *shape) for shape in chunk_shapes}  # [v chunks, 2 layers each, ...]
+    acc_shapes |= {tuple(x.shape) for x in jax.tree.leaves((params["embed"], params["head"]))}
+    buffer_rows = {plan.x_slots, plan.g_slots, *plan.res_slots.values()}
+    copied = _loop_body_copies(hlo)
+    for text in copied:
+        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", text).group(1).split(",") if d)
+        assert dims not in acc_shapes, f"accumulator-shaped copy {text} in the tick loop"
+        big = np.prod(dims) >= np.prod(inputs.shape[1:]) * 32  # at least one activation slot
+        assert not (big and dims and dims[0] in buffer_rows and dims[0] > 1), \
+            f"buffer-shaped copy {text} in the tick loop"
