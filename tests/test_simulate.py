@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mindpipe_jax.parallel.pipeline.schedules import (
+    DEFAULT_COST,
     Kind,
     Schedule,
     Task,
@@ -21,6 +22,7 @@ from mindpipe_jax.parallel.pipeline.schedules import (
     one_f_one_b,
     zb_h1,
 )
+from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES, fuse, replay_time
 from mindpipe_jax.sim import (
     Collective,
     DPSync,
@@ -152,7 +154,7 @@ def test_neighbour_never_slower_than_lockstep_and_equal_at_p2(p, m):
                           W=[rng.uniform(0.2, 1) for _ in range(G)])
         overhead = [rng.uniform(0, 0.3) for _ in range(p)]
         lk = simulate(sched, cost, mode="lockstep", tick_overhead=overhead)
-        nb = simulate(sched, cost, mode="neighbour", tick_overhead=overhead)
+        nb = simulate(sched, cost, mode="neighbour", tick_overhead=overhead, fuse="table")
         assert nb.busy == pytest.approx(lk.busy)
         if p == 2:
             assert nb.step_time == pytest.approx(lk.step_time), sched.name
@@ -163,10 +165,15 @@ def test_neighbour_never_slower_than_lockstep_and_equal_at_p2(p, m):
 def test_tick_overhead_is_paid_by_every_device_every_tick():
     # gpipe(2, 1): ticks F|.., ..|F, ..|BW, BW|..; overheads 0.1 and 0.2:
     # max(1.1, 0.2) + max(0.1, 1.2) + max(0.1, 2.2) + max(2.1, 0.2) = 6.6
-    for mode in ("lockstep", "neighbour"):
-        r = simulate(gpipe(2, 1), UNIT, mode=mode, tick_overhead=[0.1, 0.2])
+    for mode, how in (("lockstep", None), ("neighbour", "table")):
+        r = simulate(gpipe(2, 1), UNIT, mode=mode, tick_overhead=[0.1, 0.2], fuse=how)
         assert r.step_time == pytest.approx(6.6)
         assert r.busy == (3.0, 3.0)           # overhead is not task work
+    # fused, device 1 runs F and BW in one tick (the last stage's F feeds its own
+    # backward): 3 ticks, F|.., ..|F+BW, BW|..: 1.2 + (0.1 + 3.2) + 2.2 = 6.5 (each
+    # tick lasts its slowest device's: p = 2, both wait for each other)
+    r = simulate(gpipe(2, 1), UNIT, mode="neighbour", tick_overhead=[0.1, 0.2])
+    assert r.step_time == pytest.approx(1.2 + 3.2 + 2.2) and r.fuse == "auto"
     assert simulate(gpipe(2, 1), UNIT, mode="lockstep", tick_overhead=0.0).step_time == 6
 
 
@@ -176,7 +183,7 @@ def test_neighbour_pays_both_ppermutes_in_every_tick():
     link = Link(latency_s=1e-3, bandwidth_Bps=1e9)
     free = StageCosts(F=0, B=0, W=0, activation_bytes=2e6)
     sched = one_f_one_b(2, 2)
-    r = simulate(sched, free, link=link, mode="neighbour", tick_overhead=0.01)
+    r = simulate(sched, free, link=link, mode="neighbour", tick_overhead=0.01, fuse="table")
     assert r.step_time == pytest.approx(6 * (0.01 + 2 * (1e-3 + 2e-3)))
     assert sum(e.kind == "exchange" for e in r.events) == 6 * 2 * 2     # ticks x ppermutes x devices
     # lockstep counts one overlapped exchange between ticks: 5 of them
@@ -189,7 +196,7 @@ def test_neighbour_pays_both_ppermutes_in_every_tick():
         cost = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
                           B=[rng.uniform(0.5, 2) for _ in range(G)],
                           W=[rng.uniform(0.2, 1) for _ in range(G)], activation_bytes=2e6)
-        r = simulate(sched, cost, link=Link(0.0, 1e9), mode="neighbour")
+        r = simulate(sched, cost, link=Link(0.0, 1e9), mode="neighbour", fuse="table")
         lk = simulate(sched, cost, mode="lockstep")              # free link: compute only
         assert r.step_time == pytest.approx(lk.step_time + sched.num_ticks * 2 * 2e-3)
 
@@ -206,7 +213,7 @@ def test_neighbour_delay_travels_one_hop_per_ppermute():
         return [[e.start for e in r.events if e.kind == "exchange" and e.tick == tick and e.device == s]
                 for s in range(4)]
 
-    nb = simulate(gpipe(4, 1), cost, mode="neighbour")
+    nb = simulate(gpipe(4, 1), cost, mode="neighbour", fuse="table")
     assert leaves(nb, 0) == [[10, 10], [0, 10], [0, 0], [0, 0]]
     # tick 1 (F0 on device 1 only): device 2 starts it at 0 and is held by device 1's
     # forward message (11); device 0 by device 1's backward one
@@ -215,6 +222,185 @@ def test_neighbour_delay_travels_one_hop_per_ppermute():
     assert {e.start for e in lk.events if e.kind == "exchange" and e.tick == 0} == {10}
     # the chain F0 -> F0 -> ... is the critical path either way
     assert nb.start[1][1] == lk.start[1][1] == 10
+
+
+# ------------------------------------------- neighbour mode replays fused ticks
+def _random_cost(seed: int, p: int):
+    """Per-device, per-kind durations as a ``(stage, task) -> seconds`` function: the form
+    both ``simulate`` and ``schedules.fused.replay_time`` take."""
+    rng = random.Random(seed)
+    table = {(s, k): rng.uniform(0.3, 2.0) for s in range(p) for k in Kind}
+    return lambda stage, task: table[(stage, task.kind)]
+
+
+def _replay_with_shifts(fused, cost, shifts):
+    """``replay_time`` with the runtime's ppermutes: each shift, in turn, holds a device
+    until the neighbour that sends to it is done."""
+    p, clock = fused.num_stages, [0.0] * fused.num_stages
+    for row in fused.cells:
+        ready = [clock[s] + sum(cost(s, x) for x in row[s] if x is not None) for s in range(p)]
+        for k in shifts:
+            ready = [max(ready[s], ready[(s - k) % p]) for s in range(p)]
+        clock = ready
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16), (8, 32)])
+def test_fused_replay_with_free_links_equals_replay_time(p, m):
+    # the 1F1B family (activations to s + 1, gradients to s - 1): two ppermutes a tick,
+    # exactly replay_time's two shifts, for every way of fusing and any costs
+    for i, sched in enumerate(all_schedules(p, m)):
+        cost = _random_cost(1000 * p + 10 * m + i, p)
+        for mode in FUSE_MODES:
+            fused = fuse(sched, mode)
+            r = simulate(fused, cost, mode="neighbour")
+            assert r.step_time == pytest.approx(replay_time(fused, cost), abs=1e-9), (sched.name, mode)
+            assert r.fuse == "given"
+            # the same through fuse=: the table re-timed inside simulate
+            assert simulate(sched, cost, mode="neighbour", fuse=mode).step_time == r.step_time
+        # the default is what the runtime runs: "auto", chosen under DEFAULT_COST
+        auto = fuse(sched, "auto")
+        assert simulate(sched, cost, mode="neighbour").step_time == pytest.approx(replay_time(auto, cost))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_fused_replay_of_v_schedules_pays_four_ppermutes(p, m):
+    # A V placement sends activations and gradients both ways: the runtime runs four
+    # ppermutes a tick (p > 2), and a delay can travel two hops in one tick, which
+    # replay_time's two shifts do not count: the replay is that, and never shorter.
+    for i, sched in enumerate(v_schedules(p, m)):
+        cost = _random_cost(77 * p + m + i, p)
+        shifts = [1, -1, 1, -1] if p > 2 else [1, 1]
+        for mode in FUSE_MODES:
+            fused = fuse(sched, mode)
+            r = simulate(fused, cost, mode="neighbour")
+            assert r.step_time == pytest.approx(_replay_with_shifts(fused, cost, shifts), abs=1e-9)
+            assert r.step_time >= replay_time(fused, cost) - 1e-9
+            if p == 2:       # both neighbours are the other device: nothing more to wait for
+                assert r.step_time == pytest.approx(replay_time(fused, cost), abs=1e-9)
+
+
+def test_fused_1f1b_utilization_at_p8_m32():
+    # F = 1, BW = 2: fused, a steady-state tick costs F + BW = 3 on every device, and the
+    # step is (m + p - 1) such ticks: utilization m / (m + p - 1), 1F1B's async bound
+    p, m = 8, 32
+    for cost in (StageCosts(F=1, B=1, W=1), StageCosts(F=1, B=0.5, W=1.5, BW=2), {"F": 1, "BW": 2}):
+        r = simulate(one_f_one_b(p, m), cost, mode="neighbour")
+        assert abs(r.mean_utilization - m / (m + p - 1)) < 1e-9
+        assert r.step_time == pytest.approx(3 * (m + p - 1))
+        assert r.fuse == "auto"
+    # one task per tick pays a BW for the F beside it: far below
+    table = simulate(one_f_one_b(p, m), UNIT, mode="neighbour", fuse="table")
+    assert table.mean_utilization < m / (m + p - 1) - 0.1
+    # predict_utilization passes fuse through (16 layers on 8 stages: F = 2, BW = 4)
+    layer = LayerCost(F=1, B=1, W=1)
+    fused = predict_utilization(layer, num_layers=16, schedule="1f1b", p=p, m=m, mode="neighbour")
+    assert abs(fused.mean_utilization - m / (m + p - 1)) < 1e-9
+    one = predict_utilization(layer, num_layers=16, schedule="1f1b", p=p, m=m, mode="neighbour", fuse="table")
+    assert one.step_time == pytest.approx(table.step_time * 2)
+
+
+# What the neighbour mode returned before it replayed fused ticks (the table, one task per
+# tick, two ppermutes), computed by that code: a "table" replay must give the same.
+OLD_NEIGHBOUR = [  # (name, p, m, v, step_time, compute_time)
+    ("gpipe", 2, 4, 1, 17.657999999999998, 17.638),
+    ("1f1b", 2, 4, 1, 23.63200000000001, 23.612000000000013),
+    ("zb-h1", 2, 4, 1, 16.009999999999984, 15.988999999999985),
+    ("interleaved", 2, 4, 2, 31.75100000000005, 31.731000000000055),
+    ("gpipe", 4, 8, 1, 44.96299999999999, 44.942999999999984),
+    ("1f1b", 4, 8, 1, 42.077, 42.056999999999995),
+    ("zb-h1", 4, 8, 1, 42.18399999999998, 42.16299999999998),
+    ("interleaved", 4, 8, 2, 74.99199999999999, 74.972),
+    ("gpipe", 8, 16, 1, 91.52200000000016, 91.50200000000017),
+    ("1f1b", 8, 16, 1, 97.85800000000027, 97.83800000000028),
+    ("zb-h1", 8, 16, 1, 88.46900000000018, 88.44800000000018),
+    ("interleaved", 8, 16, 2, 180.05499999999995, 180.03499999999997),
+]
+
+
+def test_table_replay_equals_the_old_neighbour_numbers():
+    # link costs, an overlapped data-parallel sync and tick overhead: every part of the model
+    for i, (name, p, m, v, step, compute) in enumerate(OLD_NEIGHBOUR):
+        sched = get_schedule(name, p, m, v)
+        rng = random.Random(100 + i)
+        G = sched.num_global_stages
+        cost = StageCosts(F=[round(rng.uniform(0.5, 2), 3) for _ in range(G)],
+                          B=[round(rng.uniform(0.5, 2), 3) for _ in range(G)],
+                          W=[round(rng.uniform(0.2, 1), 3) for _ in range(G)],
+                          activation_bytes=1e6, param_bytes=2e7)
+        r = simulate(sched, cost, link=Link(1e-3, 1e8), dp_sync=DPSync(2, Link(1e-3, 1e9), "overlap"),
+                     mode="neighbour", tick_overhead=0.01, fuse="table")
+        assert r.step_time == pytest.approx(step, rel=1e-12)
+        assert r.compute_time == pytest.approx(compute, rel=1e-12)
+        assert r.fuse == "table" and len(r.start) == sched.num_ticks
+
+
+def test_a_fused_tick_runs_its_tasks_one_after_the_other():
+    # fused 1F1B(4, 8): every task once, a device's tasks back to back within a tick
+    # (F, then backward, then W), the tick's start/end its first task's start and last's end
+    sched = one_f_one_b(4, 8)
+    fused = fuse(sched, "auto")
+    link = Link(1e-3, 1e9)
+    r = simulate(sched, StageCosts(F=1, B=1, W=1, activation_bytes=1e6), link=link, mode="neighbour")
+    assert len(r.start) == fused.num_ticks < sched.num_ticks
+    for s in range(4):
+        compute = r.events_of(s, "compute")
+        assert len(compute) == len(sched.tasks_of(s))
+        assert sum(e.duration for e in compute) == pytest.approx(r.busy[s])
+        for t, row in enumerate(fused.cells):
+            mine = [e for e in compute if e.tick == t]
+            assert [(e.kind, e.microbatch) for e in mine] == [(x.kind.value, x.microbatch) for x in row[s]
+                                                              if x is not None]
+            for a, b in zip(mine, mine[1:], strict=False):
+                assert b.start == a.end
+            if mine:
+                assert (r.start[t][s], r.end[t][s]) == (mine[0].start, mine[-1].end)
+            else:
+                assert r.start[t][s] is None
+    # two ppermutes per tick and device (to s + 1, then s - 1), every tick
+    assert sum(e.kind == "exchange" for e in r.events) == 2 * 4 * fused.num_ticks
+    # a fused tick mixing F + BW costs 3 on a device, not max(F, BW) = 2
+    assert max(end - start for row_s, row_e in zip(r.start, r.end, strict=True)
+               for start, end in zip(row_s, row_e, strict=True) if start is not None) == pytest.approx(3)
+
+
+def test_fused_sync_starts_after_the_tick_of_the_last_weight_gradient():
+    # zb-h1(2, 4): each device's chunk sync is queued after the ppermutes of the fused tick
+    # holding its last W (as in the table's replay), so it starts when the device's lane
+    # leaves that tick's last ppermute (free links: occupancy 0)
+    sched = zb_h1(2, 4)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=1e9)
+    for fuse_mode in ("auto", "table", "in-order"):
+        r = simulate(sched, costs, dp_sync=DPSync(2, Link(0, 1e9), "overlap"), mode="neighbour",
+                     fuse=fuse_mode)
+        for s in range(2):
+            last_w = max((e for e in r.events_of(s, "compute") if e.kind == "W"), key=lambda e: e.end)
+            lane = [e.start for e in r.events_of(s, "network")
+                    if e.kind == "exchange" and e.tick == last_w.tick]
+            (sync,) = [e for e in r.events_of(s, "network") if e.kind == "sync"]
+            assert sync.start == pytest.approx(max(last_w.end, lane[-1]))
+            assert sync.start >= last_w.end
+
+
+def test_fused_auto_follows_the_runtime_default_costs():
+    # the runtime fuses under DEFAULT_COST whatever the real costs are; so does the replay
+    sched = zb_h1(4, 8)
+    skewed = {"F": 3.0, "B": 1.0, "W": 0.2, "BW": 1.2}
+    auto = fuse(sched, "auto")
+    assert auto.cells == fuse(sched, "auto", DEFAULT_COST).cells
+    assert simulate(sched, skewed, mode="neighbour").step_time == pytest.approx(replay_time(auto, skewed))
+
+
+def test_fuse_is_refused_where_it_means_nothing():
+    sched = one_f_one_b(2, 2)
+    with pytest.raises(ValueError, match="mode 'neighbour' only"):
+        simulate(sched, UNIT, fuse="auto")
+    with pytest.raises(ValueError, match="fuse must be one of"):
+        simulate(sched, UNIT, mode="neighbour", fuse="eager")
+    with pytest.raises(ValueError, match="mode 'neighbour', not 'lockstep'"):
+        simulate(fuse(sched, "auto"), UNIT, mode="lockstep")
+    with pytest.raises(ValueError, match="already fused"):
+        simulate(fuse(sched, "auto"), UNIT, mode="neighbour", fuse="table")
 
 
 # ------------------------------------------------------------------- transfers
@@ -526,13 +712,15 @@ def test_v_schedules_in_the_tick_modes(p, m):
         for link in (None, Link(1e-3, 1e8)):
             a = simulate(sched, cost, link=link)
             lk = simulate(sched, cost, link=link, mode="lockstep")
-            nb = simulate(sched, cost, link=link, mode="neighbour")
+            nb = simulate(sched, cost, link=link, mode="neighbour", fuse="table")
             assert lk.step_time >= a.step_time - 1e-9 and lk.busy == pytest.approx(a.busy)
             assert nb.busy == pytest.approx(a.busy) and nb.step_time >= a.step_time - 1e-9
             if link is None:
                 assert nb.step_time <= lk.step_time + 1e-9, sched.name
-            # the neighbour mode pays two ppermutes per tick, whichever way a value goes
-            assert sum(e.kind == "exchange" for e in nb.events) == (2 * p * sched.num_ticks if p > 1 else 0)
+            # one ppermute per (kind of value, direction), as the runtime runs them: both
+            # kinds go both ways under a V (4 per tick); with p = 2 both ways are one
+            per_tick = 4 if p > 2 else 2
+            assert sum(e.kind == "exchange" for e in nb.events) == per_tick * p * sched.num_ticks
 
 
 def test_neighbour_mode_refuses_a_placement_that_skips_devices():

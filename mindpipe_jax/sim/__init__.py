@@ -62,24 +62,36 @@ is free (waiting for running sync slices, overtaking the queued ones). Without
 any cross-device boundary (p = 1) there is no exchange. A sync of a chunk
 finished in tick ``t`` is queued after tick ``t``'s exchange.
 
-``mode="neighbour"`` (our SPMD runtime as it executes, ``runtime.py``: a
-``lax.scan`` over ticks whose body runs the device's task, then a forward
-``ppermute`` to ``s + 1`` and a backward one to ``s - 1``, both cyclic, one after
-the other, on every device in every tick): there is no global barrier. Each
-device keeps its own clock; in a ppermute it sends the buffer (occupying its lane
-for ``n / bw``) and leaves once its message has left the lane and its neighbour's
-has arrived (``α`` after leaving the neighbour's lane). So a device waits only for
-its two ring neighbours, and a slow task delays a device ``k`` hops away ``k``
-ppermutes later. Every tick, the last included, pays both ppermutes (the scan body
-is the same each tick). For p = 2 both neighbours are the other device, and the
-two tick modes differ only in how the transfers are counted (lockstep: one
-overlapped exchange, none after the last tick; neighbour: two in a row, every
-tick). Syncs are queued as in lockstep, after the tick's ppermutes. A value goes
-one hop per ppermute, in the direction its consumer lies: under a V placement
-(ZB-V, DualPipeV: device ``s`` holds stages ``s`` and ``2p - 1 - s``) chunk b's
-activations and chunk a's gradients take the ppermute to ``s - 1``, and the turn of
-the V (stage ``p - 1`` to ``p``, both on device ``p - 1``) takes none; a placement
-with consecutive stages on devices that are not ring neighbours is refused.
+``mode="neighbour"`` (our SPMD runtime as it executes, ``runtime/``: a ``lax.scan``
+over *fused* ticks, see ``schedules.fused``): the table is first re-timed exactly as
+the runtime re-times it (``fuse=None`` = ``"auto"``, chosen under ``DEFAULT_COST`` as
+``runtime.tickplan.make_plan`` does; ``fuse="table"`` keeps one task per tick, the
+replay of the table itself; a ``FusedSchedule`` may be passed instead of the
+table). In a fused tick a device runs up to one F, one backward (B or BW) and one W,
+one after the other, so its tick's compute is the sum of their costs; then it
+runs the tick's ppermutes, one after the other, on every device in every tick:
+one per (kind of value, ring direction) the schedule uses, activations first,
+then gradients — ``[s + 1, s - 1]`` for the 1F1B family, ``[s + 1, s - 1, s + 1,
+s - 1]`` for a V placement on p > 2 devices (both kinds go both ways there); a
+hand-off within a device ("self", the turn of the V) runs none. There is no
+global barrier. Each device keeps its own clock; in a ppermute it sends the
+buffer (occupying its lane for ``n / bw``) and leaves once its message has left
+the lane and its neighbour's has arrived (``α`` after leaving the neighbour's
+lane). So a device waits only for its ring neighbours, and a slow task delays a
+device ``k`` hops away ``k`` ppermutes later. Every tick, the last included, pays
+all its ppermutes (the scan body is the same each tick). For p = 2 both neighbours
+are the other device, and with one task per tick the two tick modes differ only
+in how the transfers are counted (lockstep: one overlapped exchange, none after
+the last tick; neighbour: two in a row, every tick). Syncs are queued as in
+lockstep, after the tick's ppermutes. A value goes one hop per ppermute, in the
+direction its consumer lies: under a V placement (ZB-V, DualPipeV: device ``s``
+holds stages ``s`` and ``2p - 1 - s``) chunk b's activations and chunk a's
+gradients go to ``s - 1``, and the turn of the V (stage ``p - 1`` to ``p``, both on
+device ``p - 1``) takes no ppermute; a placement with consecutive stages on devices
+that are not ring neighbours is refused. With free transfers and a 1F1B-family
+placement the replay equals ``schedules.fused.replay_time``; under a V placement
+(four ppermutes) a delay may travel two hops per tick, which ``replay_time`` (two
+shifts) does not count, so the replay may be longer.
 
 V placements in every mode: a hand-off between two stages of one device costs no
 link time and no exchange buffer (``_crossing_bytes`` counts only boundaries
@@ -108,7 +120,7 @@ replay with p = 1 pays no per-tick transfer here (there is no neighbour).
 The code lives in three modules, all re-exported here: ``costs`` (``StageCosts``,
 ``LayerCost``), ``network`` (``Link``, ``Collective``, ``DPSync``,
 ``fit_alpha_beta``) and ``engine`` (``simulate`` and its three modes, ``Event``,
-``SimResult``);
+``SimResult``; neighbour mode replays ``schedules.fused`` ticks);
 ``predict_utilization`` and ``even_assignment`` are defined here.
 """
 
@@ -150,7 +162,7 @@ def predict_utilization(layers: LayerCost | Sequence[LayerCost], stage_of_layer:
                         num_layers: int | None = None, embed: LayerCost | None = None,
                         head: LayerCost | None = None, link: Link | float | None = None,
                         dp_sync: DPSync | None = None, mode: str = "async",
-                        contention: bool = True) -> SimResult:
+                        contention: bool = True, fuse: str | None = None) -> SimResult:
     """Simulate a model given per-layer costs, e.g. a GPT-class model at p = 8, m = 32.
 
     ``layers``: one ``LayerCost`` per layer (or one for all, with ``num_layers`` or
@@ -158,8 +170,10 @@ def predict_utilization(layers: LayerCost | Sequence[LayerCost], stage_of_layer:
     layer (default ``even_assignment``). ``embed`` is added to global stage 0 and
     ``head`` to the last. ``schedule``: a ``Schedule`` (then ``p``, ``m``, ``v`` come
     from it) or a registered name built with ``p``, ``m``, ``v`` (``None``: 1, or 2 for
-    the V schedules ``zbv`` and ``dualpipev``). Returns the
-    ``SimResult``; ``.mean_utilization`` is the predicted utilization."""
+    the V schedules ``zbv`` and ``dualpipev``). ``mode``, ``link``, ``dp_sync``,
+    ``contention`` and ``fuse`` as ``simulate`` (mode "neighbour" replays the fused ticks
+    the runtime runs; ``fuse="table"`` one task per tick). Returns the ``SimResult``;
+    ``.mean_utilization`` is the predicted utilization."""
     sched = schedule if isinstance(schedule, Schedule) else get_schedule(schedule, p, m, v)
     stages = sched.num_global_stages
     if stage_of_layer is None:
@@ -172,4 +186,4 @@ def predict_utilization(layers: LayerCost | Sequence[LayerCost], stage_of_layer:
             count = len(layers)
         stage_of_layer = even_assignment(count, stages)
     costs = StageCosts.from_layers(layers, stage_of_layer, stages, embed=embed, head=head)
-    return simulate(sched, costs, link=link, dp_sync=dp_sync, mode=mode, contention=contention)
+    return simulate(sched, costs, link=link, dp_sync=dp_sync, mode=mode, contention=contention, fuse=fuse)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, Task, Timeline
+from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES, FusedSchedule
+from mindpipe_jax.parallel.pipeline.schedules.fused import fuse as fuse_ticks
 from mindpipe_jax.sim.costs import StageCosts, _is_number, _number, _Resolved
 from mindpipe_jax.sim.network import DPSync, Link
 
@@ -47,7 +49,9 @@ class Event:
 class SimResult:
     """What ``simulate`` measured. ``utilization[d] = busy[d] / step_time`` (compute
     only: time spent in an exposed sync counts as idle); ``bubble_fraction = 1 -
-    sum(busy) / (p * step_time)``."""
+    sum(busy) / (p * step_time)``. ``start[t][s]`` / ``end[t][s]``: when device ``s``'s
+    compute in tick ``t`` began and ended (in neighbour mode ``t`` is a fused tick, whose
+    tasks run one after the other: the first's start, the last's end)."""
 
     schedule: str
     mode: str
@@ -58,6 +62,9 @@ class SimResult:
     events: tuple[Event, ...] = field(repr=False)
     start: tuple[tuple[float | None, ...], ...] = field(repr=False)   # [tick][stage]
     end: tuple[tuple[float | None, ...], ...] = field(repr=False)
+    # neighbour mode: how the table was re-timed into fused ticks ("auto", "table",
+    # "in-order", "forward-ahead", or "given" for a FusedSchedule); None in the other modes
+    fuse: str | None = None
 
     @property
     def num_devices(self) -> int:
@@ -91,7 +98,8 @@ class SimResult:
 
     def summary(self) -> str:
         per = " ".join(f"{u:.2f}" for u in self.utilization)
-        return (f"{self.schedule} ({self.mode}): step {self.step_time:.6g} s, compute "
+        mode = self.mode if self.fuse is None else f"{self.mode}, fused {self.fuse}"
+        return (f"{self.schedule} ({mode}): step {self.step_time:.6g} s, compute "
                 f"{self.compute_time:.6g} s, utilization {self.mean_utilization:.3f} "
                 f"(per device {per}), bubble {self.bubble_fraction:.3f}")
 
@@ -150,11 +158,13 @@ class _Lanes:
 
 
 class _Trace:
-    """What a replay records and returns: per tick and device when its task ran,
-    per device the time its tasks took, and every event."""
+    """What a replay records and returns: per tick and device when its tasks ran,
+    per device the time its tasks took, and every event. ``num_ticks``: the
+    table's (default) or a fused schedule's."""
 
-    def __init__(self, schedule: Schedule):
-        p, ticks = schedule.num_stages, schedule.num_ticks
+    def __init__(self, schedule: Schedule, num_ticks: int | None = None):
+        p = schedule.num_stages
+        ticks = schedule.num_ticks if num_ticks is None else num_ticks
         self.schedule = schedule
         self.start: list[list[float | None]] = [[None] * p for _ in range(ticks)]
         self.end: list[list[float | None]] = [[None] * p for _ in range(ticks)]
@@ -162,28 +172,32 @@ class _Trace:
         self.events: list[Event] = []
 
     def compute(self, cc: _Resolved, t: int, s: int, task: Task, at: float) -> float:
-        """Record device ``s`` running ``task`` (tick ``t``) from ``at``; returns its duration."""
+        """Record device ``s`` running ``task`` (tick ``t``) from ``at``; returns its duration.
+        A fused tick's tasks run one after the other: the tick's start is its first's."""
         g = self.schedule.global_stage(s, task.chunk)
         d = cc.duration(s, task, g)
-        self.start[t][s], self.end[t][s] = at, at + d
+        if self.start[t][s] is None:
+            self.start[t][s] = at
+        self.end[t][s] = at + d
         self.busy[s] += d
         self.events.append(Event(s, "compute", task.kind.value, at, at + d, t, task.microbatch,
                                  task.chunk, g))
         return d
 
     def result(self, mode: str, step_time: float, compute_time: float,
-               network_busy: Sequence[float]) -> SimResult:
+               network_busy: Sequence[float], fuse: str | None = None) -> SimResult:
         return SimResult(self.schedule.name, mode, step_time, compute_time, tuple(self.busy),
                          tuple(network_busy), tuple(self.events), tuple(map(tuple, self.start)),
-                         tuple(map(tuple, self.end)))
+                         tuple(map(tuple, self.end)), fuse)
 
 
 MODES = ("async", "lockstep", "neighbour")
 
 
-def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None = None, *,
+def simulate(schedule: Schedule | FusedSchedule, costs: StageCosts | Mapping | Callable | None = None, *,
              link: Link | float | None = None, dp_sync: DPSync | None = None, mode: str = "async",
-             contention: bool = True, tick_overhead: float | Sequence[float] = 0.0) -> SimResult:
+             contention: bool = True, tick_overhead: float | Sequence[float] = 0.0,
+             fuse: str | None = None) -> SimResult:
     """Replay ``schedule`` with ``costs`` on ``link`` (see the module docstring).
 
     ``costs``: ``StageCosts`` (per-stage durations and bytes), a mapping kind ->
@@ -196,11 +210,33 @@ def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None =
     (``False``: infinite link capacity; syncs still run one at a time per device).
     ``tick_overhead``: seconds every device spends in every tick besides its task
     (a tick-synchronous runtime's per-tick bookkeeping; one number or one per
-    device); the tick modes only."""
+    device); the tick modes only.
+
+    ``fuse`` (neighbour mode only): how the table is re-timed into fused ticks
+    before the replay, as the SPMD runtime does (``schedules.fused.fuse``). ``None``
+    means ``"auto"``, the runtime's default, chosen exactly as the runtime chooses it
+    (under ``DEFAULT_COST``, whatever ``costs`` says); ``"table"`` replays one task
+    per tick (the table as it is), ``"in-order"`` and ``"forward-ahead"`` force a
+    mode. ``schedule`` may also be a ``FusedSchedule`` (neighbour mode, ``fuse``
+    None): it is replayed as given."""
+    fused = None
+    if isinstance(schedule, FusedSchedule):
+        if mode != "neighbour":
+            raise ConfigError(f"a FusedSchedule is what the SPMD runtime runs: simulate it in mode "
+                              f"'neighbour', not {mode!r} (or pass its .schedule)")
+        if fuse is not None:
+            raise ConfigError(f"simulate got a FusedSchedule and fuse={fuse!r}: the schedule is already "
+                              f"fused; pass fuse=None, or its .schedule with a fuse mode")
+        fused, schedule = schedule, schedule.schedule
     if not isinstance(schedule, Schedule):
         raise ConfigError(f"simulate needs a Schedule, got {type(schedule).__name__}")
     if mode not in MODES:
         raise ConfigError(f"simulate mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if fuse is not None and mode != "neighbour":
+        raise ConfigError(f"fuse={fuse!r} re-times the table as the SPMD runtime does: it applies to "
+                          f"mode 'neighbour' only, not {mode!r}")
+    if fuse is not None and fuse not in FUSE_MODES:
+        raise ConfigError(f"fuse must be one of {', '.join(map(repr, FUSE_MODES))} or None, got {fuse!r}")
     overhead = _per_device(tick_overhead, "tick_overhead", schedule.num_stages)
     if mode == "async" and any(overhead):
         raise ConfigError("tick_overhead is a cost of tick-synchronous runtimes: use mode 'lockstep' "
@@ -216,8 +252,13 @@ def simulate(schedule: Schedule, costs: StageCosts | Mapping | Callable | None =
     cc = _Resolved(costs, schedule)
     if mode == "async":
         return _run_async(schedule, cc, link, dp_sync, contention)
-    run = _run_lockstep if mode == "lockstep" else _run_neighbour
-    return run(schedule, cc, link, dp_sync, contention, overhead)
+    if mode == "lockstep":
+        return _run_lockstep(schedule, cc, link, dp_sync, contention, overhead)
+    _check_ring_neighbours(schedule)
+    how = "given" if fused is not None else (fuse or "auto")
+    if fused is None:
+        fused = fuse_ticks(schedule, how)  # as runtime.tickplan.make_plan calls it: default costs
+    return _run_neighbour(fused, cc, link, dp_sync, contention, overhead, how)
 
 
 def _per_device(value, name: str, p: int) -> list[float]:
@@ -228,13 +269,20 @@ def _per_device(value, name: str, p: int) -> list[float]:
     return [_number(x, f"{name}[{s}]") for s, x in enumerate(value)]
 
 
-def _last_grad_ticks(schedule: Schedule) -> dict[tuple[int, int], int]:
-    """(device, chunk) -> tick of the chunk's last weight-gradient task (BW or W)."""
+def _table_cells(schedule: Schedule):
+    """The table as rows of per-device task tuples, the shape of fused ticks' cells."""
+    return [[() if task is None else (task,) for task in row] for row in schedule.table]
+
+
+def _last_grad_ticks(schedule: Schedule, cells=None) -> dict[tuple[int, int], int]:
+    """(device, chunk) -> tick of the chunk's last weight-gradient task (BW or W).
+    ``cells``: ``[tick][device]`` -> tasks (a fused schedule's); default the table's."""
     last: dict[tuple[int, int], int] = {}
-    for t, row in enumerate(schedule.table):
-        for s, task in enumerate(row):
-            if task is not None and task.kind in (Kind.BW, Kind.W):
-                last[(s, task.chunk)] = t
+    for t, row in enumerate(_table_cells(schedule) if cells is None else cells):
+        for s, cell in enumerate(row):
+            for task in cell:
+                if task is not None and task.kind in (Kind.BW, Kind.W):
+                    last[(s, task.chunk)] = t
     return last
 
 
@@ -267,14 +315,15 @@ def _crossing_bytes(schedule: Schedule, cc: _Resolved) -> list[float]:
     return [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
 
 
-def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None):
+def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None, fused=None):
     """What both tick modes start from: the trace, the network lanes, each chunk's
     last weight-gradient tick (and, per tick, the chunks finished in it), whether
     any activation crosses devices, and the exchange buffer (the largest that does:
-    every exchange sends one of that size) with its lane occupancy."""
-    trace = _Trace(schedule)
+    every exchange sends one of that size) with its lane occupancy. ``fused``: the
+    ``FusedSchedule`` whose ticks are replayed (default: the table's)."""
+    trace = _Trace(schedule, None if fused is None else fused.num_ticks)
     lanes = _Lanes(schedule.num_stages, trace.events)
-    last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    last_grad = _last_grad_ticks(schedule, None if fused is None else fused.cells) if dp is not None else {}
     crossing = _crossing_bytes(schedule, cc)
     buffer = max(crossing, default=0.0)
     return trace, lanes, last_grad, _finished_in(last_grad), bool(crossing), buffer, link.occupancy(buffer)
@@ -384,44 +433,68 @@ def _check_ring_neighbours(schedule: Schedule) -> None:
                               f"or adjacent devices")
 
 
-def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
-                   contention: bool, overhead: Sequence[float]) -> SimResult:
-    """The SPMD runtime as it executes: every device keeps its own clock. In tick ``t``
-    it runs its task (if any) and its bookkeeping, then the two ``ppermute``s one
-    after the other, sending to and receiving from its ring neighbours; it leaves a
-    ppermute once its own message has left its lane and its neighbour's has arrived.
-    Nothing waits for devices further away, so a delay travels one hop per
-    ppermute instead of stopping every device at once. A device sends at most one
-    value per tick (its one task's output), in whichever ppermute goes its way: with
-    a V placement chunk a's activations and chunk b's gradients go to ``s + 1``,
-    chunk b's activations and chunk a's gradients to ``s - 1``; a hand-off within a
-    device (the turn of the V) uses neither."""
-    _check_ring_neighbours(schedule)
+_SHIFTS = (("next", 1), ("prev", -1), ("self", 0))
+
+
+def _direction(src: int, dst: int, p: int) -> str:
+    """The runtime's name for a hop (``tickplan._direction``): the first of next
+    (s + 1), prev (s - 1), self (the same device) that reaches ``dst`` from ``src``."""
+    return next(d for d, k in _SHIFTS if dst == (src + k) % p)
+
+
+def _ppermutes(schedule: Schedule) -> list[int]:
+    """The ring shifts of the ppermutes every tick runs, in the runtime's order
+    (``runtime.ticks``): activations first, then gradients, each with one ppermute
+    per direction some value of that kind goes (next before prev); a hand-off within
+    a device (self) is none. A 1F1B-like placement: [+1, -1]; a V placement on
+    p > 2 devices sends both kinds both ways: [+1, -1, +1, -1]."""
+    p = schedule.num_stages
+    ways: dict[str, set[str]] = {"x": set(), "g": set()}
+    for g in range(schedule.num_global_stages - 1):
+        a, b = schedule.owner(g)[0], schedule.owner(g + 1)[0]
+        ways["x"].add(_direction(a, b, p))
+        ways["g"].add(_direction(b, a, p))
+    return [k for what in ("x", "g") for d, k in _SHIFTS[:2] if d in ways[what]]
+
+
+def _run_neighbour(fused: FusedSchedule, cc: _Resolved, link: Link, dp: DPSync | None,
+                   contention: bool, overhead: Sequence[float], how: str) -> SimResult:
+    """The SPMD runtime as it executes: every device keeps its own clock. In fused
+    tick ``t`` it runs its tasks of the tick one after the other (F, then its
+    backward, then its W; the tick's compute is their sum) and its bookkeeping, then
+    the tick's ppermutes one after the other (``_ppermutes``), sending to and
+    receiving from a ring neighbour; it leaves a ppermute once its own message has
+    left its lane and its neighbour's has arrived. Nothing waits for devices further
+    away, so a delay travels one hop per ppermute instead of stopping every device
+    at once. Every ppermute carries one buffer, whether or not it holds a value."""
+    schedule = fused.schedule
     p = schedule.num_stages
     # Every device sends one buffer, sized for the largest activation that crosses
-    # devices, in each of the two ppermutes of every tick, whether or not it carries
-    # anything (the scan body is the same each tick, the last one included).
-    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    # devices, in each ppermute of every tick, whether or not it carries anything
+    # (the scan body is the same each tick, the last one included).
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp, fused)
+    shifts = _ppermutes(schedule) if crossing else []
     events = trace.events
     clock = [0.0] * p
-    for t, row in enumerate(schedule.table):
+    for t, row in enumerate(fused.cells):
         ready = []
-        for s, task in enumerate(row):
-            d = 0.0 if task is None else trace.compute(cc, t, s, task, clock[s])
-            ready.append(clock[s] + d + overhead[s])
+        for s, cell in enumerate(row):
+            at = clock[s]
+            for task in cell:
+                if task is not None:
+                    at += trace.compute(cc, t, s, task, at)
+            ready.append(at + overhead[s])
         compute_end = list(ready)
-        if crossing:
-            # One ppermute sends to s + 1, the other to s - 1 (both cyclic).
-            for shift in (1, -1):
-                leave = [lanes.claim(s, ready[s]) if contention else ready[s] for s in range(p)]
-                arrive = [leave[s] + occ + link.latency_s for s in range(p)]
-                for s in range(p):
-                    if contention:
-                        lanes.free[s] = leave[s] + occ
-                    lanes.busy[s] += occ
-                    events.append(Event(s, "network", "exchange", leave[s], arrive[s], t,
-                                        peer=(s + shift) % p, nbytes=buffer))
-                ready = [max(leave[s] + occ, arrive[(s - shift) % p]) for s in range(p)]
+        for shift in shifts:
+            leave = [lanes.claim(s, ready[s]) if contention else ready[s] for s in range(p)]
+            arrive = [leave[s] + occ + link.latency_s for s in range(p)]
+            for s in range(p):
+                if contention:
+                    lanes.free[s] = leave[s] + occ
+                lanes.busy[s] += occ
+                events.append(Event(s, "network", "exchange", leave[s], arrive[s], t,
+                                    peer=(s + shift) % p, nbytes=buffer))
+            ready = [max(leave[s] + occ, arrive[(s - shift) % p]) for s in range(p)]
         clock = ready
         if dp is not None and dp.when == "overlap":
             _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), compute_end, dp)
@@ -429,4 +502,4 @@ def _run_neighbour(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | N
         _request_syncs(lanes, schedule, cc, _by_finish(last_grad), clock, dp)
     compute = max(clock, default=0.0)
     lanes.finish()
-    return trace.result("neighbour", max(compute, lanes.last), compute, lanes.busy)
+    return trace.result("neighbour", max(compute, lanes.last), compute, lanes.busy, how)
