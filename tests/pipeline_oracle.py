@@ -1,5 +1,7 @@
 """The unpipelined model as the oracle that every pipeline test is held to."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +25,19 @@ def microbatches(seed: int, m: int, rows: int = 4):
 
 def reference(model, params, inputs, targets):
     """Mean loss over the microbatches and its gradient, one device, no pipeline."""
+    return _reference(nnx.graphdef(model), params, inputs, targets)
+
+
+# The model's structure is a static argument: every test of one model shape and
+# microbatch shape reuses one compiled reference (10 of test_afapab's cases share 2).
+# The microbatches go through ``lax.map`` (one at a time, as a Python loop would, but
+# compiled once instead of m times: the p=4, m=16 reference compiled in ~9 s unrolled).
+@functools.partial(jax.jit, static_argnums=0)
+def _reference(graphdef, params, inputs, targets):
     def loss(prm):
-        merged = nnx.merge(nnx.graphdef(model), prm)
-        return jnp.mean(jnp.stack([merged.loss(inputs[i], targets[i]) for i in range(len(inputs))]))
-    return jax.jit(jax.value_and_grad(loss))(params)
+        per_microbatch = jax.lax.map(lambda xy: nnx.merge(graphdef, prm).loss(*xy), (inputs, targets))
+        return jnp.mean(per_microbatch)
+    return jax.value_and_grad(loss)(params)
 
 
 def assert_matches(loss, grads, ref_loss, ref_grads):
