@@ -1,6 +1,7 @@
 """The simulator's engine: replays of a schedule table in the async, lockstep and
-neighbour modes, the per-device network lanes, and what a replay returns (``Event``,
-``SimResult``). The model and the modes are described in ``sim/__init__.py``.
+neighbour modes (neighbour: of the fused ticks the SPMD runtime runs, ``schedules.fused``),
+the per-device network lanes, and what a replay returns (``Event``, ``SimResult``).
+The model and the modes are described in ``sim/__init__.py``.
 """
 
 from __future__ import annotations
