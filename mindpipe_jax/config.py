@@ -253,7 +253,8 @@ class ParallelConfig:
     subnet: int = 1
     expert: int = 1
     microbatches: int = 1
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab"] = "1f1b"
+    # zbv and dualpipev hold two chunks per device in a V: they need virtual_stages = 2.
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = 1
     # Pipeline memory, one policy for every stage or a list with one per global
     # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as

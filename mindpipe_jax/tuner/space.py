@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 from mindpipe_jax.config import MESH_AXES, Config
 from mindpipe_jax.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "afapab")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "afapab", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per device in a V, always
 REMATS = ("none", "dots", "full")
 
 
@@ -192,8 +193,8 @@ def enumerate_space(cfg: Config, num_devices: int, *,
 
     Axes not listed stay 1. Without a pipeline, schedule and virtual chunks do not
     apply, so those candidates are generated once (``1f1b``, ``v=1``); a schedule
-    that has no virtual chunks (everything but ``interleaved``) is only paired
-    with ``v=1``.
+    that has no virtual chunks (everything but ``interleaved`` and the V schedules)
+    is only paired with ``v=1``, a V schedule (``zbv``, ``dualpipev``) only with ``v=2``.
     """
     for name in axes:
         if name not in MESH_AXES:
@@ -213,7 +214,10 @@ def enumerate_space(cfg: Config, num_devices: int, *,
         pipe_choices = (list(itertools.product(schedules, virtual_stages)) if pipelined
                         else [("1f1b", 1)])
         for (schedule, v), m, remat, batch in itertools.product(pipe_choices, microbatches, remats, batches):
-            if pipelined and v > 1 and schedule != "interleaved":
+            if pipelined and schedule in V_SCHEDULES:
+                if v != 2:
+                    continue
+            elif pipelined and v > 1 and schedule != "interleaved":
                 continue
             if pipelined and schedule == "interleaved" and v == 1:
                 continue

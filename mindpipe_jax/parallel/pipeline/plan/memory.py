@@ -204,15 +204,24 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     width = max(len(r) for r in spans) or 1
     # Per-microbatch bytes beyond the stage input, per layer slot of the padded stage.
+    # A split backward's residual buffer ("split-<policy>") holds the same residuals.
     residual = {r: max((f["per_mb"] - model.act_in[spans[g].start]) / max(len(spans[g]), 1)
-                       for g, f in enumerate(figs) if chosen[g] == r and g != G - 1)
+                       for g, f in enumerate(figs) if chosen[g] == r.removeprefix("split-") and g != G - 1)
                 for r in plan.res_slots}
+    # What a split backward's B stashes for its W, per layer: the cotangents at the
+    # weight-consuming matmuls and the inputs they multiply; estimated (not measured) by
+    # the "dots" residuals, which are those matmuls' outputs (without a dots profile, by
+    # the plain residuals: an upper bound).
+    stash = max(model.prof.dots_residual_bytes or model.prof.residual_bytes, default=0.0)
+    residual.update({r: stash for r in plan.stash_slots})
+    slots = {**plan.res_slots, **plan.stash_slots}
     # n slots, plus the slot each tick reads into the branch and the one it writes back.
-    buffers = {r: (n + 2) * width * residual[r] for r, n in plan.res_slots.items()}
+    buffers = {r: (n + 2) * width * residual[r] for r, n in slots.items()}
     owner = {}
     inflight = sched.peak_in_flight()
-    for r in plan.res_slots:
-        stages = [g for g in range(G - 1) if chosen[g] == r]
+    for r in slots:
+        policy = r.removeprefix("split-").removeprefix("stash-")
+        stages = [g for g in range(G - 1) if chosen[g] == policy] or list(range(G))
         owner[r] = max(stages, key=lambda g: (inflight[g % p], -g))
     act = max(model.act_in)
     e, h = model.prof.embed, model.prof.head

@@ -58,11 +58,20 @@ POLICIES = ("none", "full")
 
 
 def _aval(x):
-    """A ``ShapeDtypeStruct`` of an array, tracer, aval or struct, keeping its manual-axis type."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    a = x if isinstance(x, ShapedArray) else jax.typeof(x)
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, manual_axis_type=a.manual_axis_type)
+    """A ``ShapeDtypeStruct`` of an array, tracer, aval or struct, keeping its manual-axis
+    type (which axes it varies over inside ``shard_map``) but not its sharding: inside a
+    ``shard_map`` with automatic axes the sharding names a mesh the struct cannot carry."""
+    a = x if isinstance(x, ShapedArray | jax.ShapeDtypeStruct) else jax.typeof(x)
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=getattr(a, "manual_axis_type", None))
+
+
+def _example(a):
+    """Zeros of aval ``a``, varying over the manual axes ``a`` varies over: ``make_jaxpr``
+    inside a ``shard_map`` body takes values, not structs carrying manual-axis types."""
+    z = jnp.zeros(a.shape, a.dtype)
+    mat = getattr(a, "manual_axis_type", None)
+    varying = tuple(sorted(mat.varying)) if mat is not None else ()
+    return lax.pcast(z, varying, to="varying") if varying else z
 
 
 def _inexact(x) -> bool:
@@ -118,9 +127,9 @@ class PieceSplit:
                 _, vjp = jax.vjp(lambda p, x: piece(p, x, *aa), p, hh)
                 return pick(*vjp(dy))
 
-        kept_ex = [_aval(a) for a in self.kept_avals]
+        kept_ex = [_example(a) for a in self.kept_avals]
         self.dy_aval = _aval(jax.eval_shape(piece, params, h, *aux))
-        self.fused_jaxpr = jax.make_jaxpr(backward)(flat, kept_ex, self.dy_aval)
+        self.fused_jaxpr = jax.make_jaxpr(backward)(flat, kept_ex, _example(self.dy_aval))
         n_k = len(kept_ex)
         given = [True] * self._n_params + [not stash] * n_k + [False]
         weights = [True] * self._n_params + [False] * (n_k + 1)

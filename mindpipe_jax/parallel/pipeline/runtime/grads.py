@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.pipeline.runtime import fsdp
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     AXIS,
@@ -57,7 +59,7 @@ from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
-                   lockstep: bool | None = None, fuse_mode: str = "auto"):
+                   lockstep: bool | None = None, fuse_mode: str = "auto", param_specs=None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -82,9 +84,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
     None decides from the mesh. ``fuse_mode``: how the table is re-timed into fused
     ticks (``schedules.fused.fuse``; "table" runs one task per tick).
+    ``param_specs``: ``{"embed", "blocks", "head"}`` trees of the parameters' storage
+    ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
+    going in, is gathered once per step inside, and its gradient leaves
+    reduce-scattered (``fsdp.py``). None: every weight enters gathered.
     """
     n_batch = math.prod(mesh.shape[a] for a in BATCH)
-    plan = make_plan(schedule, remat, fuse_mode)
+    # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
+    # uneven stages form the whole vjp in B and in W instead.
+    plan = make_plan(schedule, remat, fuse_mode, split_backward=layout is None or layout.uniform)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     if layout is not None and (layout.p, layout.v) != (p, v):
@@ -100,8 +108,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     # fixed order, so there the ring stays free to overlap the tick.
     serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
 
-    def body(embed_p, blocks_p, head_p, inputs, targets):
+    def body(dims, embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
+        # Sharded over fsdp in storage: gathered once per step here (fsdp.py).
+        embed_p, head_p = fsdp.gather(embed_p, dims["embed"]), fsdp.gather(head_p, dims["head"])
+        blocks_p = fsdp.gather(blocks_p, dims["blocks"], offset=3)  # [1, v, width, *rest]
         # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
         # a branch (a hang) and double-count; varying values keep gradients local.
         embed_p, head_p = _vary(embed_p), _vary(head_p)
@@ -116,18 +127,24 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         acc = _vary({"embed": _zeros_like(embed_p, jnp.float32), "blocks": _zeros_like(chunks, jnp.float32),
                      "head": _zeros_like(head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)})
         res_buf = _vary(tasks.residual_buffers())
+        stash_buf = _vary(tasks.stash_buffers())
         tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep)
-        carry, synced = run_ticks_with_sync(tick, (acc, x_buf, g_buf, res_buf), plan.num_ticks, points,
-                                            n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
-                                            serialize_ring=serialize_ring)
+        carry = (acc, x_buf, g_buf, res_buf, stash_buf)
+        # A chunk's gradient leaves are [width, *rest].
+        carry, synced = run_ticks_with_sync(
+            tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
+            serialize_ring=serialize_ring,
+            mean=lambda g: fsdp.mean_scatter(g, dims["blocks"], BATCH, offset=1),
+            shard=lambda g: fsdp.local_shard(g, dims["blocks"], offset=1))
         # Embed/head gradients live on their owners only (zeros elsewhere): one psum
         # over pipe. Shards hold equal row counts, so the global mean over the batch
         # axes is the mean of the shard means.
         acc = carry[0]
         loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
-        owned = lambda g, x: lax.pmean(lax.psum(g, AXIS), BATCH).astype(x.dtype)  # noqa: E731
-        synced["embed"] = jax.tree.map(owned, acc["embed"], embed_p)
-        synced["head"] = jax.tree.map(owned, acc["head"], head_p)
+        for name, params in (("embed", embed_p), ("head", head_p)):
+            summed = jax.tree.map(lambda g: lax.psum(g, AXIS), acc[name])
+            synced[name] = jax.tree.map(lambda g, x: g.astype(x.dtype),
+                                        fsdp.mean_scatter(summed, dims[name], BATCH), params)
         d_blocks = jax.tree.map(lambda x, *cs: jnp.stack(cs).astype(x.dtype)[None], chunks,
                                 *(synced[c] for c in range(v)))
         return loss, synced["embed"], d_blocks, synced["head"]
@@ -137,9 +154,17 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         stage_layout = layout or StageLayout.even(num_layers, p, v, schedule.placement)
         staged = stage_layout.to_stages(blocks_p)
         rows = P(None, BATCH)
-        fn = jax.shard_map(body, mesh=mesh, axis_names=set(MANUAL),
-                           in_specs=(P(), P(AXIS), P(), rows, rows),
-                           out_specs=(P(), P(), P(AXIS), P()))
+        specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
+        dims = {name: fsdp.dims_of(specs and specs[name], tree)
+                for name, tree in (("embed", embed_p), ("blocks", blocks_p), ("head", head_p))}
+        # A stack leaf [L, *rest] is staged as [p, v, width, *rest]: its dims count in rest.
+        dims["blocks"] = jax.tree.map(lambda d: d - 1 if d >= 0 else d, dims["blocks"])
+        spec_e = jax.tree.map(fsdp.in_spec, dims["embed"])
+        spec_h = jax.tree.map(fsdp.in_spec, dims["head"])
+        spec_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None)), dims["blocks"])
+        fn = jax.shard_map(partial(body, dims), mesh=mesh, axis_names=set(MANUAL),
+                           in_specs=(spec_e, spec_b, spec_h, rows, rows),
+                           out_specs=(P(), spec_e, spec_b, spec_h))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
         return loss, {"embed": d_embed, "blocks": stage_layout.from_stages(d_blocks), "head": d_head}
 

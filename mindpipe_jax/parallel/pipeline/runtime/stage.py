@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mindpipe_jax.parallel.pipeline.runtime.bwsplit import ChunkSplit
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.runtime.spmd import _take, _vary, _zeros_like
-from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, Plan
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, Plan, split_mode
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
 
@@ -82,7 +83,13 @@ class StageTasks:
         self.zero_h = _vary(jnp.zeros(h_shape.shape, h_shape.dtype))
         self.h_shape = h_shape
         self.stores = {r: ResidualStore(residual_fns[r], self.chunk_params(0), self.zero_h)
-                       for r in plan.res_slots}
+                       for r in plan.res_slots if not r.startswith("split-")}
+        # Split backwards (B, then W): one equation-level split per mode (``bwsplit``).
+        layer_of = {"none": fns.layer, "dots": dots, "full": dots}
+        modes = {r.removeprefix("split-") for r in plan.res_slots if r.startswith("split-")}
+        modes |= {r.removeprefix("stash-") for r in plan.stash_slots}
+        self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": _take(self.chunks, 0)}, self.zero_h,
+                                        policy="full" if mode == "full" else "none") for mode in modes}
         self.fill = fill
         self.seed = _vary(jnp.asarray(1.0 / num_microbatches, jnp.float32))
 
@@ -101,7 +108,22 @@ class StageTasks:
                 "head": _zeros_like(self.head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)}
 
     def residual_buffers(self):
-        return {r: self.stores[r].empty(n, self.fill) for r, n in self.plan.res_slots.items()}
+        def empty(r, n):
+            if r.startswith("split-"):
+                return [jnp.full((n, *a.shape), self.fill, a.dtype)
+                        for a in self.splits[r.removeprefix("split-")].kept_avals]
+            return self.stores[r].empty(n, self.fill)
+        return {r: empty(r, n) for r, n in self.plan.res_slots.items()}
+
+    def stash_buffers(self):
+        """What each split mode's B leaves for its W: the kept values the W reads, then the cut."""
+        def avals(mode):
+            split = self.splits[mode]
+            kept = [] if mode == "full" else [a for a, r in zip(split.kept_avals, split.w_reads_kept,
+                                                                  strict=True) if r]
+            return [*kept, *split.cut_avals]
+        return {r: [jnp.full((n, *a.shape), self.fill, a.dtype) for a in avals(r.removeprefix("stash-"))]
+                for r, n in self.plan.stash_slots.items()}
 
     def first_fwd(self, e_params, c_params, tokens, layers):
         return layers(c_params, self.fns.embed(e_params, tokens))
@@ -119,7 +141,11 @@ class StageTasks:
                     return idle(op)
                 c_params = self.chunk_params(task["chunk"])
                 tokens = _take(self.inputs, task["microbatch"])
-                if policy == "full":  # the stage input stays in its slot until the backward
+                if policy.startswith("split-") and policy != "split-full":
+                    h = self.fns.embed(self.embed_p, tokens) if pos == FIRST else x
+                    y, kept = self.splits[policy.removeprefix("split-")].fwd({"layers": c_params}, h)
+                    return {"send": y, "res": {**res, policy: kept}}
+                if policy in ("full", "split-full"):  # the stage input stays in its slot until the backward
                     y = (self.first_fwd(self.embed_p, c_params, tokens, self.run_layers) if pos == FIRST
                          else self.run_layers(c_params, x))
                     return {"send": y, "res": res}
@@ -131,16 +157,89 @@ class StageTasks:
         return self._branches(0, idle, make)
 
     def backward_branches(self):
-        """BW or B: ``op = {task, x, dy, res}`` -> ``{send, grads}``."""
-        return self._branches(1, lambda op: {"send": self.zero_h, "grads": self.zero_grads()},
-                              lambda pos, policy, kind: self._backward(pos, policy, kind))
+        """BW or B: ``op = {task, x, dy, res, stash}`` -> ``{send, grads, stash}``."""
+        def idle(op):
+            return {"send": self.zero_h, "grads": self.zero_grads(), "stash": op["stash"]}
+
+        def make(pos, policy, kind):
+            if policy.startswith("split-"):
+                b = self._split_b(pos, policy.removeprefix("split-"))
+                if kind is Kind.B:
+                    return b
+                # A BW of a stage whose other backwards are split (DualPipeV): its B, then
+                # its W on the stash straight away; the stash buffers are handed back.
+                w = self._split_w(pos, policy.removeprefix("split-"))
+
+                def both(op):
+                    out = b(op)
+                    d_c = w({"task": op["task"], "stash": out["stash"]})["grads"]["chunk"]
+                    return {**out, "grads": {**out["grads"], "chunk": d_c}, "stash": op["stash"]}
+                return both
+            run = self._backward(pos, policy, kind)
+            return lambda op: {**run(op), "stash": op["stash"]}
+        return self._branches(1, idle, make)
 
     def weight_branches(self):
-        """W: ``op = {task, x, dy, res}`` -> ``{grads}``."""
+        """W: ``op = {task, stash}`` (split) or ``{task, x, dy, res}`` -> ``{grads}``."""
         def make(pos, policy, kind):
+            if policy.startswith("split-"):
+                return self._split_w(pos, policy.removeprefix("split-"))
             run = self._backward(pos, policy, kind)
             return lambda op: {"grads": run(op)["grads"]}
         return self._branches(2, lambda op: {"grads": self.zero_grads()}, make)
+
+    # ------------------------------------------------- split backward (B, then W)
+    def _split_b(self, pos, policy):
+        """B of a split stage: the input gradient now, and a stash of exactly what its W
+        reads (``bwsplit``). The first stage's embedding gradient and the last stage's
+        head gradient and loss are formed here (they hang off the B's own values)."""
+        mode = split_mode(policy, pos)
+        split = self.splits[mode]
+        name = "stash-" + mode
+
+        def run(op):
+            task, x, dy, res = op["task"], op["x"], op["dy"], op["res"]
+            c_params = {"layers": self.chunk_params(task["chunk"])}
+            tokens = _take(self.inputs, task["microbatch"])
+            grads = self.zero_grads()
+            if pos == LAST:  # the stage's forward runs here: its layers, then the head's loss
+                tgt = _take(self.targets, task["microbatch"])
+                y, kept = split.fwd(c_params, x)
+                loss, head_vjp = jax.vjp(lambda hp, yy: self.fns.head_loss(hp, yy, tgt), self.head_p, y)
+                grads["head"], dy = head_vjp(self.seed)
+                grads["loss"] = loss.astype(jnp.float32)
+            elif mode == "full":
+                kept = [self.fns.embed(self.embed_p, tokens) if pos == FIRST else x]
+            else:
+                kept = res["split-" + policy]
+            d_x, cut = split.b(c_params, kept, dy)
+            stash = cut if mode == "full" else [
+                k for k, r in zip(kept, split.w_reads_kept, strict=True) if r] + list(cut)
+            if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
+                _, vjp = jax.vjp(self.fns.embed, self.embed_p, tokens)
+                grads["embed"] = vjp(d_x.astype(self.zero_h.dtype))[0]
+            send = self.zero_h if pos == FIRST else d_x
+            return {"send": send, "grads": grads, "stash": {**op["stash"], name: stash}}
+        return run
+
+    def _split_w(self, pos, policy):
+        """W of a split stage: the chunk's weight gradients from its B's stash alone."""
+        mode = split_mode(policy, pos)
+        split = self.splits[mode]
+        name = "stash-" + mode
+        reads = split.w_reads_kept
+        n_kept = 0 if mode == "full" else sum(reads)
+
+        def run(op):
+            task = op["task"]
+            c_params = {"layers": self.chunk_params(task["chunk"])}
+            stash = op["stash"][name]
+            it = iter(stash[:n_kept])
+            kept = [None] * len(reads) if mode == "full" else [next(it) if r else None for r in reads]
+            grads = self.zero_grads()
+            grads["chunk"] = split.w(c_params, kept, stash[n_kept:])["layers"]
+            return {"grads": grads}
+        return run
 
     def _branches(self, part, idle, make):
         keys = self.plan.parts[part].keys

@@ -19,9 +19,14 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, _take
 
 
 def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes,
-                        serialize_ring: bool):
+                        serialize_ring: bool, mean=None, shard=None):
     """Run ticks ``[0, num_ticks)`` from ``carry``; returns ``(carry, synced)`` with
-    ``synced[chunk]`` the chunk's gradient averaged over the batch axes."""
+    ``synced[chunk]`` the chunk's gradient averaged over the batch axes. ``mean``: how
+    a chunk's gradient tree is averaged after the ticks (default ``pmean`` over the
+    batch axes; ``fsdp.mean_scatter`` keeps each device's shard); ``shard``: what a
+    device keeps of a gradient the ring averaged in full (default all of it)."""
+    mean = mean or (lambda tree: jax.tree.map(lambda g: lax.pmean(g, BATCH), tree))
+    shard = shard or (lambda tree: tree)
 
     def run(carry, first, last, ring=None, phase=None, offset=0):
         """Ticks [first, last); with a ring, one of its steps beside each tick."""
@@ -60,7 +65,7 @@ def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bu
             ring, state, done, unflatten, cs = pending
             for k in range(done, ring.num_steps):
                 state = ring.step(state, k)
-            synced.update(zip(cs, unflatten(ring.finish(state)), strict=True))
+            synced.update(zip(cs, [shard(g) for g in unflatten(ring.finish(state))], strict=True))
             pending = None
         grads = [_take(carry[0]["blocks"], c) for c in here]
         if end < num_ticks and n_batch > 1:  # ticks remain: hide the sync behind them
@@ -68,6 +73,5 @@ def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bu
             ring = RingSync(flat.size, BATCH, n_batch, bucket_bytes)
             pending = (ring, ring.start(flat, (AXIS,)), 0, unflatten, here)
         else:
-            synced.update(zip(here, [jax.tree.map(lambda g: lax.pmean(g, BATCH), g) for g in grads],
-                              strict=True))
+            synced.update(zip(here, [mean(g) for g in grads], strict=True))
     return carry, synced

@@ -38,7 +38,18 @@ MID, FIRST, LAST = 0, 1, 2
 REMAT_POLICIES = ("none", "dots", "full")
 DIRECTIONS = ("next", "prev", "self")
 _SHIFT = {"next": 1, "prev": -1, "self": 0}
-_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot")
+_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "stash_slot")
+
+
+def split_mode(policy: str, position: int) -> str:
+    """What a stage whose backward is split into B and W (``bwsplit``) keeps. Its F
+    keeps residuals in buffer ``"split-" + policy`` ("full": only its input); its B
+    stashes what the W reads in buffer ``"stash-" + mode``. The last stage runs its
+    forward inside its B, so it splits the layers it just ran: plain residuals under
+    "none", per-layer "dots" otherwise."""
+    if position == LAST:
+        return "none" if policy == "none" else "dots"
+    return policy
 
 
 def normalize_remat(remat, num_global_stages: int) -> tuple[str, ...]:
@@ -71,8 +82,9 @@ class PartPlan:
     chunk: np.ndarray
     x_slot: np.ndarray  # slot holding the task's stage input
     g_slot: np.ndarray  # slot holding the task's output gradient
-    res_slot: np.ndarray  # slot of the task's residuals in its policy's buffer
-    keys: tuple[tuple[Kind, int, str], ...]
+    res_slot: np.ndarray  # slot of the task's residuals in its buffer
+    stash_slot: np.ndarray  # slot of what a split backward's B leaves for its W
+    keys: tuple[tuple[Kind, int, str], ...]  # (kind, position, buffer mode: policy or "split-" + policy)
 
     def active(self) -> np.ndarray:
         """``[ticks, len(keys)]`` bool: which task kinds some device runs in each tick."""
@@ -98,8 +110,10 @@ class Plan:
     recv: dict[str, dict[str, np.ndarray]]
     x_slots: int
     g_slots: int
-    res_slots: dict[str, int]  # residual policy ("none"/"dots") -> buffer depth
+    res_slots: dict[str, int]  # residual buffer ("none", "dots", "split-none", "split-dots") -> depth
     policies: tuple[str, ...]  # per global stage
+    stash_slots: dict[str, int] = dataclasses.field(default_factory=dict)  # "stash-<mode>" -> depth
+    split: frozenset = frozenset()  # global stages whose backward is split into B and W
 
     @property
     def num_ticks(self) -> int:
@@ -127,10 +141,12 @@ def _colour(intervals: dict) -> tuple[dict, int]:
     return slots, len(free_at)
 
 
-def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto") -> Plan:
+def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_backward: bool = True) -> Plan:
     """``remat``: see ``normalize_remat``; it decides what each global stage keeps
     and for how long, so it shapes the buffers as much as the table does.
-    ``fuse_mode``: how the table is re-timed (``schedules.fused.fuse``)."""
+    ``fuse_mode``: how the table is re-timed (``schedules.fused.fuse``).
+    ``split_backward``: B and W tasks split the backward's equations (``bwsplit``);
+    False: each forms the whole vjp and keeps its half (uneven stages need this)."""
     fused = fuse(schedule, fuse_mode)
     p, ticks = schedule.num_stages, fused.num_ticks
     last_global = schedule.num_global_stages - 1
@@ -146,38 +162,47 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto") -> Plan:
     def keeps_input(g):  # remat "full" re-runs the forward; the last stage runs it in its backward
         return policies[g] == "full" or g == last_global
 
+    # A split stage's W reads only what its B stashed: its input, output gradient and
+    # residuals are free after the B.
+    split = frozenset(g for (kind, _, g) in where if kind is Kind.B and split_backward)
+
+    def input_use(mb, g):
+        return backward_tick(mb, g) if g in split else last_use(mb, g)
+
+    def res_key(g):
+        return ("split-" if g in split else "") + policies[g]
+
     # Lifetimes per device. A stage input lives from its arrival (end of the producer's
     # F tick) to its forward, or to its last backward use when the stage keeps it; the
     # first stage reads tokens, not an input. Residuals live from the forward to the
     # last backward use; output gradients from arrival to the last use.
     x_life = [dict() for _ in range(p)]
     g_life = [dict() for _ in range(p)]
-    res_life = [{r: {} for r in REMAT_POLICIES} for _ in range(p)]
+    res_life = [{} for _ in range(p)]
+    stash_life = [{} for _ in range(p)]
     for (kind, mb, g), (t, s) in where.items():
+        if kind is Kind.B:
+            name = "stash-" + split_mode(policies[g], LAST if g == last_global else MID)
+            stash_life[s].setdefault(name, {})[(mb, g)] = (t, where[(Kind.W, mb, g)][0])
         if kind is not Kind.F:
             continue
         if g > 0:
             t_in = where[(Kind.F, mb, g - 1)][0]
-            x_life[s][(mb, g)] = (t_in, last_use(mb, g) if keeps_input(g) else t)
+            x_life[s][(mb, g)] = (t_in, input_use(mb, g) if keeps_input(g) else t)
         if not keeps_input(g):
-            res_life[s][policies[g]][(mb, g)] = (t, last_use(mb, g))
+            res_life[s].setdefault(res_key(g), {})[(mb, g)] = (t, input_use(mb, g))
         if g < last_global:
-            g_life[s][(mb, g)] = (backward_tick(mb, g + 1), last_use(mb, g))
-    x_slot_of, g_slot_of, res_slot_of = [], [], []
-    x_slots, g_slots, res_slots = 1, 1, {}
+            g_life[s][(mb, g)] = (backward_tick(mb, g + 1), input_use(mb, g))
+    x_slot_of, g_slot_of, res_slot_of, stash_slot_of = [], [], [], []
+    x_slots, g_slots, res_slots, stash_slots = 1, 1, {}, {}
     for s in range(p):
         xs, nx = _colour(x_life[s])
         gs, ng = _colour(g_life[s])
         x_slot_of.append(xs)
         g_slot_of.append(gs)
         x_slots, g_slots = max(x_slots, nx), max(g_slots, ng)
-        rs = {}
-        for r, life in res_life[s].items():
-            if life:
-                slots, n = _colour(life)
-                rs.update(slots)
-                res_slots[r] = max(res_slots.get(r, 0), n)
-        res_slot_of.append(rs)
+        res_slot_of.append(_colour_each(res_life[s], res_slots))
+        stash_slot_of.append(_colour_each(stash_life[s], stash_slots))
 
     shape = (ticks, p)
     arrays = [{n: np.zeros(shape, np.int32) if n in ("branch", "microbatch", "chunk")
@@ -187,7 +212,7 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto") -> Plan:
     recv = {w: {d: np.full(shape, -1, np.int32) for d in DIRECTIONS} for w in ("x", "g")}
     for (kind, mb, g), (t, s) in sorted(where.items(), key=lambda kv: kv[1]):
         position = FIRST if g == 0 else (LAST if g == last_global else MID)
-        part, key = PART_OF[kind], (kind, position, policies[g])
+        part, key = PART_OF[kind], (kind, position, res_key(g))
         if key not in keys[part]:
             keys[part].append(key)
         arr = arrays[part]
@@ -197,6 +222,7 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto") -> Plan:
         arr["x_slot"][t, s] = x_slot_of[s].get((mb, g), -1)
         arr["g_slot"][t, s] = g_slot_of[s].get((mb, g), -1)
         arr["res_slot"][t, s] = res_slot_of[s].get((mb, g), -1)
+        arr["stash_slot"][t, s] = stash_slot_of[s].get((mb, g), -1)
         if kind is Kind.F and g < last_global:
             dest = schedule.owner(g + 1)[0]
             d = _direction(s, dest, p, "forward")
@@ -210,7 +236,19 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto") -> Plan:
     parts = tuple(PartPlan(**arrays[i], keys=tuple(keys[i])) for i in range(len(PARTS)))
     used = {w: {d: a for d, a in send[w].items() if a.any()} for w in send}
     return Plan(fused, parts, used, {w: {d: recv[w][d] for d in used[w]} for w in recv},
-                x_slots, g_slots, res_slots, policies)
+                x_slots, g_slots, res_slots, policies, stash_slots, split)
+
+
+def _colour_each(lives: dict[str, dict], depth: dict[str, int]) -> dict:
+    """Colour each named buffer's lifetimes; ``depth`` keeps the deepest per name.
+    Keys (mb, global stage) are unique per device, so one dict holds every slot."""
+    slot_of = {}
+    for name, life in lives.items():
+        if life:
+            slots, n = _colour(life)
+            slot_of.update(slots)
+            depth[name] = max(depth.get(name, 0), n)
+    return slot_of
 
 
 def _direction(src: int, dst: int, p: int, what: str) -> str:

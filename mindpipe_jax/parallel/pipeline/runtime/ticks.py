@@ -52,10 +52,16 @@ def _lockstep(branch_fns, branch, active_row, operand, after=None):
     return out
 
 
-_ADDS_TO = {"chunk": lambda kind, pos: kind in (Kind.BW, Kind.W),
-            "embed": lambda kind, pos: kind in (Kind.BW, Kind.W) and pos == FIRST,
-            "head": lambda kind, pos: kind in (Kind.BW, Kind.W) and pos == LAST,
-            "loss": lambda kind, pos: kind in (Kind.BW, Kind.B) and pos == LAST}
+def _weights_of(kind, mode):
+    """Does this task form the embedding's / head's gradient? A split stage forms them
+    in its B or BW (they hang off the B's own values, see ``stage._split_b``)."""
+    return kind in ((Kind.B, Kind.BW) if mode.startswith("split-") else (Kind.BW, Kind.W))
+
+
+_ADDS_TO = {"chunk": lambda kind, pos, mode: kind in (Kind.BW, Kind.W),
+            "embed": lambda kind, pos, mode: pos == FIRST and _weights_of(kind, mode),
+            "head": lambda kind, pos, mode: pos == LAST and _weights_of(kind, mode),
+            "loss": lambda kind, pos, mode: kind in (Kind.BW, Kind.B) and pos == LAST}
 
 
 def _gates(plan: Plan) -> dict[tuple[int, str], jax.Array]:
@@ -64,7 +70,7 @@ def _gates(plan: Plan) -> dict[tuple[int, str], jax.Array]:
     gates = {}
     for i, part in enumerate(plan.parts[1:], start=1):
         for name, adds in _ADDS_TO.items():
-            hit = np.asarray([False] + [adds(kind, pos) for kind, pos, _ in part.keys])
+            hit = np.asarray([False] + [adds(kind, pos, mode) for kind, pos, mode in part.keys])
             if hit.any():
                 gates[(i, name)] = jnp.asarray(hit[part.branch])
     return gates
@@ -76,7 +82,7 @@ def _rows(buf, slots):
 
 
 def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
-    """``tick((acc, x_buf, g_buf, res_buf), t) -> (carry, None)`` for ``lax.scan``."""
+    """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``."""
     p = plan.fused.num_stages
     tables = [part.arrays() for part in plan.parts]
     actives = [jnp.asarray(part.active()) for part in plan.parts]
@@ -92,7 +98,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
         return lax.switch(task["branch"], branch_fns[i], operand)
 
     def tick(carry, t):
-        acc, x_buf, g_buf, res_buf = carry
+        acc, x_buf, g_buf, res_buf, stash_buf = carry
         cells = [{k: v[t, stage_idx] for k, v in table.items()} for table in tables]
 
         # Every slot the three parts read, gathered at once per buffer: reads of one
@@ -101,13 +107,17 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
         xs = _rows(x_buf, [jnp.maximum(c["x_slot"], 0) for c in cells])
         dys = _rows(g_buf, [jnp.maximum(c["g_slot"], 0) for c in cells[1:]])
         kept = {r: [_rows(leaf, [at[r] for at in res_at]) for leaf in res_buf[r]] for r in res_buf}
+        stash_at = [{r: jnp.clip(c["stash_slot"], 0, n - 1) for r, n in plan.stash_slots.items()}
+                    for c in cells[1:]]
+        stashed = {r: [_rows(leaf, [at[r] for at in stash_at]) for leaf in stash_buf[r]] for r in stash_buf}
         # A buffer a task does not use lends its slot 0 (a forward hands it back unchanged).
         ops = [{"task": c, "x": xs[i], "res": {r: [leaf[i] for leaf in kept[r]] for r in kept}}
                for i, c in enumerate(cells)]
         for i in (1, 2):
             ops[i]["dy"] = dys[i - 1]
+            ops[i]["stash"] = {r: [leaf[i - 1] for leaf in stashed[r]] for r in stashed}
         f_op, b_op, w_op = ops
-        res_at = res_at[0]
+        res_at, stash_at = res_at[0], stash_at[0]
         f_out = run_part(0, t, f_op, None)
         b_out = run_part(1, t, b_op, f_out if lockstep else None)
         w_out = run_part(2, t, w_op, b_out if lockstep else None)
@@ -123,6 +133,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
             acc[key] = lax.cond(gate[t, stage_idx], add, lambda a: a, acc[key])
 
         res_buf = {r: ResidualStore.write(res_buf[r], res_at[r], f_out["res"][r]) for r in res_buf}
+        stash_buf = {r: ResidualStore.write(stash_buf[r], stash_at[r], b_out["stash"][r]) for r in stash_buf}
         # Every device takes part in every transfer of every tick (outside the branches).
         for what, made, buf_name in (("x", f_out["send"], "x"), ("g", b_out["send"], "g")):
             buf = x_buf if buf_name == "x" else g_buf
@@ -139,6 +150,6 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
                 x_buf = buf
             else:
                 g_buf = buf
-        return (acc, x_buf, g_buf, res_buf), None
+        return (acc, x_buf, g_buf, res_buf, stash_buf), None
 
     return tick

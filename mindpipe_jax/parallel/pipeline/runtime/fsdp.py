@@ -1,0 +1,87 @@
+"""FSDP inside the pipeline: parameters stay sharded over ``fsdp`` going in, are
+gathered once per step on each stage, and their gradients leave reduce-scattered.
+
+The pipeline's ``shard_map`` is manual over ``fsdp`` (a batch axis). Entering it
+with a parameter replicated over ``fsdp`` (``P('pipe')``) made XLA gather every
+weight before the step and hand back gradients averaged over ``fsdp`` in full,
+every device holding the whole stage's gradient. Given the parameters' storage
+specs, the runtime instead takes each weight's ``fsdp``-sharded dimension in
+the ``shard_map`` specs, all-gathers it inside (once per step: MaxText's
+``pipeline_fsdp_ag_once``; the gathered stage is the documented extra buffer,
+one stage's parameters per device) and reduce-scatters the gradient over
+``fsdp`` (then averages over ``data``), so a device's gradient is its shard:
+``1 / (pipe · fsdp)`` of the stack.
+
+Only a dimension whose storage spec names ``fsdp`` first (``'fsdp'`` or
+``('fsdp', ...)``) is sharded this way; any other leaf is gathered as before.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+FSDP = "fsdp"
+
+
+NOT_SHARDED = -1  # not None: None is an empty subtree to jax.tree.map
+
+
+def fsdp_dim(spec) -> int:
+    """The dimension a storage ``PartitionSpec`` shards over ``fsdp`` first, or ``NOT_SHARDED``."""
+    if spec is None:
+        return NOT_SHARDED
+    for i, entry in enumerate(tuple(spec)):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        if axes and axes[0] == FSDP:
+            return i
+    return NOT_SHARDED
+
+
+def dims_of(specs, tree):
+    """Per leaf of ``tree``, its ``fsdp`` dimension read from ``specs`` (a matching tree of
+    ``PartitionSpec`` or ``NamedSharding``); ``NOT_SHARDED`` everywhere when ``specs`` is None."""
+    if specs is None:
+        return jax.tree.map(lambda _: NOT_SHARDED, tree)
+    as_spec = lambda s: getattr(s, "spec", s)  # noqa: E731
+    return jax.tree.map(lambda s, _: fsdp_dim(as_spec(s)), specs, tree,
+                        is_leaf=lambda s: isinstance(s, P) or hasattr(s, "spec"))
+
+
+def in_spec(dim: int, lead=()):
+    """The ``shard_map`` spec of a leaf: ``lead`` (e.g. ``('pipe', None, None)`` for the
+    staged stack) then ``fsdp`` at ``dim`` (counted after ``lead``)."""
+    if dim < 0:
+        return P(*lead)
+    return P(*lead, *([None] * dim), FSDP)
+
+
+def gather(tree, dims, offset: int = 0):
+    """All-gather each leaf over ``fsdp`` along its dimension (+ ``offset``)."""
+    return jax.tree.map(lambda x, d: x if d < 0 else lax.all_gather(x, FSDP, axis=d + offset, tiled=True),
+                        tree, dims)
+
+
+def mean_scatter(tree, dims, batch, offset: int = 0):
+    """The mean over the batch axes, reduce-scattered over ``fsdp`` where a leaf is sharded:
+    each device keeps its shard of the mean."""
+    others = tuple(a for a in batch if a != FSDP)
+
+    def one(g, d):
+        if d < 0:
+            return lax.pmean(g, batch)
+        g = lax.psum_scatter(g, FSDP, scatter_dimension=d + offset, tiled=True) / lax.axis_size(FSDP)
+        return lax.pmean(g, others) if others else g
+    return jax.tree.map(one, tree, dims)
+
+
+def local_shard(tree, dims, offset: int = 0):
+    """This device's ``fsdp`` shard of each (already averaged, replicated) leaf."""
+    def one(g, d):
+        if d < 0:
+            return g
+        n = lax.axis_size(FSDP)
+        size = g.shape[d + offset] // n
+        return lax.dynamic_slice_in_dim(g, lax.axis_index(FSDP) * size, size, axis=d + offset)
+    return jax.tree.map(one, tree, dims)
