@@ -19,9 +19,12 @@ stage input and re-runs the stage's forward in its backward. The last stage's
 forward is folded into its backward (the loss and its gradient are one vjp), so
 its F computes nothing.
 
-Known cost: with a split backward (ZB-H1) the B and the W task each form the
-whole vjp of the stage and keep their half; XLA drops the unused weight half of
-a B, but a W still costs about a full backward (benchmarks/pipeline.py).
+A split backward (B and W tasks: ZB-H1, ZB-V, DualPipeV's B/W) is split at the
+level of its equations (``bwsplit.ChunkSplit``): the F keeps the split's residuals,
+the B computes the input gradient and stashes exactly what the W reads, the W forms
+the weight gradients from that stash alone; B + W execute one backward's work. Only
+uneven stages (padded layer stacks) fall back to a B and a W that each form the
+whole vjp and keep their half (the W then costs about a full backward).
 """
 
 from __future__ import annotations
