@@ -3,7 +3,9 @@
 Usage: ``python determinism_worker.py N OUT.npz [MODES]``. MODES is a
 comma-separated list of ``det`` (``train.deterministic=true``) and ``plain``
 (``train.deterministic=false``), default ``det``; each mode's final params are
-stored under ``"<mode>/<keystr path>"``, gathered to the host.
+stored under ``"<mode>/<keystr path>"``, gathered to the host, and its logged
+losses and gradient norms (float64, one per step) under ``"history/<mode>/loss"`` and
+``"history/<mode>/grad_norm"``.
 
 ``tests/test_determinism.py`` runs one of these per device count, because
 ``jax_num_cpu_devices`` must be set before JAX creates its backend. The same
@@ -66,6 +68,8 @@ def main() -> None:
             if result.mesh.shape["data"] != n:
                 raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have data={n}")
             arrays.update({f"{mode}/{k}": v for k, v in host_params(result.state).items()})
+            for key in ("loss", "grad_norm"):
+                arrays[f"history/{mode}/{key}"] = np.asarray([h[key] for h in result.history], np.float64)
     np.savez(out, **arrays)
 
 
