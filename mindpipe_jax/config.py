@@ -256,6 +256,12 @@ class ParallelConfig:
     # zbv and dualpipev hold two chunks per device in a V: they need virtual_stages = 2.
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "afapab", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = 1
+    # How the schedule's table is re-timed into fused ticks (up to one F, one backward
+    # and one W per device and tick): "auto" picks the fastest under unit task costs;
+    # "table" runs one task per tick (the least memory: 1F1B keeps p microbatches, fused
+    # up to 2p - 1); "in-order", "forward-ahead", "fill" (W's only into bubbles) as in
+    # mindpipe_jax/parallel/pipeline/schedules/fused.py.
+    fuse_ticks: Literal["auto", "table", "in-order", "forward-ahead", "fill"] = "auto"
     # Pipeline memory, one policy for every stage or a list with one per global
     # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as
     # `mindpipe plan` prints it): "none" keeps each microbatch's forward residuals
@@ -643,7 +649,8 @@ _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], 
     (("model.collective_matmul",), lambda c: "parallel.tensor=1" if c.parallel.tensor == 1 else None,
      "set parallel.tensor > 1 (or 0, auto)"),
     (("parallel.schedule", "parallel.virtual_stages", "parallel.stage_remat", "parallel.stage_layers",
-      "parallel.grad_sync", "parallel.repartition_after"), _pipe_is_one, "set parallel.pipe > 1"),
+      "parallel.grad_sync", "parallel.repartition_after", "parallel.fuse_ticks"), _pipe_is_one,
+     "set parallel.pipe > 1"),
     (("parallel.sync_bucket_mb",), _chunk_sync_off,
      "it sizes the chunk-wise gradient sync of a pipeline: set parallel.grad_sync='chunk'"),
     (tuple(f"tuner.{f.name}" for f in dataclasses.fields(TunerConfig) if f.name != "enabled"),

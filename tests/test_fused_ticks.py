@@ -77,19 +77,39 @@ def test_fused_1f1b_reaches_its_asynchronous_bound_and_holds_at_most_2p_minus_1(
         assert max(make_plan(sched, "none").res_slots.values()) <= 2 * p - 1
 
 
+def test_fill_defers_w_into_bubbles_and_auto_follows_measured_costs():
+    # Costs measured on this CPU for one GPT block (ms): B is twice F, so the table's
+    # uniform ticks waste time; "fill" runs F and B together and W where a part is idle.
+    cost = {"F": 3.3, "B": 6.2, "W": 4.3, "BW": 8.5}
+    sched = get_schedule("zb-h1", 8, 32)
+    times = {mode: replay_time(fuse(sched, mode), cost) for mode in FUSE_MODES[1:]}
+    assert times["fill"] < 0.9 * times["table"]
+    assert replay_time(fuse(sched, "auto", cost), cost) == min(times.values())
+    fill, ahead = fuse(sched, "fill"), fuse(sched, "forward-ahead")
+
+    def mean_w_tick(f):
+        ticks = [t for (kind, _, _), t in f.tick_of.items() if kind is Kind.W]
+        return sum(ticks) / len(ticks)
+    assert mean_w_tick(fill) > mean_w_tick(ahead)  # the W's wait for bubbles
+    assert max(fill.peak_live()) <= 2 * 8 - 1
+
+
 def test_fuse_mode_is_checked():
     with pytest.raises(ValueError, match="fuse mode 'eager' is not one of auto, table"):
         fuse(get_schedule("1f1b", 2, 4), "eager")
 
 
-@pytest.mark.parametrize("name,p,m,v,remat", [("zbv", 2, 4, 2, False), ("dualpipev", 2, 4, 2, True),
-                                              ("1f1b", 4, 8, 1, "dots")])
-def test_fused_and_v_schedules_equal_unpipelined(name, p, m, v, remat):
+@pytest.mark.parametrize("name,p,m,v,remat,mode", [("zbv", 2, 4, 2, False, "auto"),
+                                                   ("dualpipev", 2, 4, 2, True, "auto"),
+                                                   ("1f1b", 4, 8, 1, "dots", "auto"),
+                                                   ("zb-h1", 4, 8, 1, False, "fill")])
+def test_fused_and_v_schedules_equal_unpipelined(name, p, m, v, remat, mode):
     model, params = tiny_gpt(p * v)
     inputs, targets = microbatches(p * m + 1, m)
     ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
-    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat, nan_bubbles=True)
+    run = pipeline_grads(stage_fns(model), get_schedule(name, p, m, v), mesh, remat=remat, nan_bubbles=True,
+                         fuse_mode=mode)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     assert_matches(loss, grads, ref_loss, ref_grads)

@@ -59,7 +59,8 @@ from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
-                   lockstep: bool | None = None, fuse_mode: str = "auto", param_specs=None):
+                   lockstep: bool | None = None, fuse_mode: str = "auto", fuse_cost=None,
+                   param_specs=None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -82,8 +83,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
     (None: one bucket), i.e. at most bucket/d bytes per tick and device.
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
-    None decides from the mesh. ``fuse_mode``: how the table is re-timed into fused
-    ticks (``schedules.fused.fuse``; "table" runs one task per tick).
+    None decides from the mesh. ``fuse_mode``, ``fuse_cost``: how the table is re-timed
+    into fused ticks (``schedules.fused.fuse``; "table" runs one task per tick; "auto"
+    picks the fastest under ``fuse_cost``, e.g. measured F/B/W/BW times).
     ``param_specs``: ``{"embed", "blocks", "head"}`` trees of the parameters' storage
     ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
     going in, is gathered once per step inside, and its gradient leaves
@@ -92,7 +94,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     n_batch = math.prod(mesh.shape[a] for a in BATCH)
     # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
     # uneven stages form the whole vjp in B and in W instead.
-    plan = make_plan(schedule, remat, fuse_mode, split_backward=layout is None or layout.uniform)
+    plan = make_plan(schedule, remat, fuse_mode, split_backward=layout is None or layout.uniform,
+                     fuse_cost=fuse_cost)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     if layout is not None and (layout.p, layout.v) != (p, v):

@@ -141,13 +141,14 @@ def _colour(intervals: dict) -> tuple[dict, int]:
     return slots, len(free_at)
 
 
-def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_backward: bool = True) -> Plan:
+def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_backward: bool = True,
+              fuse_cost=None) -> Plan:
     """``remat``: see ``normalize_remat``; it decides what each global stage keeps
     and for how long, so it shapes the buffers as much as the table does.
-    ``fuse_mode``: how the table is re-timed (``schedules.fused.fuse``).
+    ``fuse_mode``, ``fuse_cost``: how the table is re-timed (``schedules.fused.fuse``).
     ``split_backward``: B and W tasks split the backward's equations (``bwsplit``);
     False: each forms the whole vjp and keeps its half (uneven stages need this)."""
-    fused = fuse(schedule, fuse_mode)
+    fused = fuse(schedule, fuse_mode, fuse_cost)
     p, ticks = schedule.num_stages, fused.num_ticks
     last_global = schedule.num_global_stages - 1
     policies = normalize_remat(remat, schedule.num_global_stages)

@@ -103,7 +103,7 @@ def _inputs(kind: Kind, mb: int, g: int, last: int) -> list[Key]:
     return [(Kind.F, mb, g)] + ([(Kind.B, mb, g + 1)] if g < last else [])
 
 
-FUSE_MODES = ("auto", "table", "in-order", "forward-ahead")
+FUSE_MODES = ("auto", "table", "in-order", "forward-ahead", "fill")
 
 
 def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
@@ -114,14 +114,18 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
     lets a device's forwards run ahead of its backwards while it holds fewer than
     ``2·peak − 1`` microbatches (``peak``: the table's peak live activations on
     that device), which is what fusing 1F1B needs (stage 0 holds 2p − 1 at most)
-    and otherwise keeps each kind in table order; ``"auto"`` takes whichever of the
-    three the tick-synchronous replay (``replay_time``) finds fastest under
-    ``cost`` (default: ``DEFAULT_COST``), the one holding fewer microbatches on a tie.
+    and otherwise keeps each kind in table order; ``"fill"`` is forward-ahead with
+    the weight gradients deferred: a device runs a W only in a tick where its F or its
+    backward part is empty (a bubble), or when it holds more pending W's than the
+    table does at its peak; ``"auto"`` takes whichever of the others the
+    tick-synchronous replay (``replay_time``) finds fastest under ``cost`` (default:
+    ``DEFAULT_COST``; pass measured costs where known: the best mode depends on them),
+    the one holding fewer microbatches on a tie.
     """
     if mode not in FUSE_MODES:
         raise ScheduleError(f"fuse mode {mode!r} is not one of {', '.join(FUSE_MODES)}")
     if mode == "auto":
-        options = [fuse(schedule, m) for m in FUSE_MODES[1:]]
+        options = [fuse(schedule, m) for m in FUSE_MODES[1:] if m != "fill" or _has_w(schedule)]
         return min(options, key=lambda f: (round(replay_time(f, cost), 9), max(f.peak_live())))
     p, last = schedule.num_stages, schedule.num_global_stages - 1
     order = [[task for _, task in schedule.tasks_of(s)] for s in range(p)]
@@ -132,11 +136,13 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
         queues = [[list(tasks)] for tasks in order]
         cap = [None] * p
     else:
-        queues = [[[t for t in tasks if t.kind is Kind.F], [t for t in tasks if t.kind is not Kind.F]]
-                  for tasks in order]
+        kinds = ((Kind.F,), (Kind.B, Kind.BW, Kind.W)) if mode == "forward-ahead" else \
+            ((Kind.F,), (Kind.B, Kind.BW), (Kind.W,))
+        queues = [[[t for t in tasks if t.kind in ks] for ks in kinds] for tasks in order]
         cap = [2 * n - 1 for n in schedule.peak_live_activations()]
+    pending_cap = schedule.peak_pending_weight_grads()
     done: dict[Key, tuple[int, int, int]] = {}  # key -> (tick, device, part)
-    live = [0] * p
+    live, pending = [0] * p, [0] * p
     cells = []
     while any(q for qs in queues for q in qs):
         t = len(cells)
@@ -152,15 +158,23 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
                         break
                     if task.kind is Kind.F and cap[s] is not None and live[s] >= cap[s]:
                         break
+                    if (mode == "fill" and task.kind is Kind.W and row[s][0] is not None
+                            and row[s][1] is not None and pending[s] <= pending_cap[s]):
+                        break  # no bubble in this tick to fill, and the backlog is within the table's
                     row[s][part] = task
                     done[(Kind.B if task.kind is Kind.BW else task.kind, task.microbatch, g)] = (t, s, part)
                     live[s] += {Kind.F: 1, Kind.B: -1, Kind.BW: -1}.get(task.kind, 0)
+                    pending[s] += {Kind.B: 1, Kind.W: -1}.get(task.kind, 0)
                     queue.pop(0)
         if not any(any(c) for c in row):  # cannot happen for a valid table (see module docstring)
             raise AssertionError(f"fusing {schedule.name} made no progress at fused tick {t}")
         cells.append(tuple(tuple(c) for c in row))
     cells = tuple(cells)
     return FusedSchedule(schedule, cells, _tick_of(schedule, cells))
+
+
+def _has_w(schedule: Schedule) -> bool:
+    return any(task is not None and task.kind is Kind.W for row in schedule.table for task in row)
 
 
 def _cell(task: Task | None) -> tuple[Task | None, Task | None, Task | None]:
