@@ -282,12 +282,12 @@ def vpipe_plan(cfg, budget_bytes, fns, mesh, step_args):
 
     tried = []
 
-    def compiled_temp(remat, counts):
+    def compiled_temp(remat, counts, fuse_mode):
         run = pipeline_grads(fns, get_schedule("1f1b", P, M), mesh, remat=remat,
-                             layout=StageLayout(counts, P, 1))
+                             layout=StageLayout(counts, P, 1), fuse_mode=fuse_mode)
         with jax.set_mesh(mesh):
             temp = jax.jit(run).lower(*step_args).compile().memory_analysis().temp_size_in_bytes
-        tried.append((remat, counts, temp))
+        tried.append((remat, counts, fuse_mode, temp))
         return temp
 
     profile = measure_layer_costs(cfg, microbatch=ROWS, dots=True)
@@ -391,19 +391,22 @@ def table1(args, out):
         else:
             schedule = get_schedule(sched[0], P, M, sched[1])
             G = schedule.num_global_stages
-            counts, layout = (layers // G,) * G, None
+            counts, layout, fuse_mode = (layers // G,) * G, None, "auto"
             if remat == "plan":
                 plan, tried = vpipe_plan(cfg, baseline_temp, fns, mesh, step_args)
                 counts, layout, remat = plan.counts, plan.layout(), ",".join(plan.remat)
-                steps = "; ".join(f"{'/'.join(r)} {list(c)}: {t / 2**20:.1f} MB" for r, c, t in tried)
+                fuse_mode = plan.fuse_ticks
+                steps = "; ".join(f"{'/'.join(r)} {list(c)} fused {f}: {t / 2**20:.1f} MB"
+                                  for r, c, f, t in tried)
                 plan_note = (f"vPipe plan: partition(measure_layer_costs(...), p={P}, m={M}, 1f1b, "
                              f"remat_options=none/dots/full, memory budget = GPipe-autodiff+remat's "
                              f"temp {baseline_temp / 2**20:.1f} MB, param_copies=1 (the step holds "
                              f"gradients, no optimizer state), each candidate compiled to check it fits) "
-                             f"chose layers {list(plan.counts)} and remat {list(plan.remat)}. "
+                             f"chose layers {list(plan.counts)}, remat {list(plan.remat)} and fused ticks "
+                             f"'{plan.fuse_ticks}'. "
                              f"Candidates compiled: {steps}.")
             policies = tuple(remat.split(",")) if "," in remat else (remat,) * G
-            run = pipeline_grads(fns, schedule, mesh, remat=policies, layout=layout)
+            run = pipeline_grads(fns, schedule, mesh, remat=policies, layout=layout, fuse_mode=fuse_mode)
             bubble = schedule.bubble_fraction_weighted()
             split = split_stages(schedule, layout is None or layout.uniform)
             work = {k: runtime_work(schedule, policies, counts, c, split) for k, c in (("units", units),

@@ -341,17 +341,38 @@ def test_measured_memory_decides_the_fit():
     budget = 0.5 * modelled.spmd_memory_bytes
     calls = []
 
-    def measure(remat, counts):
+    def measure(remat, counts, fuse_mode="auto"):
         calls.append((remat, counts))
         return 1.6 * partmem.spmd_memory(
             partmem.StageModel(prof, 4, False), get_schedule("1f1b", 4, 8),
-            [range(sum(counts[:g]), sum(counts[:g + 1])) for g in range(4)], list(remat), PARAM_COPIES)[0]
+            [range(sum(counts[:g]), sum(counts[:g + 1])) for g in range(4)], list(remat), PARAM_COPIES,
+            fuse_mode)[0]
 
     by_model = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=budget)
     measured = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=budget,
                          measure_memory=measure)
-    assert measure(by_model.remat, by_model.counts) > budget  # the model's plan does not fit
+    # the model's plan does not fit
+    assert measure(by_model.remat, by_model.counts, by_model.fuse_ticks) > budget
     assert calls and measured.spmd_memory_bytes <= budget
-    assert measured.spmd_memory_bytes == pytest.approx(measure(measured.remat, measured.counts))
+    assert measured.spmd_memory_bytes == pytest.approx(measure(measured.remat, measured.counts,
+                                                               measured.fuse_ticks))
     leaner = sum(map(REMAT_POLICIES.index, measured.remat))
     assert leaner > sum(map(REMAT_POLICIES.index, by_model.remat))
+
+
+def test_a_tight_budget_trades_fused_ticks_for_lighter_remat():
+    # Fused 1F1B keeps up to 2p - 1 microbatches on stage 0, one task per tick p. Under a
+    # budget where fused ticks need "full" on three stages but the table fits "dots"
+    # everywhere, the plan runs the table with "dots" (less recompute, faster replay) and
+    # says so in its config line.
+    prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
+                         residual_bytes=8e6, dots_residual_bytes=3e6, dots_recompute_s=0.25)
+    opts = ("none", "dots", "full")
+    fused_only = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=60e6, fuse_modes=("auto",))
+    plan = partition(prof, p=4, m=8, remat_options=opts, memory_budget_bytes=60e6)
+    assert "full" in fused_only.remat and fused_only.fuse_ticks == "auto"
+    assert plan.fuse_ticks == "table" and "full" not in plan.remat
+    assert plan.spmd_memory_bytes <= 60e6 and sum(plan.recompute_s) < sum(fused_only.recompute_s)
+    assert "parallel.fuse_ticks=table" in plan.table()
+    with pytest.raises(ConfigError, match="fuse_modes \\['eager'\\] must be"):
+        partition(prof, p=4, m=8, fuse_modes=("eager",))

@@ -285,7 +285,7 @@ def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
     profile = measure_layer_costs(cfg.model, microbatch=microbatch)
     plan = partition(profile, p=mesh.shape["pipe"], v=par.virtual_stages, m=par.microbatches,
-                     schedule=par.schedule)
+                     schedule=par.schedule, fuse_modes=(par.fuse_ticks,))  # the runtime keeps its mode
     return tuple(plan.counts)
 
 

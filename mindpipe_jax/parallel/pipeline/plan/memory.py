@@ -192,7 +192,8 @@ def describe_stages(spans, gs, G, name_stages: bool = False) -> str:
     return "; ".join(parts)
 
 
-def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies: float):
+def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies: float,
+                fuse_mode: str = "auto"):
     """(bytes per device, {policy: buffer bytes, and which stage sets its depth}) as
     the SPMD runtime lays them out: one program, so every buffer is as deep as its
     deepest stage and as wide as its widest; all parameters of a device's stages
@@ -200,7 +201,7 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
     p, G = sched.num_stages, sched.num_global_stages
-    plan = make_plan(sched, tuple(chosen))
+    plan = make_plan(sched, tuple(chosen), fuse_mode)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     width = max(len(r) for r in spans) or 1
     # Per-microbatch bytes beyond the stage input, per layer slot of the padded stage.
@@ -233,18 +234,20 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
 
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,
-              measure: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None):
+              measure: Callable[[tuple[str, ...], tuple[int, ...], str], float] | None = None,
+              fuse_mode: str = "auto"):
     """Make the SPMD runtime fit the budget: while it does not, move the stage whose
     next leaner policy in ``options`` saves the most modelled bytes per second of
-    recompute added. "Fits" is judged by ``measure(remat, counts)`` (e.g. the compiled
-    program's temp bytes) when given, else by the model (``spmd_memory``).
+    recompute added. "Fits" is judged by ``measure(remat, counts, fuse_mode)`` (e.g. the
+    compiled program's temp bytes) when given, else by the model (``spmd_memory``),
+    for the runtime re-timing the table with ``fuse_mode`` (``schedules.fused``).
     Returns (policies, the figure that was judged)."""
     chosen = list(chosen)
     counts = tuple(len(r) for r in spans)
     less = {"none": ("dots", "full"), "dots": ("full",)}
     while True:
-        modelled, _ = spmd_memory(model, sched, spans, chosen, param_copies)
-        total = float(measure(tuple(chosen), counts)) if measure is not None else modelled
+        modelled, _ = spmd_memory(model, sched, spans, chosen, param_copies, fuse_mode)
+        total = float(measure(tuple(chosen), counts, fuse_mode)) if measure is not None else modelled
         if budget is None or total <= budget:
             return chosen, total
         # A move: stage g, with every stage of the same policy holding at least as many
@@ -262,7 +265,7 @@ def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, 
             trial = chosen.copy()
             for k in group:
                 trial[k] = nxt
-            saved = modelled - spmd_memory(model, sched, spans, trial, param_copies)[0]
+            saved = modelled - spmd_memory(model, sched, spans, trial, param_copies, fuse_mode)[0]
             if saved <= 0:
                 continue
             added = sum(model.stage(k, spans[k].start, spans[k].stop, nxt)["time"]

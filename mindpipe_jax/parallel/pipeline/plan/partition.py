@@ -54,6 +54,7 @@ from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel, measure_l
 from mindpipe_jax.parallel.pipeline.plan.result import PipelinePlan
 from mindpipe_jax.parallel.pipeline.plan.search import lex_less, split_dp
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, get_schedule, interleaved_placement
+from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES
 from mindpipe_jax.sim import Link, SimResult, StageCosts, simulate
 
 __all__ = ["ProfiledModel", "PipelinePlan", "measure_layer_costs", "partition", "REMAT_POLICIES",
@@ -70,8 +71,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
               memory_budget_bytes: float | None = None, remat_options: Sequence[str] = ("none", "full"),
               param_copies: float = PARAM_COPIES, link: Link | float | None = None,
               fit_spmd: bool = True,
-              measure_memory: Callable[[tuple[str, ...], tuple[int, ...]], float] | None = None
-              ) -> PipelinePlan:
+              measure_memory: Callable[[tuple[str, ...], tuple[int, ...], str], float] | None = None,
+              fuse_modes: Sequence[str] = ("auto", "table")) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
     each stage; see ``memory`` for the cost and memory model.
 
@@ -98,10 +99,15 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     With ``fit_spmd`` (the default) the SPMD runtime then gets the same budget
     checked against its own buffers (``memory.fit_spmd_budget``), which can move a stage to a
     policy that keeps less; ``fit_spmd=False`` keeps the per-device optimum (what
-    a runtime with per-device buffers would run). ``measure_memory(remat, counts)``,
-    when given, replaces the model in that check with a measurement (the bytes per
-    device of the compiled step for those policies and layer counts — the
-    ahead-of-time check the tuner uses), and ``spmd_memory_bytes`` is then measured.
+    a runtime with per-device buffers would run). ``measure_memory(remat, counts,
+    fuse_mode)``, when given, replaces the model in that check with a measurement (the
+    bytes per device of the compiled step for those policies, layer counts and fused
+    ticks — the ahead-of-time check the tuner uses), and ``spmd_memory_bytes`` is then
+    measured. Fused ticks can hold more microbatches than the table (fused 1F1B: 2p − 1
+    on stage 0, not p), so each of ``fuse_modes`` gets its own fit, and the plan keeps
+    the one whose fused-tick replay (the simulator's neighbour mode, with the recompute
+    each fit needs) is fastest: under a tight budget one task per tick with light remat
+    can beat fused ticks that need "full" (``fuse_ticks``, ``parallel.fuse_ticks``).
     """
     if not isinstance(profile, ProfiledModel):
         raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
@@ -128,6 +134,10 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         raise ConfigError("partition: remat 'dots' needs a profile with dots_residual_bytes and "
                           "dots_recompute_s (measure_layer_costs(..., dots=True))")
     options = tuple(o for o in REMAT_POLICIES if o in options)   # usually fastest first: none, dots, full
+    fuse_modes = (fuse_modes,) if isinstance(fuse_modes, str) else tuple(fuse_modes)
+    if not fuse_modes or any(f not in FUSE_MODES for f in fuse_modes):
+        raise ConfigError(f"partition: fuse_modes {list(fuse_modes)} must be a non-empty subset of "
+                          f"{list(FUSE_MODES)}")
     budget = None
     if memory_budget_bytes is not None:
         ok = isinstance(memory_budget_bytes, int | float) and not isinstance(memory_budget_bytes, bool)
@@ -178,8 +188,19 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     def predict(costs: StageCosts) -> dict[str, SimResult]:
         return {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
 
-    chosen, spmd = fit_spmd_budget(model, sched, spans, chosen, options, budget if fit_spmd else None,
-                             param_copies, measure_memory)
+    fits = []
+    for mode in dict.fromkeys(fuse_modes):
+        try:
+            fit = fit_spmd_budget(model, sched, spans, chosen, options, budget if fit_spmd else None,
+                                  param_copies, measure_memory, fuse_mode=mode)
+        except ConfigError:
+            if mode == fuse_modes[-1] and not fits:
+                raise
+            continue
+        fig_list = [model.stage(g, spans[g].start, spans[g].stop, fit[0][g]) for g in range(G)]
+        replay = simulate(sched, stage_costs(fig_list), link=link, mode="neighbour", fuse=mode).step_time
+        fits.append((replay, len(fits), mode, fit))
+    _, _, fuse_mode, (chosen, spmd) = min(fits)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     memory = memory_per_device(sched, spans, figs, param_copies)
     costs = stage_costs(figs)
@@ -195,7 +216,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
-        even_split=even, costs=costs, simulations=sims, note=profile.note)
+        even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode)
 
 
 def _interleaved_split(model: StageModel, sched: Schedule, options, budget, param_copies, inflight):

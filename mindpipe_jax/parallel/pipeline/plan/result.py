@@ -50,6 +50,7 @@ class PipelinePlan:
     costs: StageCosts = field(repr=False)
     simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
     note: str = ""
+    fuse_ticks: str = "auto"  # how the runtime re-times the table (schedules.fused) under this plan
 
     @property
     def num_layers(self) -> int:
@@ -118,8 +119,10 @@ class PipelinePlan:
         out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (every device holds "
                    f"each remat policy's buffer as deep as its deepest stage needs, and embed + head)")
         remat = "[" + ", ".join(f'"{r}"' for r in self.remat) + "]"
+        fuse = "" if self.fuse_ticks == "auto" else f", fuse_mode={self.fuse_ticks!r}"
+        fuse_key = "" if self.fuse_ticks == "auto" else f" parallel.fuse_ticks={self.fuse_ticks}"
         out.append(f"run it: pipeline_grads(..., remat={tuple(self.remat)}, "
-                   f"layout=StageLayout({self.counts}, {self.p}, {self.v})); "
+                   f"layout=StageLayout({self.counts}, {self.p}, {self.v}){fuse}); "
                    f"train: parallel.stage_layers={list(self.counts)} "
-                   f"parallel.stage_remat='{remat}'")
+                   f"parallel.stage_remat='{remat}'{fuse_key}")
         return "\n".join(out)
