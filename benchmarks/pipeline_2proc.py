@@ -4,9 +4,15 @@ Two worker processes on 127.0.0.1 (``jax.distributed``, one CPU device each,
 ``--xla_cpu_multi_thread_eigen=false``, each pinned to its own core when the
 machine has two) form a mesh ``pipe=2`` and run the vPipe runtime
 (``runtime.pipeline_grads``, residual mode) on the reference GPT, split in two
-stages, for several schedules and microbatch counts. The parent process calibrates
-the simulator on some of those runs, predicts the step time of the others with
-``simulate(..., mode="neighbour")`` and prints measured against predicted.
+stages, for several schedules, fuse modes and microbatch counts, as the runtime
+runs them now: fused ticks (``fuse_mode``, default "auto": per tick a device runs
+up to one F, one backward and one W) and, for zb-h1, B and W split at the equation
+level (``runtime/bwsplit.py``). The parent process calibrates the simulator on some
+of those runs, predicts the step time of the others with the fused neighbour
+replay (``simulate(fused, mode="neighbour")`` of the very ``FusedSchedule`` that
+``tickplan.make_plan`` gives the runtime) and prints measured against predicted,
+and per device the replay's busy / waiting time in the tick loop against the
+profiled one (and each process's CPU time per call).
 
 Measurement. Every configuration is compiled once, warmed up, then called once
 per round (in a new shuffled order each round) for ``--rounds`` rounds: the load
@@ -16,7 +22,9 @@ hit every configuration alike.
 a ``psum`` over both processes, so both see the same time).
 
 Calibration (only the runs marked ``calibration``: every schedule at m = 2, and
-gpipe at m = 3):
+gpipe at m = 3, all with fuse mode "table", one task per tick, so that a tick's busy
+time is one task's; zb-h1's B and W ticks then run the split B and W branches the
+fused runs run, so their costs are those of what each branch executes):
 
 * Per-task costs, in the runtime form that is predicted. In every round the
   calibration runs are also called once under ``jax.profiler``; the XLA CPU
@@ -42,14 +50,19 @@ gpipe at m = 3):
   measured - simulated - ``b x`` over the calibration runs.
 
 Prediction: ``neighbour`` simulates what the runtime does (per-device clocks; every
-tick each device runs its task and bookkeeping, then two ppermutes in a row, and
-waits only for its ring neighbours); ``lockstep`` is the global-barrier model
-(one overlapped exchange per tick) for comparison. Both get the same costs; each
-gets ``a_v`` from its own simulation. The error is (predicted - measured) / measured.
+fused tick each device runs its tasks, one after the other, and bookkeeping, then
+two ppermutes in a row, and waits only for its ring neighbours); ``1/tick`` replays
+the same costs one task per tick (``fuse="table"``, the model before fused ticks)
+for comparison. Both get the same costs; each gets ``a_v`` from its own
+simulation. The error is (predicted - measured) / measured.
 
-``--diagnose`` also profiles the predicted runs and prints how each task's busy
-time there compares with the calibration runs (for explaining errors; the
-predictions never use it).
+Per device: every run is also profiled once per round; the busy time of a device
+(its ticks outside the ppermutes, summed) and its ppermute time are set beside the
+replay's busy time (tasks + ``tick_overhead``) and the rest of its step. Each
+process also records its CPU time (``time.process_time``) per unprofiled call.
+
+``--diagnose`` prints how each task's busy time in the predicted runs compares
+with the calibration runs (for explaining errors; the predictions never use it).
 
 Usage: ``python benchmarks/pipeline_2proc.py [--rounds 12] [--out FILE] [--smoke]``.
 """
@@ -86,20 +99,26 @@ SMOKE = dict(vocab=64, seq=16, d_model=32, heads=2, layers=4, rows=4)
 def configurations(smoke: bool) -> list[dict]:
     """(schedule, m, v, role). The calibration runs cover every (device, task kind,
     global stage) the predicted runs use."""
-    def c(name, m, v=1, role="prediction"):
-        return dict(key=f"{name} v={v} m={m}", schedule=name, m=m, v=v, role=role)
+    def c(name, m, v=1, role="prediction", fuse="auto"):
+        return dict(key=f"{name} {fuse} v={v} m={m}", schedule=name, m=m, v=v, role=role, fuse=fuse)
 
     if smoke:   # two compiles only: the test that runs this must stay short
-        return [c("gpipe", 2, role="calibration"), c("1f1b", 4)]
+        return [c("gpipe", 2, role="calibration", fuse="table"), c("1f1b", 4)]
     # The m = 2 run of every schedule. Not m = 1: with one buffer slot XLA elides the
     # per-tick slot copies (an idle tick costs half), a regime no predicted run is in.
     # And a task's cost on this machine depends on what the other core runs meanwhile
     # (shared caches and memory; other jobs move to whichever core idles), so the
     # calibration runs should show the predicted runs' pairings of tasks. gpipe at
     # m = 3 adds a bigger buffer for the slope of the set-up.
+    # The calibration runs run one task per tick (fuse mode "table"), so that a tick's
+    # busy time is one task's (plus the tick's bookkeeping); the predicted runs run the
+    # runtime's default fused ticks ("auto"), and for comparison zb-h1 with "fill" (W's
+    # only into bubbles) and 1f1b with "table" (the unfused table).
     schedules = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-    calib = [c(name, 2, v, role="calibration") for name, v in schedules] + [c("gpipe", 3, role="calibration")]
+    calib = [c(name, 2, v, role="calibration", fuse="table") for name, v in schedules]
+    calib.append(c("gpipe", 3, role="calibration", fuse="table"))
     preds = [c(name, m, v) for name, v in schedules for m in (4, 8)]
+    preds += [c("zb-h1", m, fuse="fill") for m in (4, 8)] + [c("1f1b", m, fuse="table") for m in (4, 8)]
     return calib + preds
 
 
@@ -173,6 +192,7 @@ def worker(args) -> None:
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.contract import stage_fns
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
     dims = spec["dims"]
     cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
@@ -188,13 +208,14 @@ def worker(args) -> None:
     replicated = NamedSharding(mesh, P())
     weights = jax.device_put((params["embed"], params["blocks"], params["head"]), replicated)
     result = {"process": args.worker, "load": [os.getloadavg()[0]], "profiles": {}, "temp_bytes": {},
-              "times": {}, "probe": {}}
+              "times": {}, "cpu": {}, "probe": {}}
 
     # Both processes compile and call the same executables in the same order (SPMD).
     compiled = {}
     for c in spec["configs"]:
         sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
-        run = pipeline_grads(fns, sched, mesh, remat=False)
+        run = pipeline_grads(fns, sched, mesh, remat=False, fuse_mode=c["fuse"])
+        ticks = make_plan(sched, False, c["fuse"]).num_ticks   # the fused ticks the runtime runs
 
         def step(*a, run=run):
             return run(*a)
@@ -207,9 +228,10 @@ def worker(args) -> None:
         with jax.set_mesh(mesh):
             exe = jax.jit(step).lower(*step_args).compile()
         result["temp_bytes"][c["key"]] = exe.memory_analysis().temp_size_in_bytes
-        profiled = c["role"] == "calibration" or spec["diagnose"]
-        names = tick_loop_names(exe.as_text(), sched.num_ticks) if profiled else None
-        compiled[c["key"]] = (exe, step_args, sched.num_ticks, names)
+        # Every run is profiled: the predicted runs' per-device busy time (outside the
+        # ppermutes) is compared with the replay's.
+        names = tick_loop_names(exe.as_text(), ticks)
+        compiled[c["key"]] = (exe, step_args, ticks, names)
         for _ in range(2):   # warm-up
             jax.block_until_ready(exe(*step_args))
         log(f"{c['key']}: compiled and warmed up in {time.perf_counter() - t0:.1f} s")
@@ -258,9 +280,11 @@ def worker(args) -> None:
         sync_global_devices(f"time {r}")
         for key in order:
             exe, step_args, _, _ = compiled[key]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(exe(*step_args))
             result["times"].setdefault(key, []).append(time.perf_counter() - t0)
+            # This process's CPU time in the call (all its threads; one core each).
+            result["cpu"].setdefault(key, []).append(time.process_time() - c0)
         path = _trace_file(trace_dir)
         for key, (_, _, ticks, names) in compiled.items():
             if names is not None:
@@ -283,26 +307,36 @@ def worker(args) -> None:
 
 
 # ====================================================================== parent
-def _task_key(schedule, t: int, s: int):
-    task = schedule.table[t][s]
-    return "idle" if task is None else (task.kind.value, schedule.global_stage(s, task.chunk))
+def fused_plan(c: dict):
+    """The fused schedule the runtime runs for configuration ``c`` (as
+    ``pipeline_grads`` makes it: ``tickplan.make_plan`` with the default fuse cost)."""
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+    return make_plan(get_schedule(c["schedule"], 2, c["m"], c["v"]), False, c["fuse"]).fused
+
+
+def _task_key(fused, t: int, s: int):
+    """``"idle"``, ``(kind, global stage)`` for a tick running one task, or a tuple of
+    them for a fused tick running several."""
+    sched = fused.schedule
+    keys = tuple((task.kind.value, sched.global_stage(s, task.chunk)) for task in fused.cells[t][s] if task)
+    return "idle" if not keys else keys[0] if len(keys) == 1 else keys
 
 
 def busy_samples(configs: list[dict], results: list[dict]) -> dict[tuple, list[float]]:
     """(v, device, task key) -> busy seconds of that device in the ticks running that
     task (key ``(kind, global stage)`` or ``"idle"``) in the profiled calls of ``configs``."""
-    from mindpipe_jax.parallel.pipeline import get_schedule
-
     samples: dict[tuple, list[float]] = {}
     first: dict[tuple, list[float]] = {}     # the same, from tick 0
     for c in configs:
-        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        fused = fused_plan(c)
         for s in range(2):
             for call in results[s]["profiles"][c["key"]]:
-                for t in range(sched.num_ticks):
+                for t in range(fused.num_ticks):
                     # Tick 0 also pays the loop entry: used only for a task seen nowhere else.
                     into = samples if t else first
-                    into.setdefault((c["v"], s, _task_key(sched, t, s)), []).append(call["busy"][t])
+                    into.setdefault((c["v"], s, _task_key(fused, t, s)), []).append(call["busy"][t])
     for key, xs in first.items():
         samples.setdefault(key, xs)
     return samples
@@ -311,7 +345,6 @@ def busy_samples(configs: list[dict], results: list[dict]) -> dict[tuple, list[f
 def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
     """Costs for the simulator from the calibration runs (see the module docstring)."""
     from mindpipe_jax.errors import ConfigError
-    from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.sim import Link, StageCosts, fit_alpha_beta
 
     # Means, not medians, of per-tick samples: a step is a sum of many ticks, and the
@@ -328,7 +361,7 @@ def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
         G = 2 * v
         table = {k: [0.0] * G for k in ("F", "B", "W", "BW")}
         for (vv, s, key), xs in samples.items():
-            if vv == v and key != "idle":
+            if vv == v and key != "idle" and isinstance(key[0], str):   # one task per tick
                 kind, g = key
                 table[kind][g] = max(mean(xs) - overhead[s], 0.0)
         costs = StageCosts(F=table["F"], B=table["B"], W=table["W"], BW=table["BW"],
@@ -346,7 +379,7 @@ def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
         note = " (times did not grow with size: no bandwidth term)"
     waits = []
     for c in calib:
-        ticks = get_schedule(c["schedule"], 2, c["m"], c["v"]).num_ticks
+        ticks = fused_plan(c).num_ticks
         for a, b in zip(results[0]["profiles"][c["key"]], results[1]["profiles"][c["key"]], strict=True):
             for t in range(1, ticks):
                 waits.append((a if a["busy"][t] >= b["busy"][t] else b)["ppermute"][t])
@@ -357,21 +390,47 @@ def calibrate(configs: list[dict], results: list[dict], dims: dict) -> dict:
 
 
 def predict(configs, results, cal) -> list[dict]:
-    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES, fuse
     from mindpipe_jax.sim import simulate
 
     rows = []
     for c in configs:
-        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        fused = fused_plan(c)   # the runtime's fused ticks
+        sched = fused.schedule
+        picked = c["fuse"]
+        if picked == "auto":    # which mode "auto" picked (the same cells)
+            picked = next((m for m in FUSE_MODES[1:] if fuse(sched, m).cells == fused.cells), "?")
         lay = cal["layouts"][c["v"]]
-        sim = {mode: simulate(sched, lay["costs"], link=cal["link"], mode=mode, tick_overhead=lay["overhead"])
-               for mode in ("neighbour", "lockstep")}
+        kw = dict(link=cal["link"], mode="neighbour", tick_overhead=lay["overhead"])
+        # "neighbour": the fused ticks as the runtime runs them (the prediction);
+        # "table": the same costs replayed one task per tick (the pre-fusion model).
+        sim = {"neighbour": simulate(fused, lay["costs"], **kw),
+               "table": simulate(sched, lay["costs"], fuse="table", **kw)}
         times = results[0]["times"][c["key"]]
         q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
-        rows.append(dict(c, ticks=sched.num_ticks, measured=statistics.median(times), q1=q[0], q3=q[2],
+        nb = sim["neighbour"]
+        # Per device, in the tick loop: the replay's busy time (tasks + per-tick
+        # bookkeeping) and the rest of its step (waiting + transfers), against the
+        # profiled busy time (outside the ppermutes) and ppermute time, and the CPU time.
+        # Busy over ticks >= 1: tick 0 also runs the loop's entry (copying the carried
+        # buffers in), which the model counts in the set-up, not in the tick.
+        per_device = []
+        for d in range(2):
+            profs = results[d]["profiles"].get(c["key"], [])
+            ov = lay["overhead"][d]
+            tick0 = ov + (nb.end[0][d] - nb.start[0][d] if nb.start[0][d] is not None else 0.0)
+            per_device.append(dict(
+                sim_busy=nb.busy[d] + fused.num_ticks * ov - tick0,
+                sim_idle=nb.step_time - nb.busy[d] - fused.num_ticks * ov,
+                busy=statistics.median(sum(x["busy"][1:]) for x in profs) if profs else float("nan"),
+                wait=statistics.median(sum(x["ppermute"]) for x in profs) if profs else float("nan"),
+                cpu=statistics.median(results[d]["cpu"][c["key"]]),
+                wall=statistics.median(results[d]["times"][c["key"]])))
+        rows.append(dict(c, ticks=fused.num_ticks, table_ticks=sched.num_ticks, picked=picked,
+                         measured=statistics.median(times), q1=q[0], q3=q[2],
                          calls=len(times), temp=results[0]["temp_bytes"][c["key"]],
                          sim={k: r.step_time for k, r in sim.items()},
-                         util=sim["neighbour"].utilization))
+                         util=nb.utilization, per_device=per_device))
     # The set-up the simulator does not model, a_v + b * temp MiB. The slope b: least
     # squares of what a calibration call spends before the tick loop and in tick 0
     # (where the loop copies its carried buffers in), from the profile of device 0,
@@ -389,7 +448,7 @@ def predict(configs, results, cal) -> list[dict]:
     if np.linalg.matrix_rank(design) == design.shape[1] and len(calib) > design.shape[1]:
         b = float(np.linalg.lstsq(design, np.array(entry), rcond=None)[0][-1])
     cal["setup"] = {}
-    for mode in ("neighbour", "lockstep"):
+    for mode in ("neighbour", "table"):
         a = {v: statistics.median(r["measured"] - r["sim"][mode] - b * r["temp"] / 2**20
                                   for r in calib if r["v"] == v) for v in vs}
         cal["setup"][mode] = dict(a=a, b_per_MiB=b)
@@ -405,8 +464,9 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
     rounds = len(next(iter(results[0]["times"].values())))
     print(f"Model: reference GPT, {dims['layers']} layers (d_model {dims['d_model']}, {dims['heads']} heads, "
           f"vocab {dims['vocab']}), seq {dims['seq']}, microbatch {dims['rows']} rows, fp32; p=2 stages on "
-          f"2 processes (127.0.0.1, one CPU device and one core each), vPipe runtime, residual mode "
-          f"(remat=False). {rounds} rounds; load average {results[0]['load'][0]:.1f} at the start, "
+          f"2 processes (127.0.0.1, one CPU device and one core each), vPipe runtime (fused ticks, "
+          f"equation-level B/W split for zb-h1), residual mode (remat=False). "
+          f"{rounds} rounds; load average {results[0]['load'][0]:.1f} at the start, "
           f"{results[0]['load'][1]:.1f} at the end.", file=out)
     print("\nCalibration (from the calibration runs only):", file=out)
     for v, lay in cal["layouts"].items():
@@ -436,25 +496,61 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
     print("  profiler check, calibration runs, profiled / unprofiled call (median): "
           + ", ".join(f"{p / u:.2f}" for p, u in prof), file=out)
 
-    head = (f"\n{'schedule':<12} {'v':>1} {'m':>2} {'ticks':>5} {'role':<11} {'measured ms':>11} "
-            f"{'IQR ms':>13} {'neighbour ms':>12} {'err':>6} {'lockstep ms':>11} {'err':>6} "
-            f"{'set-up ms':>9} {'util':>9}")
+    head = (f"\n{'schedule':<17} {'v':>1} {'m':>2} {'ticks':>5} {'role':<11} {'measured ms':>11} "
+            f"{'IQR ms':>13} {'neighbour ms':>12} {'err':>6} {'1/tick ms':>9} {'err':>6} "
+            f"{'set-up ms':>9} {'util':>9} {'fused as':<13}")
     print(head, file=out)
     print("-" * len(head), file=out)
     for r in rows:
         err = {k: (p - r["measured"]) / r["measured"] for k, p in r["pred"].items()}
         util = "/".join(f"{u:.2f}" for u in r["util"])
-        print(f"{r['schedule']:<12} {r['v']:>1} {r['m']:>2} {r['ticks']:>5} {r['role']:<11} "
+        name = f"{r['schedule']}/{r['fuse']}"
+        print(f"{name:<17} {r['v']:>1} {r['m']:>2} {r['ticks']:>5} {r['role']:<11} "
               f"{ms(r['measured']):>11} {ms(r['q1']) + '-' + ms(r['q3']):>13} "
               f"{ms(r['pred']['neighbour']):>12} "
-              f"{err['neighbour']:>+6.1%} {ms(r['pred']['lockstep']):>11} {err['lockstep']:>+6.1%} "
-              f"{ms(r['setup']['neighbour']):>9} {util:>9}", file=out)
+              f"{err['neighbour']:>+6.1%} {ms(r['pred']['table']):>9} {err['table']:>+6.1%} "
+              f"{ms(r['setup']['neighbour']):>9} {util:>9} {r['picked']:<13}", file=out)
     preds = [r for r in rows if r["role"] == "prediction"]
-    for mode in ("neighbour", "lockstep"):
+    for mode, what in (("neighbour", "fused neighbour replay (the prediction)"),
+                       ("table", "one task per tick replay (comparison)")):
         errs = [abs(r["pred"][mode] - r["measured"]) / r["measured"] for r in preds]
         inside = sum(e <= 0.15 for e in errs)
-        print(f"{mode}: predictions within +-15%: {inside}/{len(errs)}; max |err| {max(errs):.1%}, "
+        print(f"{what}: predictions within +-15%: {inside}/{len(errs)}; max |err| {max(errs):.1%}, "
               f"mean |err| {statistics.mean(errs):.1%}", file=out)
+    print("(schedule/fuse mode as run; ticks: fused ticks; fused as: the mode the runtime's 'auto' "
+          "picked. neighbour: simulate(mode='neighbour') of the runtime's fused ticks + set-up; 1/tick: "
+          "the same costs replayed one task per tick (fuse='table'), as before the runtime fused; util: "
+          "simulated per-device utilization, device 0/1. measured: median over rounds of process 0's wall "
+          "time per call; IQR: its quartiles.)", file=out)
+
+    print("\nPer device, tick loop only (neighbour replay vs the profiled calls, medians over rounds), ms: "
+          "busy = the device's work in ticks >= 1 (sim: tasks + per-tick bookkeeping; measured: everything "
+          "outside the ppermutes in the XLA trace; tick 0 also pays the loop entry, which the model puts "
+          "in the set-up), wait = the rest of the loop, all ticks (sim: step - busy; measured: time in "
+          "the ppermutes: waiting for the other device + transfers); cpu / wall: process CPU time "
+          "(time.process_time) and wall time of an unprofiled call, whole step.", file=out)
+    head = (f"{'schedule':<17} {'m':>2} {'dev':>3} {'sim busy':>8} {'busy':>8} {'err':>6} {'sim wait':>8} "
+            f"{'wait':>8} {'cpu':>8} {'wall':>8} {'cpu/wall':>8}")
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    busy_errs = []
+    for r in rows:
+        for d, x in enumerate(r["per_device"]):
+            e = (x["sim_busy"] - x["busy"]) / x["busy"]
+            if r["role"] == "prediction":
+                busy_errs.append(abs(e))
+            print(f"{r['schedule'] + '/' + r['fuse']:<17} {r['m']:>2} {d:>3} {ms(x['sim_busy']):>8} "
+                  f"{ms(x['busy']):>8} {e:>+6.1%} {ms(x['sim_idle']):>8} {ms(x['wait']):>8} "
+                  f"{ms(x['cpu']):>8} {ms(x['wall']):>8} {x['cpu'] / x['wall']:>8.2f}", file=out)
+    print(f"per-device busy, predicted runs: max |err| {max(busy_errs):.1%}, mean |err| "
+          f"{statistics.mean(busy_errs):.1%}", file=out)
+    cpu_ratio = statistics.median(x["cpu"] / x["wall"] for r in rows for x in r["per_device"])
+    print(f"(process CPU time / wall time, median {cpu_ratio:.2f}: "
+          + ("a process that waits in a ppermute spins on its core (CPU time ~ wall time), so CPU time "
+             "does not separate work from waiting here; the trace's busy time does."
+             if cpu_ratio > 0.9 else
+             "CPU time excludes most of the waiting; it also counts the set-up outside the tick loop.")
+          + ")", file=out)
     if args.diagnose:
         seen = busy_samples(preds, results)
         base = busy_samples([c for c in configs if c["role"] == "calibration"], results)
@@ -466,23 +562,23 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
                 name = key if key == "idle" else f"{key[0]} g{key[1]}"
                 print(f"  v={v} device {s} {name:<6} {ms(was):>7} -> {ms(now):>7} ({now / was - 1:+.0%}, "
                       f"{len(xs)} ticks)", file=out)
-    print("(util: simulated per-device utilization, busy task time / step time, device 0/1. "
-          "measured: median over rounds of process 0's wall time per call; IQR: its quartiles.)", file=out)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=12, help="calls per configuration (round-robin)")
-    parser.add_argument("--budget-s", type=float, default=900.0,
+    parser.add_argument("--budget-s", type=float, default=360.0,
                         help="stop the rounds early (at least 3) when they would take longer than this")
     parser.add_argument("--probe-repeats", type=int, default=20)
-    parser.add_argument("--timeout-s", type=float, default=3600.0, help="hard limit for the two workers")
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="hard limit for the two workers")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and 3 runs: checks the script")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--out", default=None, help="also write the output to this file")
     parser.add_argument("--raw", default=None, help="write every measurement (JSON) to this file")
+    parser.add_argument("--from-raw", default=None,
+                        help="analyse the measurements a --raw file saved instead of measuring again")
     parser.add_argument("--diagnose", action="store_true",
-                        help="also profile the predicted runs and print their per-task busy times")
+                        help="also print the predicted runs' per-task busy times against the calibration's")
     add_worker_args(parser)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -501,8 +597,14 @@ def main(argv=None):
     start = time.perf_counter()
     cpu_header(out, f"mindpipe_jax 2-process pipeline benchmark (simulator vs measurement), {args.date}",
                "benchmarks/pipeline_2proc.py", argv)
-    results = launch(__file__, "pipeline_2proc", spec, args.timeout_s)
-    if args.raw:
+    if args.from_raw:
+        saved = json.loads(Path(args.from_raw).read_text())
+        spec, results = saved["spec"], saved["results"]
+        dims, configs = spec["dims"], spec["configs"]
+        print(f"(measurements read from {args.from_raw}, not taken again)", file=out)
+    else:
+        results = launch(__file__, "pipeline_2proc", spec, args.timeout_s)
+    if args.raw and not args.from_raw:
         Path(args.raw).parent.mkdir(parents=True, exist_ok=True)
         Path(args.raw).write_text(json.dumps(dict(spec=spec, results=results)))
     cal = calibrate(configs, results, dims)

@@ -16,13 +16,13 @@ SCRIPT = ROOT / "benchmarks" / "pipeline_2proc.py"
 
 
 def _rows(text: str) -> list[dict]:
-    """The result table's rows: schedule v m ticks role measured IQR neighbour err lockstep err ..."""
+    """The result table's rows: schedule/fuse v m ticks role measured IQR neighbour err 1/tick err ..."""
     rows = []
     for line in text.splitlines():
         cells = line.split()
         if len(cells) >= 11 and cells[4] in ("calibration", "prediction"):
             rows.append(dict(schedule=cells[0], role=cells[4], measured=float(cells[5]),
-                             neighbour=float(cells[7]), lockstep=float(cells[9])))
+                             neighbour=float(cells[7]), table=float(cells[9])))
     return rows
 
 
@@ -34,6 +34,7 @@ def test_two_process_benchmark_prints_measured_and_predicted(tmp_path):
     rows = _rows(text)
     assert {r["role"] for r in rows} == {"calibration", "prediction"}, text
     for r in rows:
-        for key in ("measured", "neighbour", "lockstep"):
+        for key in ("measured", "neighbour", "table"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
     assert "predictions within +-15%" in text
+    assert "per-device busy, predicted runs" in text
