@@ -120,13 +120,19 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
     table does at its peak; ``"auto"`` takes whichever of the others the
     tick-synchronous replay (``replay_time``) finds fastest under ``cost`` (default:
     ``DEFAULT_COST``; pass measured costs where known: the best mode depends on them),
-    the one holding fewer microbatches on a tie.
+    the one holding fewer microbatches on a tie. Without ``cost``, ``"auto"`` takes
+    the mode whose worst slowdown against the best mode over ``COST_PROFILES`` is
+    smallest: a plain table is best only when F, B and W cost exactly the same, and
+    measured costs rarely do (a 2-process ZB-H1 on this CPU ran 1.4x faster "fill"
+    than as its table, benchmarks/pipeline_2proc.py).
     """
     if mode not in FUSE_MODES:
         raise ScheduleError(f"fuse mode {mode!r} is not one of {', '.join(FUSE_MODES)}")
     if mode == "auto":
         options = [fuse(schedule, m) for m in FUSE_MODES[1:] if m != "fill" or _has_w(schedule)]
-        return min(options, key=lambda f: (round(replay_time(f, cost), 9), max(f.peak_live())))
+        if cost is not None:
+            return min(options, key=lambda f: (round(replay_time(f, cost), 9), max(f.peak_live())))
+        return min(options, key=lambda f: (round(worst_slowdown(f, options), 9), max(f.peak_live())))
     p, last = schedule.num_stages, schedule.num_global_stages - 1
     order = [[task for _, task in schedule.tasks_of(s)] for s in range(p)]
     if mode == "table":
@@ -187,6 +193,24 @@ def _cell(task: Task | None) -> tuple[Task | None, Task | None, Task | None]:
 def _tick_of(schedule: Schedule, cells) -> dict[Key, int]:
     return {(task.kind, task.microbatch, schedule.global_stage(s, task.chunk)): t
             for t, row in enumerate(cells) for s, cell in enumerate(row) for task in cell if task is not None}
+
+
+# Task costs a layer plausibly has (F = 1): the textbook F = B = W, a backward twice the
+# forward split evenly or not, and measured CPU ratios (benchmarks/pipeline.py).
+COST_PROFILES = ({"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 1.0, "B": 2.0, "W": 1.0},
+                 {"F": 1.0, "B": 1.5, "W": 1.5}, {"F": 1.0, "B": 1.0, "W": 2.0},
+                 {"F": 1.0, "B": 2.0, "W": 2.0}, {"F": 1.3, "B": 1.5, "W": 1.4})
+
+
+def worst_slowdown(fused: FusedSchedule, options) -> float:
+    """The largest ratio, over ``COST_PROFILES``, of ``fused``'s replay time to the best of
+    ``options`` (other fusings of the same schedule) under the same costs."""
+    worst = 0.0
+    for profile in COST_PROFILES:
+        cost = {**profile, "BW": profile["B"] + profile["W"]}
+        best = min(replay_time(f, cost) for f in options)
+        worst = max(worst, replay_time(fused, cost) / best)
+    return worst
 
 
 def replay_time(fused: FusedSchedule, cost=None) -> float:
