@@ -46,8 +46,8 @@ from mindpipe_jax.train.step import nonfinite_leaf_names
 # once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
 pytestmark = pytest.mark.xdist_group("reliability")
 
-# A kill lands at step 5-12, after the first checkpoint and well before the end: the
-# resumed run trains (and checkpoints) over at least the last half of the 24 steps.
+# SIGKILL from step 5-12 on, after the first checkpoint and well before the end of the
+# 24 steps, which the resumed run then trains (and checkpoints).
 STEPS = 24
 EVERY = 4
 BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
