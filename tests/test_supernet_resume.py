@@ -53,7 +53,9 @@ HERE = (*TINY, "parallel.simulate_cpu_devices=0")  # in this process: conftest's
 # it with a 6-step run the schedule is constant here; the child-process tests below
 # keep train.steps and use the decaying schedule.
 CONSTANT_LR = "optim.min_lr_ratio=1.0"
-STEPS, EVERY = 40, 4  # the child processes: enough steps to kill one between checkpoints
+# The child processes: SIGKILL or SIGTERM from step 2-12 on (SIGKILL after the first
+# checkpoint), well before the end of the 24 steps, which the resumed run then trains.
+STEPS, EVERY = 24, 4
 KILL = (*TINY, f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}")
 TIMEOUT_S = 240
 
