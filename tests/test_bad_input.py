@@ -27,6 +27,10 @@ from mindpipe_jax.cli import main
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.checkpoint import COMMIT_MARKER
 
+# Every row copies the module's finished run: one xdist worker runs them all, so the
+# run is trained once, not once per worker (pytest -n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("bad_input")
+
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         "train.global_batch=16", "train.steps=2", "train.progress=false", "train.eval_every=0",
         "train.tensorboard=false", "parallel.simulate_cpu_devices=0")

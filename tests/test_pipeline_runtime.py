@@ -102,6 +102,7 @@ TINY = ("model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.seq_le
 
 @pytest.fixture(scope="module")
 def unpipelined(tmp_path_factory):
+    # The tests that compare with it share one xdist worker (xdist_group below): trained once.
     out = tmp_path_factory.mktemp("ref")
     return mp.train(None, None, mp.Config(), *TINY, f"train.out_dir={out}", "parallel.data=8")
 
@@ -119,6 +120,7 @@ def unpipelined(tmp_path_factory):
      "parallel.sync_bucket_mb=0.01"),
 ], ids=["1f1b-pipe2xdata2xtensor2", "zbh1-pipe4xdata2", "interleaved-pipe2xfsdp4", "uneven-1+3-pipe2xdata4",
         "afapab-pipe2xdata2xtensor2"])
+@pytest.mark.xdist_group("pipelined_training")
 def test_pipelined_training_matches_unpipelined(tmp_path, layout, unpipelined):
     ref = unpipelined
     got = mp.train(None, None, mp.Config(), *TINY, f"train.out_dir={tmp_path / 'pipe'}", *layout)

@@ -22,6 +22,10 @@ from mindpipe_jax.cli import main
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet import search_checkpoint
 
+# Every test reads the module's `mindpipe supernet` run: one xdist worker runs them all,
+# so the run is trained once, not once per worker (pytest -n 2 --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("search_cli")
+
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         'data.source="synthetic"', "data.synthetic_tokens=65536", "train.global_batch=16",
         "parallel.tensor=1", "parallel.simulate_cpu_devices=0")
