@@ -360,11 +360,3 @@ class EParaTuning:
         return OnlineTuner.from_state(cfg, candidate_of(cfg, mesh), len(jax.devices()), saved,
                                       lr_gain=lr_gain, step_model=step_model)
 
-
-def train(model=None, data=None, config: Config | None = None, *overrides: str,
-          step_model: StepModel | None = None):
-    """``mindpipe_jax.train``: the training loop (``train.loop.train``, same arguments) with
-    EPara's online tuner plugged in for ``tuner.enabled`` and for resuming tuned runs."""
-    from mindpipe_jax.train.loop import train as train_loop
-
-    return train_loop(model, data, config, *overrides, step_model=step_model, tuning=EParaTuning())
