@@ -39,8 +39,9 @@ B_noise grows as the loss falls (McCandlish et al. sec. 3), so estimates taken a
 different steps differ by design: on a tiny GPT (d_model 64, 2 layers, batch 32 in 4
 microbatches, EMA 0.9, three seeds) plain B_noise went 0.6 -> 44-52 and the
 preconditioned one 13-19 -> 70-88 from step 20/40 to step 100, the seeds within
-±11% of each other at step 100; the recorded online benchmark's estimates rise the
-same way over its 1500 steps (8.3 at step 100, 38.6 at the end).
+±11% of each other at step 100. The online benchmark's 8.3 (step 100 of one run)
+and 38.6 (the end of another) are two points of such a rise: replaying its recorded
+history with this estimator gives 5.5 at step 170 and 30-60 after step 900.
 
 Statistical efficiency of a batch ``B`` relative to a base batch ``b0`` (the
 samples a batch of ``b0`` needs for some progress, over what ``B`` needs; Pollux,
