@@ -67,8 +67,7 @@ def estimate_b_noise(cfg: Config, *, steps: int = 30, microbatches: int = 4, mod
                 arrays = {k: jax.device_put(np.asarray(v), built.batch_sharding) for k, v in host.items()}
                 state, metrics = built.jitted(state, arrays)
                 m = jax.device_get(metrics)
-                noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]), float(m["batch"]),
-                             float(m["grad_norm"]) ** 2)
+                noise.update_from_metrics(m)  # Adam's preconditioned noise scale (tuner/noise.py)
                 losses.append(float(m["loss"]))
                 history.append(noise.b_noise)
     finally:
