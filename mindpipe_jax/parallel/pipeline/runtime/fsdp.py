@@ -80,6 +80,18 @@ def mean_scatter(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):
     return jax.tree.map(one, tree, dims)
 
 
+def scatter_first(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):
+    """The first half of ``mean_scatter``, for a sync that runs the rest as a ring over the
+    other batch axes: a leaf sharded over ``fsdp`` is reduce-scattered over it (its mean
+    over ``fsdp``, still to be averaged over the others); any other leaf is averaged over
+    all of ``batch`` at once."""
+    def one(g, d):
+        if d < 0:
+            return ringsync.mean(g, batch, wire_dtype)
+        return ringsync.reduce_scatter(g, FSDP, d + offset, wire_dtype) / lax.axis_size(FSDP)
+    return jax.tree.map(one, tree, dims)
+
+
 def local_shard(tree, dims, offset: int = 0):
     """This device's ``fsdp`` shard of each (already averaged, replicated) leaf."""
     def one(g, d):

@@ -49,7 +49,7 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     needs_lockstep,
 )
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
-from mindpipe_jax.parallel.pipeline.runtime.tickloop import run_ticks_with_sync
+from mindpipe_jax.parallel.pipeline.runtime.tickloop import OwnedShards, run_ticks_with_sync
 from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 from mindpipe_jax.parallel.pipeline.runtime.ticks import make_tick
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
@@ -144,6 +144,14 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     # fixed order, so there the ring stays free to overlap the tick.
     serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
 
+    def owned_shards(dims, specs):
+        """What the chunk ring carries: with weights sharded over fsdp, their shards only."""
+        ring = tuple(d >= 0 for d in jax.tree.leaves(dims))
+        if mesh.shape[fsdp.FSDP] == 1 or not any(ring):
+            return None
+        first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
+        return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
+
     def body(dims, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
         # Sharded over fsdp in storage: gathered once per step here (fsdp.py).
@@ -173,7 +181,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             mean=lambda g: on_shards(
                 lambda t: fsdp.mean_scatter(t, dims["blocks"], BATCH, offset=1, wire_dtype=wire),
                 g, auto_specs["blocks"]),
-            shard=lambda g: fsdp.local_shard(g, dims["blocks"], offset=1))
+            owned=owned_shards(dims["blocks"], auto_specs["blocks"]))
         # Embed/head gradients live on their owners only (zeros elsewhere): one psum
         # over pipe. Shards hold equal row counts, so the global mean over the batch
         # axes is the mean of the shard means.

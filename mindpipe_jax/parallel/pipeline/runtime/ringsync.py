@@ -5,13 +5,15 @@ while the rest of the step still computes. One ``pmean`` issued after the
 chunk's last backward leaves the overlap to the compiler's scheduler (XLA:CPU
 moves it to the end of the step). Here it is in the program itself. The
 chunk's gradients, flattened into one fp32 vector cut into ``buckets`` of ``d``
-pieces (``d`` = data × fsdp devices), are reduced by a ring reduce-scatter:
-``d - 1`` steps per bucket, each sending one piece to the next device on the
-ring; the runtime runs one step per tick of its loop, beside that tick's compute
-and pipeline transfers. Then, one bucket per tick, an all-gather of the reduced
-pieces makes the result whole again — an all-gather rather than more ring steps
-because its result is the same on every batch device in JAX's type system
-(``to="invarying"``), as the ``shard_map`` output needs; a ring's is not.
+pieces (``d`` = data × fsdp devices; ``data`` alone for weights stored sharded
+over ``fsdp``, whose shards are reduce-scattered first: ``tickloop.OwnedShards``),
+are reduced by a ring reduce-scatter: ``d - 1`` steps per bucket, each sending one
+piece to the next device on the ring; the runtime runs one step per tick of its
+loop, beside that tick's compute and pipeline transfers. Then, one bucket per
+tick, an all-gather of the reduced pieces makes the result whole again — an
+all-gather rather than more ring steps because its result is the same on every
+batch device in JAX's type system (``to="invarying"``), as the ``shard_map``
+output needs; a ring's is not.
 
 The result is the mean over the batch devices, summed in ring order: equal to
 ``lax.pmean`` up to fp32 rounding, and the same on every run.
