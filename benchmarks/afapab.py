@@ -55,7 +55,7 @@ for ``end`` and ``chunk`` with fp32 and bf16 gradient sync (``parallel.grad_sync
 the bytes one device sends per step, split by the mesh axes the collective spans. The
 data-parallel sync is the ``data`` column; ``tensor`` and ``pipe`` are the model's and
 the pipeline's own, the same in every variant (collectives inside the lockstep
-``cond``s are counted as if their branch ran). ``--bytes-only`` runs only this part.
+``cond``s are counted as if their branch ran). ``--bytes-only`` runs only this part; ``--smoke`` skips it.
 
 Part 3 (``--picture PATH``): the AFAPAB and Megatron timelines with compute and
 communication lanes per device, from the simulator's events.
@@ -715,7 +715,10 @@ def main(argv=None):
     start = time.perf_counter()
     cpu_header(out, "mindpipe_jax AFAPAB benchmark (gradient sync measured over a rate-limited link; "
                f"prediction at scale), {args.date}", "benchmarks/afapab.py", argv)
-    report_bytes(out)  # before anything here starts JAX (it sets 8 CPU devices)
+    if args.smoke and not args.bytes_only:  # its four compiles take minutes, not a smoke test's seconds
+        print("\nPart 0 (bytes from the compiled programs) skipped with --smoke: run --bytes-only", file=out)
+    else:
+        report_bytes(out)  # before anything here starts JAX (it sets 8 CPU devices)
     out.flush()
     if args.bytes_only:
         print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)", file=out)
