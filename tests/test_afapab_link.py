@@ -182,3 +182,13 @@ def test_smoke_run_prints_measured_and_predicted(tmp_path):
     for line in scale:
         tflops = float(re.search(r"(?:Megatron|AFAPAB)(?: \+ CM)?\s+[\d.]+\s+([\d.]+)", line).group(1))
         assert 0 < tflops < 125, line
+
+
+def test_bf16_sync_ops_carry_half_the_gradient_bytes():
+    sched = get_schedule("afapab", 2, 4, 2)
+    for mode in ("end", "chunk"):
+        fp32 = sync_ops(sched, [1000, 1000], 2, mode, end_elems=[64])
+        bf16 = sync_ops(sched, [1000, 1000], 2, mode, end_elems=[64], elem_bytes=2)
+        loss = [op for op in fp32 if op.nbytes == 4.0]
+        assert [op.nbytes for op in bf16 if op not in loss and op.axis == "data"] == \
+            [op.nbytes / 2 for op in fp32 if op not in loss and op.axis == "data"]

@@ -323,7 +323,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
         e_specs, b_specs, h_specs = model.split(spec.storage)
         specs = {"embed": e_specs, "blocks": b_specs, "head": h_specs}
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
-                         sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None, param_specs=specs,
+                         sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
+                         grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
                          fuse_mode=par.fuse_ticks)
 
     def grad_fn(params, batch):
