@@ -611,7 +611,8 @@ def test_megatron_overlap_never_slower_than_end(p, m):
     link = Link(1e-3, 1e9)
     for sched in list(all_schedules(p, m)) + [get_schedule("afapab", p, m, 2)]:
         G = sched.num_global_stages
-        costs = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)], B=[rng.uniform(0.5, 2) for _ in range(G)],
+        costs = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                           B=[rng.uniform(0.5, 2) for _ in range(G)],
                            W=[rng.uniform(0.2, 1) for _ in range(G)],
                            activation_bytes=[rng.uniform(0, 1e8) for _ in range(G)],
                            param_bytes=[rng.uniform(0, 3e9) for _ in range(G)])
@@ -625,7 +626,8 @@ def test_megatron_overlap_never_slower_than_end(p, m):
                               param_gather=gather, gather_ratio=0.5)
                     for contention in (False, "priority"):
                         end, over = (simulate(sched, costs, link=link, dp_sync=DPSync(4, link, when, **kw),
-                                              mode=mode, contention=contention) for when in ("end", "buckets"))
+                                              mode=mode, contention=contention)
+                                     for when in ("end", "buckets"))
                         assert over.step_time <= end.step_time + 1e-9, (sched.name, mode, gather, contention)
                         assert over.busy == end.busy
 

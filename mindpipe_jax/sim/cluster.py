@@ -89,7 +89,8 @@ from mindpipe_jax.sim.engine import SimResult, simulate
 from mindpipe_jax.sim.network import Collective, DPSync, Link
 
 __all__ = ["GPTShape", "ClusterSpec", "Layout3D", "Prediction", "layer_cost", "predict", "memory_per_gpu",
-           "megatron_bucket_elems", "SCHEDULES", "GPT3_2_7B", "GPT3_6_7B", "GPT3_13B", "V100_CLOUD", "H100_400G"]
+           "megatron_bucket_elems", "step_lower_bound", "SCHEDULES", "GPT3_2_7B", "GPT3_6_7B", "GPT3_13B",
+           "V100_CLOUD", "H100_400G"]
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,8 @@ def _dp_sync(schedule: str, cluster: ClusterSpec, layout: Layout3D) -> DPSync | 
 
 def _stage_params(shape: GPTShape, layout: Layout3D) -> float:
     """Parameters on the busiest GPU: its layers' shards and the embedding of an end stage."""
-    return (shape.layers / layout.p * shape.layer_params + (shape.vocab + shape.seq_len) * shape.hidden) / layout.t
+    layers = shape.layers / layout.p * shape.layer_params
+    return (layers + (shape.vocab + shape.seq_len) * shape.hidden) / layout.t
 
 
 def memory_per_gpu(shape: GPTShape, layout: Layout3D, schedule: str, sched: Schedule) -> float:
@@ -297,7 +299,8 @@ def _costs(shape: GPTShape, cluster: ClusterSpec, layout: Layout3D, G: int, tp_o
     head = LayerCost(F=logit, B=logit, W=logit, BW=2 * logit, param_bytes=emb_params)
     positions = shape.seq_len * shape.hidden * layout.grad_bytes
     embed = LayerCost(0.0, 0.0, 0.0, param_bytes=emb_params + positions)
-    return StageCosts.from_layers(layer, even_assignment(shape.layers, G), G, embed=embed, head=head), tp_layer
+    costs = StageCosts.from_layers(layer, even_assignment(shape.layers, G), G, embed=embed, head=head)
+    return costs, tp_layer
 
 
 def _check(shape: GPTShape, cluster: ClusterSpec, layout: Layout3D) -> None:
@@ -309,7 +312,8 @@ def _check(shape: GPTShape, cluster: ClusterSpec, layout: Layout3D) -> None:
     if shape.heads % layout.t:
         raise ConfigError(f"tensor parallelism t={layout.t} must divide the {shape.heads} attention heads")
     if shape.layers % (layout.p * layout.v):
-        raise ConfigError(f"{shape.layers} layers do not split evenly into p x v = {layout.p * layout.v} stages")
+        raise ConfigError(f"{shape.layers} layers do not split evenly into p x v = {layout.p * layout.v} "
+                          f"stages")
 
 
 def step_lower_bound(shape: GPTShape, cluster: ClusterSpec, layout: Layout3D, schedule: str, *,

@@ -446,7 +446,8 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
     gathered: set[tuple[int, int]] = set()
     if gather_first:   # the previous step's all-gathers, chunk by chunk in the order each device uses them
         for s in range(p):
-            firsts = [task.chunk for row in schedule.table if (task := row[s]) is not None and task.kind is Kind.F]
+            firsts = [task.chunk for row in schedule.table
+                      if (task := row[s]) is not None and task.kind is Kind.F]
             for c in dict.fromkeys(firsts):
                 g = schedule.global_stage(s, c)
                 lanes.request_gather(s, c, g, cc.params[g], 0.0, dp, tag=("gather", c))
@@ -469,8 +470,8 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
             free[s] = stop
             if buckets and last_grad.get((s, task.chunk)) == t and task.kind in (Kind.BW, Kind.W):
                 # before this task's own send claims the lane: its buckets were ready during it
-                _request_buckets(lanes, schedule, cc, [(s, task.chunk)], {(s, task.chunk): (ready, stop - ready)},
-                                 dp)
+                _request_buckets(lanes, schedule, cc, [(s, task.chunk)],
+                                 {(s, task.chunk): (ready, stop - ready)}, dp)
             if task.kind is Kind.W:
                 key = ("W", task.microbatch, g)
             else:
@@ -506,7 +507,8 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
                                                                               contention=contention)
     events = trace.events
     clock = 0.0
-    grad_task: dict[tuple[int, int], tuple[float, float]] = {}   # (device, chunk) -> last W/BW's start, duration
+    # (device, chunk) -> its last W/BW's start and duration
+    grad_task: dict[tuple[int, int], tuple[float, float]] = {}
     for t, row in enumerate(schedule.table):
         longest = max(overhead, default=0.0)
         for s, task in enumerate(row):
@@ -593,11 +595,13 @@ def _run_neighbour(fused: FusedSchedule, cc: _Resolved, link: Link, dp: DPSync |
     # Every device sends one buffer, sized for the largest activation that crosses
     # devices, in each ppermute of every tick, whether or not it carries anything
     # (the scan body is the same each tick, the last one included).
-    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp, fused, contention)
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp, fused,
+                                                                              contention)
     shifts = _ppermutes(schedule) if crossing else []
     events = trace.events
     clock = [0.0] * p
-    grad_task: dict[tuple[int, int], tuple[float, float]] = {}   # (device, chunk) -> last W/BW's start, duration
+    # (device, chunk) -> its last W/BW's start and duration
+    grad_task: dict[tuple[int, int], tuple[float, float]] = {}
     for t, row in enumerate(fused.cells):
         ready = []
         for s, cell in enumerate(row):

@@ -62,7 +62,8 @@ def candidates(shape: GPTShape, cluster: ClusterSpec, gpus: int, *, global_batch
                         continue
                     for v in vs:
                         if shape.layers % (p * v) == 0:
-                            out.append(replace(base, t=t, p=p, d=d, v=v, microbatch=b, global_batch=global_batch))
+                            out.append(replace(base, t=t, p=p, d=d, v=v, microbatch=b,
+                                               global_batch=global_batch))
         t *= 2
     return out
 

@@ -121,7 +121,8 @@ class DPSync:
 
     def __post_init__(self):
         if self.when not in SYNC_WHEN:
-            raise ConfigError(f"DPSync.when must be one of {', '.join(map(repr, SYNC_WHEN))}, got {self.when!r}")
+            raise ConfigError(f"DPSync.when must be one of {', '.join(map(repr, SYNC_WHEN))}, "
+                              f"got {self.when!r}")
         if self.slice_bytes is not None:
             _number(self.slice_bytes, "DPSync.slice_bytes", positive=True)
         if self.param_gather not in PARAM_GATHER:

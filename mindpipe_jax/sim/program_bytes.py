@@ -81,8 +81,8 @@ def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str
 
     dims = dict(BYTES_DIMS, **(dims or {}))
     if jax.device_count() < 8:
-        raise ConfigError(f"measure_grad_bytes_per_element compiles for 8 devices, JAX has {jax.device_count()} "
-                          f"(on the CPU set jax_num_cpu_devices=8 before JAX starts)")
+        raise ConfigError(f"measure_grad_bytes_per_element compiles for 8 devices, JAX has "
+                          f"{jax.device_count()} (on the CPU set jax_num_cpu_devices=8 before JAX starts)")
     cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
                       n_layers=dims["layers"], n_heads=dims["heads"])
     model = GPT(cfg, rngs=nnx.Rngs(0))
