@@ -86,11 +86,26 @@ def _data_ring_pairs(mesh) -> set[tuple[int, int]]:
     return {(int(r[i]), int(r[(i + 1) % len(r)])) for r in moved for i in range(len(r))}
 
 
+def _reachable(comps: dict[str, str], name: str) -> list[str]:
+    """``name`` and every computation it calls (branches of conditionals, nested loops,
+    fusions), transitively."""
+    seen, todo = [], [name]
+    while todo:
+        here = todo.pop()
+        if here in seen or here not in comps:
+            continue
+        seen.append(here)
+        body = comps[here].split("\n", 1)[-1]  # its instructions, not its own header
+        todo += [ref for ref in re.findall(r"%([\w.\-]+)", body) if ref in comps]
+    return seen
+
+
 def test_early_chunk_sync_runs_inside_the_remaining_backward_loop():
     """The compiled program: chunk 1's gradient ring (collective-permutes along the
-    data axis, then an all-gather over it) sits in the body of the loop that runs
-    chunk 0's backwards, i.e. before the last backward computations; the step has
-    no data-axis all-reduce of block gradients after the loop."""
+    data axis, then an all-gather over it) runs inside the loop over the ticks (the
+    one loop whose body moves activations and gradients between stages), under the
+    per-tick switch that picks the ring step, i.e. beside the last backward
+    computations."""
     # Two buckets: 2 x 3 reduce-scatter ticks, then 2 all-gather ticks, all within the
     # 9 ticks left after chunk 1's last backward (m = 8 chunk-0 backwards + p - 1).
     model, params = tiny_gpt(4)
@@ -107,22 +122,15 @@ def test_early_chunk_sync_runs_inside_the_remaining_backward_loop():
 
     loops = [re.search(r"body=%?([\w.\-]+)", line).group(1)
              for line in entry.splitlines() if re.search(r"\bwhile\(", line)]
-    assert len(loops) >= 2, "the tick loop should be split at chunk 1's sync point"
-
-    def ring_ops(body_name):
-        body = comps[body_name]
-        steps = [ln for ln in body.splitlines() if "collective-permute(" in ln and pairs(ln) == ring]
-        gathers = [ln for ln in body.splitlines() if "all-gather(" in ln]
-        return steps, gathers
-
-    found = [ring_ops(b) for b in loops]
-    with_ring = [i for i, (steps, gathers) in enumerate(found) if steps or gathers]
-    assert with_ring, "no data-axis ring step inside any tick loop"
-    assert any(found[i][0] for i in with_ring) and any(found[i][1] for i in with_ring)
-    # Those loops also run backward ticks: the pipeline's two transfers are there too.
-    for i in with_ring:
-        lines = comps[loops[i]].splitlines()
-        assert sum("collective-permute(" in ln and pairs(ln) != ring for ln in lines) == 2
+    # The tick loop: its own body moves the pipeline's two transfers every tick.
+    ticks = [b for b in loops
+             if sum("collective-permute(" in ln and pairs(ln) != ring for ln in comps[b].splitlines()) == 2]
+    assert len(ticks) == 1, "the ticks should run as one loop"
+    inside = [ln for c in _reachable(comps, ticks[0]) for ln in comps[c].splitlines()]
+    steps = [ln for ln in inside if "collective-permute(" in ln and pairs(ln) == ring]
+    gathers = [ln for ln in inside if "all-gather(" in ln]
+    assert steps, "no data-axis ring step inside the tick loop"
+    assert gathers, "no all-gather of the ring's pieces inside the tick loop"
 
 
 def test_megatron_style_sync_has_no_ring():

@@ -71,6 +71,38 @@ def test_ops_in_a_loop_count_once_per_trip():
     assert bytes_sent(hlo) == 5 * 2 * 4096 * 7 / 8
 
 
+def test_a_branch_tagged_with_its_runs_counts_that_often():
+    """A ppermute in a ``switch`` branch that 2 of a loop's 6 iterations take: untagged it
+    is counted every iteration (an upper bound, ``in_branch``); under ``runs_tag(2, 6)``
+    exactly twice, as the pipeline runtime's ring steps are."""
+    from mindpipe_jax.parallel.collectives import runs_tag
+
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+    which = jnp.asarray([0, 1, 0, 0, 1, 0])
+
+    def program(tag):
+        # Two sizes: the tests' persistent compilation cache keys programs without their
+        # metadata, so the same program with and without the tag would be one executable.
+        x = X if tag else X[:4096]
+
+        def send(x):
+            if tag:
+                with jax.named_scope(runs_tag(2, 6)):
+                    return lax.ppermute(x, "x", ring)
+            return lax.ppermute(x, "x", ring)
+
+        def body(x):
+            step = lambda c, t: (lax.switch(which[t], [lambda y: y, send], c) * 0.5, None)  # noqa: E731
+            return lax.scan(step, x, jnp.arange(6))[0]
+        return _hlo(body, _mesh((8,), ("x",)), P("x"), P("x"), x)
+
+    (untagged,) = collectives(program(False))
+    assert untagged.count == 6 and untagged.in_branch
+    (tagged,) = collectives(program(True))
+    assert tagged.count == 2 and not tagged.in_branch
+    assert bytes_sent(program(True)) == 2 * 4096
+
+
 def test_the_bytes_are_the_compiled_dtypes():
     mesh = _mesh((8,), ("x",))
     gather = lambda x: lax.all_gather(x, "x", tiled=True, to="invarying")  # noqa: E731

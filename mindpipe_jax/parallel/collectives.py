@@ -12,8 +12,11 @@ runs it: the product of the trip counts of the ``while`` loops around it (XLA
 writes each loop's ``known_trip_count`` into its ``backend_config``; a loop without
 one is counted once and its ops are marked ``trip_count_known=False``). A
 collective inside a ``conditional`` branch is counted as if its branch ran
-(``in_branch=True``: an upper bound; the pipeline runtime keeps its own
-collectives outside branches).
+(``in_branch=True``: an upper bound), unless the code that issued it said how often
+its branch runs: a collective traced under ``jax.named_scope(runs_tag(n, t))``
+(its ``op_name`` metadata carries ``runs_<n>_of_<t>``) runs ``n`` times per ``t``
+iterations of the loop around its branch, and is counted that often, exactly (the
+pipeline runtime's tick loop picks its gradient ring's step per tick this way).
 
 Bytes a device sends for one execution, ``N`` the bytes of the whole buffer
 (the all-reduce's operand, the all-gather's result, the reduce-scatter's operand,
@@ -247,10 +250,24 @@ def collectives(hlo: str) -> list[Collective]:
             if op.endswith("-start"):
                 shapes = _result_of_start(kind, shapes)
             is_permute = kind == "collective-permute"
+            times, in_branch = count[name], branch[name]
+            tagged = _RUNS.search(line)
+            if tagged and in_branch:  # its branch runs n of every t iterations: exact
+                n, t = int(tagged.group(1)), int(tagged.group(2))
+                times, in_branch = times * n // t, False
             out.append(Collective(kind, inst, name, tuple(shapes),
                                   () if is_permute else _groups(line, num_devices),
-                                  _pairs(line) if is_permute else (), count[name], branch[name], known[name]))
+                                  _pairs(line) if is_permute else (), times, in_branch, known[name]))
     return out
+
+
+_RUNS = re.compile(r'op_name="[^"]*runs_(\d+)_of_(\d+)')
+
+
+def runs_tag(runs: int, of: int) -> str:
+    """The ``jax.named_scope`` name that tells ``collectives`` a branch's collectives run
+    ``runs`` times in every ``of`` iterations of the loop around the branch."""
+    return f"runs_{runs}_of_{of}"
 
 
 def per_device_bytes(ops: list[Collective], num_devices: int | None = None) -> dict[int, float]:
