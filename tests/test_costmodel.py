@@ -152,3 +152,15 @@ def test_count_kernels_reads_the_compiled_entry():
     kernels = count_kernels(compiled.as_text())
     assert kernels >= 2  # two dots at least; parameters, constants and tuples are not kernels
     assert count_kernels(jax.jit(lambda a: a).lower(x).compile().as_text()) <= 1
+
+
+def test_tensor_inside_a_pipeline_is_modelled_as_the_runtime_runs_it():
+    """Inside the pipeline's shard_map the stage programs are not split over tensor
+    today (compiled FLOPs per device: t2 p4 = 2x d2 p4), so by default a pipeline's
+    tensor ranks each do the stage's whole work; the flag models a split."""
+    tp = Candidate(tensor=2, pipe=4, microbatches=4, global_batch=32)
+    dp = Candidate(data=2, pipe=4, microbatches=4, global_batch=32)
+    as_run = _model()
+    assert as_run.breakdown(tp).compute_s > 1.5 * as_run.breakdown(dp).compute_s  # 2x the rows, unsplit
+    split = _model(pipeline_tensor_split=True)
+    assert split.breakdown(tp).compute_s == pytest.approx(split.breakdown(dp).compute_s, rel=0.2)

@@ -8,7 +8,9 @@ Inputs, each measured rather than assumed:
   backward under each remat policy; embedding + head + loss, forward and
   backward; the optimizer update of all parameters), compiled on one device:
   FLOPs and bytes accessed (``cost_analysis``), per sequence (row) and per call
-  (weights), and the number of kernels the compiled program launches. Pieces,
+  (weights), and the number of kernels the compiled program launches. Remat
+  "full" and "dots" are compiled as such (their backward from the residuals
+  their policy keeps), not derived from the plain backward. Pieces,
   not the candidate's whole step: a compiled step counts a ``scan`` body (the
   stacked blocks, the pipeline's tick loop) once and a ``cond`` at its dearest
   branch, so its totals miss most of the work (4 blocks counted as 1 here).
@@ -22,8 +24,9 @@ Compute: each piece costs a roofline *per piece* —
 the max over the two op classes of one compiled piece (not per HLO op), plus
 the sum of its kernels' fixed costs. Pieces are summed as the step runs them:
 per microbatch, every block's forward and backward, and the embedding/head;
-tensor parallelism divides FLOPs and bytes (not kernels) by ``tensor``. Without
-a pipeline a step's compute is that sum at the all-busy rates. With ``pipe > 1``
+tensor parallelism divides FLOPs and bytes (not kernels) by ``tensor`` (not
+inside a pipeline today: see ``CostModel``). Without a pipeline a step's compute
+is that sum at the all-busy rates. With ``pipe > 1``
 the schedule is re-timed into fused ticks as the runtime does
 (``schedules.fused.fuse``, mode ``"auto"`` unless the config says otherwise) and
 replayed by the simulator (``simulate(fused, mode="neighbour")``): once at the
@@ -216,10 +219,12 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
             return _compiled_piece(lambda f, c: f(c), vjp_fn, ct)
 
         dots = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        full = jax.checkpoint(fns.layer)  # keeps only the inputs: the backward re-runs the forward
         found = {
             "layer_F": _compiled_piece(fns.layer, block, hidden),
             "layer_BW:none": backward(fns.layer, block, hidden, dy),
             "layer_BW:dots": backward(dots, block, hidden, dy),
+            "layer_BW:full": backward(full, block, hidden, dy),
             "embed_F": _compiled_piece(fns.embed, embed_p, tokens),
             "embed_BW": _compiled_piece(embed_bw, embed_p, dy),
             "head_F": _compiled_piece(head, head_p, hidden),
@@ -241,8 +246,6 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     pieces = {k: fitted(k) for k in measured if not k.startswith(("embed", "head"))}
     pieces["rest_F"] = fitted("embed_F") + fitted("head_F")
     pieces["rest_BW"] = fitted("embed_BW") + fitted("head_BW")
-    # remat "full": the backward re-runs the forward first.
-    pieces["layer_BW:full"] = pieces["layer_F"] + pieces["layer_BW:none"]
     if experts:
         from mindpipe_jax.models import gpt, moe
 
@@ -355,12 +358,18 @@ class CostModel:
 
     Implements the step-model protocol the online tuner uses:
     ``step_time(candidate) -> seconds`` and ``observe(candidate, seconds)``.
-    ``fuse_mode``: how the runtime re-times a pipeline's table (``parallel.fuse_ticks``)."""
+    ``fuse_mode``: how the runtime re-times a pipeline's table (``parallel.fuse_ticks``).
+    ``pipeline_tensor_split``: whether ``tensor`` divides a pipeline stage's work. It
+    does not in the runtime today: the compiled step of t2 p4 m4 B32 (tiny GPT, 8 CPU
+    devices) has 2.0x the FLOPs per device of d2 p4 m4 B32, where d4 t2 and d8 without
+    a pipeline have the same (the stage programs inside the pipeline's ``shard_map``
+    run unsharded over ``tensor``), and its step took 2.2x as long."""
 
     def __init__(self, costs: ModelCosts, hardware: Hardware, seq_len: int, ridge: float = 0.1,
-                 fuse_mode: str = "auto"):
+                 fuse_mode: str = "auto", pipeline_tensor_split: bool = False):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
         self.fuse_mode = fuse_mode
+        self.pipeline_tensor_split = pipeline_tensor_split
         self.prior = np.array([1.0, 1.0, 1.0, hardware.launch_s, hardware.iteration_s])
         self.coef = self.prior.copy()
         self.ridge = ridge
@@ -384,10 +393,11 @@ class CostModel:
         per_stage = [0] * stages
         for g in even_assignment(k.n_layers, stages):
             per_stage[g] += 1
-        f1 = hw.piece_time(k.piece("layer_F"), rows_mb, split=c.tensor, solo=solo)
-        b1 = hw.piece_time(k.piece(f"layer_BW:{c.remat}"), rows_mb, split=c.tensor, solo=solo)
-        rf = hw.piece_time(k.piece("rest_F"), rows_mb, split=c.tensor, solo=solo)
-        rb = hw.piece_time(k.piece("rest_BW"), rows_mb, split=c.tensor, solo=solo)
+        split = c.tensor if self.pipeline_tensor_split else 1
+        f1 = hw.piece_time(k.piece("layer_F"), rows_mb, split=split, solo=solo)
+        b1 = hw.piece_time(k.piece(f"layer_BW:{c.remat}"), rows_mb, split=split, solo=solo)
+        rf = hw.piece_time(k.piece("rest_F"), rows_mb, split=split, solo=solo)
+        rb = hw.piece_time(k.piece("rest_BW"), rows_mb, split=split, solo=solo)
         F = [n * f1 for n in per_stage]
         BW = [n * b1 for n in per_stage]
         # embedding on the first global stage, head + loss on the last (their split is
