@@ -8,9 +8,10 @@ Inputs, each measured rather than assumed:
   backward under each remat policy; embedding + head + loss, forward and
   backward; the optimizer update of all parameters), compiled on one device:
   FLOPs and bytes accessed (``cost_analysis``), per sequence (row) and per call
-  (weights), and the number of kernels the compiled program launches. Remat
-  "full" and "dots" are compiled as such (their backward from the residuals
-  their policy keeps), not derived from the plain backward. Pieces,
+  (weights), and the number of kernels the compiled program launches. Each remat
+  policy is compiled as such: the forward writing the residuals the policy keeps
+  (a step without remat stores every residual; "full" only the inputs) and the
+  backward from them. Pieces,
   not the candidate's whole step: a compiled step counts a ``scan`` body (the
   stacked blocks, the pipeline's tick loop) once and a ``cond`` at its dearest
   branch, so its totals miss most of the work (4 blocks counted as 1 here).
@@ -96,7 +97,8 @@ class Piece:
 class ModelCosts:
     """FLOPs per sequence (row), sizes and compiled pieces of the reference model.
 
-    ``pieces`` (from ``measure``): "layer_F", "layer_BW:<remat>", "rest_F",
+    ``pieces`` (from ``measure``): "layer_F" (plain), "layer_F:<remat>" (the forward
+    a step runs, writing the residuals the policy keeps), "layer_BW:<remat>", "rest_F",
     "rest_BW" and "update" (the optimizer over all parameters). Without them
     (a hand-written model) the FLOP fields alone give the pieces."""
 
@@ -119,6 +121,8 @@ class ModelCosts:
     def piece(self, name: str) -> Piece:
         if self.pieces is not None and name in self.pieces:
             return self.pieces[name]
+        if name.startswith("layer_F:"):  # no per-policy forward measured: the plain one
+            return self.piece("layer_F")
         if name == "layer_F":
             return Piece(self.layer_fwd)
         if name.startswith("layer_BW:"):
@@ -222,6 +226,9 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
         full = jax.checkpoint(fns.layer)  # keeps only the inputs: the backward re-runs the forward
         found = {
             "layer_F": _compiled_piece(fns.layer, block, hidden),
+            # the forward a step runs: it also writes the residuals its policy keeps
+            **{f"layer_F:{name}": _compiled_piece(lambda w, x, f=f: jax.vjp(f, w, x), block, hidden)
+               for name, f in (("none", fns.layer), ("dots", dots), ("full", full))},
             "layer_BW:none": backward(fns.layer, block, hidden, dy),
             "layer_BW:dots": backward(dots, block, hidden, dy),
             "layer_BW:full": backward(full, block, hidden, dy),
@@ -394,7 +401,7 @@ class CostModel:
         for g in even_assignment(k.n_layers, stages):
             per_stage[g] += 1
         split = c.tensor if self.pipeline_tensor_split else 1
-        f1 = hw.piece_time(k.piece("layer_F"), rows_mb, split=split, solo=solo)
+        f1 = hw.piece_time(k.piece(f"layer_F:{c.remat}"), rows_mb, split=split, solo=solo)
         b1 = hw.piece_time(k.piece(f"layer_BW:{c.remat}"), rows_mb, split=split, solo=solo)
         rf = hw.piece_time(k.piece("rest_F"), rows_mb, split=split, solo=solo)
         rb = hw.piece_time(k.piece("rest_BW"), rows_mb, split=split, solo=solo)
@@ -413,7 +420,7 @@ class CostModel:
         k, hw = self.costs, self.hw
         rows_mb = c.global_batch / (c.batch_shards * c.microbatches)
         if c.pipe == 1:
-            per_mb = (k.n_layers * (hw.piece_time(k.piece("layer_F"), rows_mb, split=c.tensor)
+            per_mb = (k.n_layers * (hw.piece_time(k.piece(f"layer_F:{c.remat}"), rows_mb, split=c.tensor)
                                     + hw.piece_time(k.piece(f"layer_BW:{c.remat}"), rows_mb, split=c.tensor))
                       + hw.piece_time(k.piece("rest_F"), rows_mb, split=c.tensor)
                       + hw.piece_time(k.piece("rest_BW"), rows_mb, split=c.tensor))
