@@ -619,44 +619,23 @@ def draw_picture(out_path: str):
 
 
 # ============================================================ part 0: bytes
-BYTES_DIMS = dict(vocab=64, seq=16, d_model=64, heads=4, layers=4, rows=2, m=4, v=2)
-
-
-def compiled_bytes(dims: dict = BYTES_DIMS) -> dict:
+def compiled_bytes() -> dict:
     """Per-device bytes sent per step, by mesh axes, of the compiled pipe2 x data2 x tensor2
-    AFAPAB step for each (grad_sync, grad_sync_dtype); JAX must not have started yet."""
+    AFAPAB step (``sim.program_bytes.compile_afapab_step``) for each (grad_sync,
+    grad_sync_dtype); JAX must not have started yet."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
-    from flax import nnx
 
-    from mindpipe_jax.config import ModelConfig, ParallelConfig
-    from mindpipe_jax.models.gpt import GPT
     from mindpipe_jax.parallel.collectives import axes_of, collectives
-    from mindpipe_jax.parallel.mesh import make_mesh
-    from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.contract import stage_fns
-    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
-    from mindpipe_jax.parallel.rules import state_shardings
+    from mindpipe_jax.sim.program_bytes import compile_afapab_step
 
-    cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
-                      n_layers=dims["layers"], n_heads=dims["heads"])
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    mesh = make_mesh(ParallelConfig(pipe=2, data=2, tensor=2, simulate_cpu_devices=0))
-    storage = nnx.to_pure_dict(state_shardings(nnx.state(model, nnx.Param), mesh, "storage"))
-    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), storage)
-    tokens = np.zeros((dims["m"], 2 * dims["rows"], dims["seq"]), np.int32)  # rows x data=2
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    sched = get_schedule("afapab", 2, dims["m"], dims["v"])
     out = {}
     for sync in ("end", "chunk"):
         for dtype in ("fp32", "bf16"):
-            run = pipeline_grads(stage_fns(model), sched, mesh, remat="full", grad_sync=sync,
-                                 grad_sync_dtype=dtype, param_specs=storage)
-            with jax.set_mesh(mesh):
-                hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"], tokens,
-                                         tokens).compile().as_text()
+            hlo, mesh, _ = compile_afapab_step(sync, dtype)
+            ids = np.vectorize(lambda d: d.id)(mesh.devices)
             by_axis: dict[str, float] = {}
             for op in collectives(hlo):
                 axes = "+".join(a for a in mesh.axis_names if a in axes_of(op, ids, mesh.axis_names)) or "-"
@@ -667,6 +646,8 @@ def compiled_bytes(dims: dict = BYTES_DIMS) -> dict:
 
 
 def report_bytes(out) -> dict:
+    from mindpipe_jax.sim.program_bytes import BYTES_DIMS
+
     d = BYTES_DIMS
     print("\nPart 0 — per-device bytes per step, read from the compiled programs "
           "(parallel/collectives.py)", file=out)

@@ -62,11 +62,10 @@ def grad_bytes_per_element(hlo: str, device_ids, axis_names: Iterable[str], grad
 BYTES_DIMS = dict(vocab=64, seq=16, d_model=64, heads=4, layers=4, rows=2, m=4, v=2)
 
 
-def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str = "chunk", *,
-                                   dims: dict | None = None) -> dict:
-    """Compile the pipe2 x data2 x tensor2 AFAPAB step (``dims``: ``BYTES_DIMS``) with
-    ``grad_sync`` / ``grad_sync_dtype`` and return ``{"bytes_per_element", "bytes_sent",
-    "grad_elements", "data_ranks"}`` for device 0."""
+def compile_afapab_step(grad_sync: str = "chunk", grad_sync_dtype: str = "fp32", *,
+                        dims: dict | None = None):
+    """``(hlo text, mesh, params)`` of the compiled pipe2 x data2 x tensor2 AFAPAB step of a
+    small GPT (``dims``: ``BYTES_DIMS``), weights sharded as training stores them."""
     import jax
     import numpy as np
     from flax import nnx
@@ -81,7 +80,7 @@ def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str
 
     dims = dict(BYTES_DIMS, **(dims or {}))
     if jax.device_count() < 8:
-        raise ConfigError(f"measure_grad_bytes_per_element compiles for 8 devices, JAX has "
+        raise ConfigError(f"the AFAPAB bytes program compiles for 8 devices, JAX has "
                           f"{jax.device_count()} (on the CPU set jax_num_cpu_devices=8 before JAX starts)")
     cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
                       n_layers=dims["layers"], n_heads=dims["heads"])
@@ -96,6 +95,18 @@ def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str
     with jax.set_mesh(mesh):
         hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"], tokens,
                                  tokens).compile().as_text()
+    return hlo, mesh, params
+
+
+def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str = "chunk", *,
+                                   dims: dict | None = None) -> dict:
+    """Compile the pipe2 x data2 x tensor2 AFAPAB step (``dims``: ``BYTES_DIMS``) with
+    ``grad_sync`` / ``grad_sync_dtype`` and return ``{"bytes_per_element", "bytes_sent",
+    "grad_elements", "data_ranks"}`` for device 0."""
+    import jax
+    import numpy as np
+
+    hlo, mesh, params = compile_afapab_step(grad_sync, grad_sync_dtype, dims=dims)
     device = mesh.devices.reshape(-1)[0]
     # the gradient elements device 0 holds: its shard of every leaf (its stage's layers,
     # its tensor shard), embed and head included (each pipe rank syncs them over data)
