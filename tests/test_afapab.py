@@ -250,8 +250,9 @@ def test_bf16_gradient_sync_stays_close_to_fp32_over_20_steps(tmp_path):
     assert apart < 0.02 * moved, f"bf16 vs fp32 params {apart:.3g} apart; 20 steps moved them {moved:.3g}"
 
 
-FSDP_MESHES = {"pipe2xfsdp4": dict(pipe=2, fsdp=4, data=1, tensor=1),
-               "pipe2xfsdp2xdata2": dict(pipe=2, fsdp=2, data=2, tensor=1),
+# fsdp with data (reduce-scatter, then the ring over data) and with tensor (each tensor rank
+# scatters its own shards); fsdp alone is the first case's reduce-scatter without the ring.
+FSDP_MESHES = {"pipe2xfsdp2xdata2": dict(pipe=2, fsdp=2, data=2, tensor=1),
                "pipe2xfsdp2xtensor2": dict(pipe=2, fsdp=2, data=1, tensor=2)}
 
 
