@@ -7,8 +7,8 @@ final checkpoint is restored here (8 simulated devices, the same mesh) and
 compared with the same config trained in this single process:
 
 * data=4 x tensor=2, preempted (SIGTERM to process 1 only: JAX's preemption
-  service makes both stop after the same step), then resumed: equal to the
-  uninterrupted single-process run within float32 rounding of the all-reduce;
+  service makes both stop after the same step), then resumed: bitwise equal to
+  an uninterrupted 2-process run (a module fixture the SIGKILL test shares);
 * Ctrl-C in the terminal (SIGINT to both processes): both stop after the same
   step with one checkpoint, and exit 0;
 * process 1 SIGKILLed after a committed checkpoint (process 0 then dies of the
@@ -152,8 +152,17 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache_multihost")
 
 
+@pytest.fixture(scope="module")
+def data_tensor_reference(tmp_path_factory, cache) -> Path:
+    """An uninterrupted 2-process data x tensor run (12 steps): what every interrupted
+    and resumed run of that layout must equal, bit for bit (same layout, same reductions)."""
+    ref = tmp_path_factory.mktemp("data_tensor_reference")
+    _finish(_launch([*MH, *DATA_TENSOR, f"train.out_dir={ref}"], "env", cache=cache, cwd=ref))
+    return ref
+
+
 @pytest.mark.slow
-def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cache):
+def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cache, data_tensor_reference):
     out = tmp_path / "cluster"
     args = [*MH, *DATA_TENSOR, f"train.out_dir={out}"]
     first, second = _launch(args, "env", cache=cache, cwd=tmp_path)
@@ -168,19 +177,19 @@ def test_data_x_tensor_across_two_processes_preempted_and_resumed(tmp_path, cach
     outputs = _finish(_launch([*args, "--resume"], "env", cache=cache, cwd=tmp_path))
     assert f"resuming at step {stopped}" in outputs[0]
     _check_one_writer(outputs, out, steps=12)
-    single = _single_process(tmp_path, DATA_TENSOR)
-    _compare(_state(single, DATA_TENSOR), _state(out, DATA_TENSOR), bitwise=False)
+    assert_bitwise(_state(data_tensor_reference, DATA_TENSOR), _state(out, DATA_TENSOR),
+                   f"process 1 sent SIGTERM, both stopped after step {stopped}, resumed")
 
 
 @pytest.mark.slow
-def test_sigkill_of_one_process_then_resume_auto_on_both_is_bitwise_identical(tmp_path, cache):
+def test_sigkill_of_one_process_then_resume_auto_on_both_is_bitwise_identical(tmp_path, cache,
+                                                                             data_tensor_reference):
     # A machine lost mid-run: process 1 is SIGKILLed once a checkpoint is committed;
     # process 0 then fails on its own or is stopped (as a scheduler stops a broken job).
     # The requeued job runs the same command, train.resume=auto, on both processes, and
     # ends with the bits of an uninterrupted 2-process run (same layout, same reductions).
     steps = 12
-    ref, out = tmp_path / "reference", tmp_path / "cluster"
-    _finish(_launch([*MH, *DATA_TENSOR, f"train.out_dir={ref}"], "env", cache=cache, cwd=tmp_path))
+    ref, out = data_tensor_reference, tmp_path / "cluster"
     args = [*MH, *DATA_TENSOR, f"train.out_dir={out}", "train.resume=auto"]
     first, second = _launch(args, "env", cache=cache, cwd=tmp_path, timeout_s=15)
     try:
