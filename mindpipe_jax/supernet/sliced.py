@@ -75,10 +75,11 @@ def sliced_loss_and_grad(spec: SupernetSpec, params, subnet, batch, shape):
     return loss, spec.ravel(grads)
 
 
-def max_shapes(module, levels: int) -> int:
-    """How many shapes the sliced path can meet: depths x width ladder x head ladder."""
+def max_shapes(module, levels: int) -> int | None:
+    """How many shapes the sliced path can meet: depths x width ladder x head ladder
+    (None for a supernet that does not list its depths)."""
     widths, heads = module.ladders(levels)
-    return len(module.depths) * len(widths) * len(heads) if hasattr(module, "depths") else -1
+    return len(module.depths) * len(widths) * len(heads) if hasattr(module, "depths") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,8 @@ class SlicedStep:
         self.round_slots = self.n_sub * vmap_width
         self.chunk = spec.padded_size // (self.n_sub * self.n_data)
         self.schedule = lr_schedule(optim, total_steps)
-        self.max_programs = max_shapes(spec.module, levels) + 2
+        shapes = max_shapes(spec.module, levels)
+        self.max_programs = None if shapes is None else shapes + 2
         self._rounds: dict = {}  # shape -> jitted round program
         self._start, self._finish = self._jit_start(), self._jit_finish()
 

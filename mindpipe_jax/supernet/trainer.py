@@ -251,7 +251,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     if sn.ladder_levels and supports_slicing(spec.module):
         sliced = SlicedStep(spec, mesh, levels=sn.ladder_levels, **sizes)
         make_plan, step_fn = sliced.plan, sliced
-        compiled = f"sliced, <= {sliced.max_programs} programs (one per shape, compiled on first use)"
+        bound = f"<= {sliced.max_programs} programs: " if sliced.max_programs else ""
+        compiled = f"sliced ({bound}one per shape, compiled on first use)"
     else:
         def make_plan(subnets):
             return plan_step(spec, subnets, sn.semantics, round_slots)
