@@ -281,14 +281,16 @@ class SuperGPT(nnx.Module):
         size = (round_up(max(w for w, _ in own), widths), round_up(max(h for _, h in own), heads))
         return (size,) * len(own)
 
-    def sliced_loss(self, inputs, targets, subnet, shape):
+    def sliced_loss(self, inputs, targets, subnet, shape, unroll: bool = False):
         """The subnet's mean loss computed from slices of the weights (``shape``: static,
         ``((width, heads), ...)`` per block run; ``subnet`` may be traced).
 
-        The blocks run one after another in Python (not a scan: blocks may differ in size,
-        and XLA's cost analysis counts a loop body once). A slice's gradient is the full
-        parameter's gradient restricted to it, so autodiff through this function gives
-        gradients of the supernet's parameters, zero outside the slices.
+        Blocks of one size (every ladder shape) run as a scan over the first ``depth``
+        stacked blocks, as the masked path does; blocks of different sizes (a subnet's own
+        shape) one after another in Python. ``unroll``: unroll the scan (XLA's cost
+        analysis counts a loop body once: unroll to count FLOPs). A slice's gradient is
+        the full parameter's gradient restricted to it, so autodiff through this function
+        gives gradients of the supernet's parameters, zero outside the slices.
         """
         cfg = self.config
         graphdef, layers = nnx.split(self.blocks)
@@ -302,19 +304,40 @@ class SuperGPT(nnx.Module):
         if cfg.remat != "none":
             block = jax.checkpoint(block, prevent_cse=False)
         h = self.embed(inputs)
-        for layer, (width, n_heads) in enumerate(shape):
-            layer_state = jax.tree.map(lambda x, i=layer: x[i], layers)
-            pure = nnx.to_pure_dict(layer_state)
-            attn, ffn = pure["attn"], pure["ffn"]
-            attn["qkv"], attn["qkv_bias"] = attn["qkv"][:, :, :n_heads], attn["qkv_bias"][:, :n_heads]
-            attn["out"] = attn["out"][:n_heads]
-            ffn["w_in"], ffn["b_in"] = ffn["w_in"][..., :width], ffn["b_in"][..., :width]
-            ffn["w_out"] = ffn["w_out"][:, :width]
-            nnx.replace_by_pure_dict(layer_state, pure)  # a fresh per-layer copy: nothing shared
-            h = block(h, layer_state, genes[layer, 0], widths[layer], heads[layer])
+        depth = len(shape)
+        # One size: scan the first `depth` blocks, sliced together. (The scan also keeps the
+        # bits independent of the mesh: the same blocks unrolled in Python, inside SPara's
+        # loop over a device's shards, rounded differently on 1 and 2 data devices.)
+        if len(set(shape)) == 1:
+            stacked = _slice_block(jax.tree.map(lambda x: x[:depth], layers), *shape[0], lead=1)
+
+            def body(x, xs):
+                return block(x, *xs), None
+
+            xs = (stacked, genes[:depth, 0], widths[:depth], heads[:depth])
+            h, _ = jax.lax.scan(body, h, xs, unroll=depth if unroll else 1)
+        else:
+            for layer, (width, n_heads) in enumerate(shape):
+                one = jax.tree.map(lambda x, i=layer: x[i], layers)
+                layer_state = _slice_block(one, width, n_heads, lead=0)
+                h = block(h, layer_state, genes[layer, 0], widths[layer], heads[layer])
         logits = self.head(h).astype(jnp.float32)
         hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
         return -jnp.mean(jnp.sum(hot * jax.nn.log_softmax(logits), axis=-1))
+
+
+def _slice_block(state, width: int, n_heads: int, lead: int):
+    """A block's state (``lead`` leading layer axes) cut to ``width`` FFN units and
+    ``n_heads`` heads: a fresh state, the input is not changed."""
+    pure = nnx.to_pure_dict(state)
+    attn, ffn, ax = pure["attn"], pure["ffn"], (slice(None),) * lead
+    attn["qkv"] = attn["qkv"][(*ax, slice(None), slice(None), slice(0, n_heads))]
+    attn["qkv_bias"] = attn["qkv_bias"][(*ax, slice(None), slice(0, n_heads))]
+    attn["out"] = attn["out"][(*ax, slice(0, n_heads))]
+    ffn["w_in"], ffn["b_in"] = ffn["w_in"][..., :width], ffn["b_in"][..., :width]
+    ffn["w_out"] = ffn["w_out"][(*ax, slice(None), slice(0, width))]
+    nnx.replace_by_pure_dict(state, pure)
+    return state
 
 
 def ladder(choices, levels: int) -> tuple[int, ...]:

@@ -29,8 +29,9 @@ Determinism
 -----------
 Which subnets share a round depends on R (the mesh), but a slot's gradient does
 not: each device runs the same per-shape program on each of its shards (W and the
-shard shape are fixed by the config), and every later operation is the masked
-step's (elementwise, or fixed-shape reductions in a fixed order, rows written to
+shard shape are fixed by the config; the blocks of a shape run as one scan, as in the
+masked model: unrolled, they rounded differently on 1 and 2 data devices), and every
+later operation is the masked step's (elementwise, or fixed-shape reductions in a fixed order, rows written to
 their subnet's index). So the parameters are bitwise the same on every split of the
 devices between ``subnet`` and ``data``, as for the masked step.
 
@@ -67,11 +68,12 @@ def supports_slicing(module) -> bool:
     return all(callable(getattr(module, m.split("(")[0], None)) for m in SLICED_MEMBERS)
 
 
-def sliced_loss_and_grad(spec: SupernetSpec, params, subnet, batch, shape):
+def sliced_loss_and_grad(spec: SupernetSpec, params, subnet, batch, shape, unroll: bool = False):
     """``subnet``'s loss through the sliced path at ``shape``, and its raveled gradient
-    (of the whole supernet's parameters: zero outside the slices)."""
-    loss, grads = jax.value_and_grad(
-        lambda p: spec.merge(p).sliced_loss(batch["inputs"], batch["targets"], subnet, shape))(params)
+    (of the whole supernet's parameters: zero outside the slices). ``unroll``: for FLOP
+    counts only (the same values, other rounding)."""
+    loss, grads = jax.value_and_grad(lambda p: spec.merge(p).sliced_loss(
+        batch["inputs"], batch["targets"], subnet, shape, unroll=unroll))(params)
     return loss, spec.ravel(grads)
 
 
@@ -188,9 +190,10 @@ class SlicedStep:
 
     def flops(self, state, plan: SlicedPlan, batch) -> float:
         """XLA's FLOP count of one step (``cost_analysis``), per device, summed over the
-        programs the step calls (a round program once per round). On one device with
-        ``virtual_shards=1`` it is the step's whole work (XLA counts a loop body once, and a
-        conditional at its larger branch). ``state`` and ``batch`` may be abstract."""
+        programs the step calls (a round program once per round), with the scan over blocks
+        unrolled (XLA counts a loop body once; these counting programs are compiled apart and
+        never run). On one device with ``virtual_shards=1`` it is the step's whole work (a
+        conditional counts at its larger branch). ``state`` and ``batch`` may be abstract."""
         def count(lowered):
             cost = lowered.compile().cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -202,7 +205,8 @@ class SlicedStep:
         total = count(self._start.lower(state))
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
             rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
-            total += count(self._round(shape).lower(carry, params, state["step"], rnd, subnets, batch))
+            counting = self._jit_round(shape, unroll=True)
+            total += count(counting.lower(carry, params, state["step"], rnd, subnets, batch))
         return total + count(self._finish.lower(state["step"], carry, plan.used))
 
     # --- the programs --------------------------------------------------------------------------
@@ -231,9 +235,9 @@ class SlicedStep:
                            in_specs=(P(), self._carry_specs(), P()), out_specs=(STATE_SPECS, P()))
         return jax.jit(fn)  # nothing of the carry can hold the new state (other shapes)
 
-    def _jit_round(self, shape):
+    def _jit_round(self, shape, unroll: bool = False):
         v = self.v
-        fn = jax.shard_map(self._round_fn(shape), mesh=self.mesh, axis_names=set(AXES),
+        fn = jax.shard_map(self._round_fn(shape, unroll), mesh=self.mesh, axis_names=set(AXES),
                            in_specs=(self._carry_specs(), P(), P(), P(), P(), P("data")),
                            out_specs=self._carry_specs())
 
@@ -266,11 +270,11 @@ class SlicedStep:
             self._rounds[shape] = self._jit_round(shape)
         return self._rounds[shape]
 
-    def _round_fn(self, shape):
+    def _round_fn(self, shape, unroll: bool):
         spec, optim, w, chunk = self.spec, self.optim, self.w, self.chunk
         n_sub, n_data, r_slots = self.n_sub, self.n_data, self.round_slots
         causal = self.semantics == "causal"
-        slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape),
+        slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape, unroll=unroll),
                               in_axes=(None, 0, None))  # W subnets of one shape, one shard
         units_of = jax.vmap(spec.module.units)
 
