@@ -212,7 +212,9 @@ def flop_lines(spec, create, optim, batch, subnets) -> list[str]:
     for s in subnets:
         shape = spec.module.own_shape(s)
         if shape not in own:
-            fn = jax.jit(lambda p, sub, b, shape=shape: sliced_loss_and_grad(spec, p, sub, b, shape))
+            # Unrolled: XLA counts a scan body once (a uniform own shape runs as a scan).
+            fn = jax.jit(lambda p, sub, b, shape=shape: sliced_loss_and_grad(spec, p, sub, b, shape,
+                                                                            unroll=True))
             own[shape] = flops_of(fn.lower(params, s, batch))
     own_total = sum(own[spec.module.own_shape(s)] for s in subnets)
     largest = own[spec.module.own_shape(subnets[0])]  # the sandwich's first: the largest
