@@ -48,11 +48,20 @@ V100 nodes (NVLink inside a node, a shared 25 Gbps NIC between nodes), a
 Megatron-style baseline (interleaved 1F1B, all-reduce after the flush) against
 AFAPAB (chunk-wise sync overlapped), assumptions printed with the table.
 
+Part 0 — bytes from the programs. The pipeline step compiled on 8 simulated CPU
+devices as pipe2 x data2 x tensor2 (weights stored sharded as training stores them),
+for ``end`` and ``chunk`` with fp32 and bf16 gradient sync (``parallel.grad_sync_dtype``);
+``parallel/collectives.py`` reads every collective of each compiled program and sums
+the bytes one device sends per step, split by the mesh axes the collective spans. The
+data-parallel sync is the ``data`` column; ``tensor`` and ``pipe`` are the model's and
+the pipeline's own, the same in every variant (collectives inside the lockstep
+``cond``s are counted as if their branch ran). ``--bytes-only`` runs only this part; ``--smoke`` skips it.
+
 Part 3 (``--picture PATH``): the AFAPAB and Megatron timelines with compute and
 communication lanes per device, from the simulator's events.
 
 Usage: ``python benchmarks/afapab.py [--rounds 10] [--out FILE] [--picture PNG]
-[--smoke] [--scale-only]``.
+[--smoke] [--scale-only] [--bytes-only]``.
 """
 
 from __future__ import annotations
@@ -609,6 +618,55 @@ def draw_picture(out_path: str):
     return viz.draw_lanes([rows[label].sim for label, _ in picked], out_path, titles=titles)
 
 
+# ============================================================ part 0: bytes
+def compiled_bytes() -> dict:
+    """Per-device bytes sent per step, by mesh axes, of the compiled pipe2 x data2 x tensor2
+    AFAPAB step (``sim.program_bytes.compile_afapab_step``) for each (grad_sync,
+    grad_sync_dtype); JAX must not have started yet."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+
+    from mindpipe_jax.parallel.collectives import axes_of, collectives
+    from mindpipe_jax.sim.program_bytes import compile_afapab_step
+
+    out = {}
+    for sync in ("end", "chunk"):
+        for dtype in ("fp32", "bf16"):
+            hlo, mesh, _ = compile_afapab_step(sync, dtype)
+            ids = np.vectorize(lambda d: d.id)(mesh.devices)
+            by_axis: dict[str, float] = {}
+            for op in collectives(hlo):
+                axes = "+".join(a for a in mesh.axis_names if a in axes_of(op, ids, mesh.axis_names)) or "-"
+                # device 0: every device of this mesh sends the same, but for pipe's ends
+                by_axis[axes] = by_axis.get(axes, 0.0) + op.sent_by(0) * op.count
+            out[(sync, dtype)] = by_axis
+    return out
+
+
+def report_bytes(out) -> dict:
+    from mindpipe_jax.sim.program_bytes import BYTES_DIMS
+
+    d = BYTES_DIMS
+    print("\nPart 0 — per-device bytes per step, read from the compiled programs "
+          "(parallel/collectives.py)", file=out)
+    print(f"  pipe2 x data2 x tensor2 on 8 CPU devices, AFAPAB p=2 m={d['m']} v={d['v']}, GPT "
+          f"d_model={d['d_model']} layers={d['layers']} seq={d['seq']}, weights sharded as stored", file=out)
+    table = compiled_bytes()
+    axes = sorted({a for row in table.values() for a in row if row[a]}, key=lambda a: (a != "data", a))
+    print("  " + f"{'variant':<14}" + "".join(f"{a:>12}" for a in axes) + f"{'total':>12}", file=out)
+    for (sync, dtype), row in table.items():
+        print("  " + f"{sync + ' ' + dtype:<14}" + "".join(f"{row.get(a, 0):>12,.0f}" for a in axes)
+              + f"{sum(row.values()):>12,.0f}", file=out)
+    data = {k: row.get("data", 0.0) for k, row in table.items()}
+    print(f"  data-axis bytes: chunk / end = {data['chunk', 'fp32'] / data['end', 'fp32']:.3f} (fp32), "
+          f"{data['chunk', 'bf16'] / data['end', 'bf16']:.3f} (bf16); bf16 / fp32 = "
+          f"{data['end', 'bf16'] / data['end', 'fp32']:.3f} (end), "
+          f"{data['chunk', 'bf16'] / data['chunk', 'fp32']:.3f} (chunk)", file=out)
+    return table
+
+
 # ======================================================================== main
 
 def main(argv=None):
@@ -619,6 +677,8 @@ def main(argv=None):
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="hard limit for the two workers")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds: checks the script")
     parser.add_argument("--scale-only", action="store_true", help="skip the 2-process measurement")
+    parser.add_argument("--bytes-only", action="store_true",
+                        help="only part 0: bytes per device read from the compiled programs")
     parser.add_argument("--picture", default=None, help="draw the AFAPAB timeline to this file")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--out", default=None, help="also write the output to this file")
@@ -636,6 +696,16 @@ def main(argv=None):
     start = time.perf_counter()
     cpu_header(out, "mindpipe_jax AFAPAB benchmark (gradient sync measured over a rate-limited link; "
                f"prediction at scale), {args.date}", "benchmarks/afapab.py", argv)
+    if args.smoke and not args.bytes_only:  # its four compiles take minutes, not a smoke test's seconds
+        print("\nPart 0 (bytes from the compiled programs) skipped with --smoke: run --bytes-only", file=out)
+    else:
+        report_bytes(out)  # before anything here starts JAX (it sets 8 CPU devices)
+    out.flush()
+    if args.bytes_only:
+        print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)", file=out)
+        if args.out:
+            Path(args.out).write_text(buffer.getvalue())
+        return
     if not args.scale_only:
         mib = 2**20
         spec = dict(dims=dims, rounds=args.rounds, probe_repeats=args.probe_repeats,

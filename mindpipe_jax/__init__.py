@@ -10,6 +10,9 @@ The curated public API::
 
 # The `mindpipe` command: a Ctrl-C during the imports below is one line and exit 130.
 import mindpipe_jax._interrupt  # noqa: F401  (first: see its docstring)
+
+# api imports train/ (binding the subpackage to the name `train`) before this binds the function.
+from mindpipe_jax.api import train  # the loop with EPara's online tuner plugged in
 from mindpipe_jax.config import (
     Config,
     DataConfig,
@@ -31,7 +34,6 @@ from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain
 from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
 from mindpipe_jax.train.checkpoint import Checkpointer
 from mindpipe_jax.train.loop import TrainResult
-from mindpipe_jax.tuner.epara import train  # the loop with EPara's online tuner plugged in
 
 __all__ = [
     "Config", "DataConfig", "DistributedConfig", "ModelConfig", "OptimConfig", "ParallelConfig",

@@ -274,6 +274,9 @@ class ParallelConfig:
     # ring spread over the remaining ticks (AFAPAB); "auto" = "chunk" for afapab.
     grad_sync: Literal["auto", "end", "chunk"] = "auto"
     sync_bucket_mb: float = 0.0  # "chunk": ring bucket size in MB (2^20 bytes); 0 = one per chunk
+    # The gradients' dtype on the wire of a pipeline's data-parallel sync ("end" and
+    # "chunk"): "fp32", or "bf16" for half the bytes (sums still accumulate in fp32).
+    grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
@@ -657,7 +660,8 @@ _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], 
     (("model.collective_matmul",), lambda c: "parallel.tensor=1" if c.parallel.tensor == 1 else None,
      "set parallel.tensor > 1 (or 0, auto)"),
     (("parallel.schedule", "parallel.virtual_stages", "parallel.stage_remat", "parallel.stage_layers",
-      "parallel.grad_sync", "parallel.repartition_after", "parallel.fuse_ticks"), _pipe_is_one,
+      "parallel.grad_sync", "parallel.grad_sync_dtype", "parallel.repartition_after", "parallel.fuse_ticks"),
+     _pipe_is_one,
      "set parallel.pipe > 1"),
     (("parallel.sync_bucket_mb",), _chunk_sync_off,
      "it sizes the chunk-wise gradient sync of a pipeline: set parallel.grad_sync='chunk'"),

@@ -18,12 +18,17 @@ from two_procs import run_smoke
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
+from mindpipe_jax.sim import cluster as simcluster
 from mindpipe_jax.sim.cluster import (
     GPT3_2_7B,
+    GPT3_13B,
+    H100_400G,
     V100_CLOUD,
     Layout3D,
     layer_cost,
+    memory_per_gpu,
     predict,
+    step_lower_bound,
 )
 from mindpipe_jax.sim.comm import (
     RingGeometry,
@@ -32,6 +37,7 @@ from mindpipe_jax.sim.comm import (
     simulate_sync,
     sync_ops,
 )
+from mindpipe_jax.sim.layout_search import _refused, candidates, search
 from mindpipe_jax.sim.network import Link
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +142,94 @@ def test_cluster_prediction():
         predict(shape, V100_CLOUD, Layout3D(t=4, p=3, d=1), "megatron")   # 32 layers, 6 stages
 
 
+def test_megatron_overlap_prediction():
+    layout = Layout3D(t=4, p=2, d=8, v=2)
+    end, over, afapab = (predict(GPT3_2_7B, V100_CLOUD, layout, s)
+                         for s in ("megatron", "megatron-overlap", "afapab"))
+    # the same compute in all three; --overlap-grad-reduce hides part of what "end" exposes
+    assert end.compute_s <= over.compute_s and over.step_s < end.step_s
+    assert end.sim.busy == over.sim.busy and afapab.sim.busy == pytest.approx(end.sim.busy)
+    # Megatron's bucket: max(40M, 1M x d) elements (d = 8: 40M), grad_bytes each
+    assert simcluster.megatron_bucket_elems(layout) == 40e6
+    assert simcluster.megatron_bucket_elems(Layout3D(t=1, p=1, d=64)) == 64e6
+    syncs = [e for e in over.sim.events if e.kind == "sync"]
+    assert max(e.nbytes for e in syncs) <= 40e6 * 4
+    # distributed optimizer: bf16 weights gathered, half the bytes of the fp32 gradient slices
+    (gather,) = {e.nbytes for e in syncs if e.start == 0.0 and e.device == 0} or {None}
+    assert gather is not None and gather <= 40e6 * 2
+
+
+def test_gradient_bytes_per_element_scale_the_sync():
+    layout4 = Layout3D(t=4, p=2, d=8, v=2)                     # the runtime's fp32 default
+    layout2 = Layout3D(t=4, p=2, d=8, v=2, grad_bytes=2.0)     # bf16 on the wire
+    for schedule in ("megatron", "afapab"):
+        a, b = (predict(GPT3_2_7B, V100_CLOUD, lay, schedule) for lay in (layout4, layout2))
+        # ring time = steps x (alpha + bytes / bw): the bytes halve, the alphas stay
+        assert b.dp_sync_s < a.dp_sync_s and b.dp_sync_s == pytest.approx(a.dp_sync_s / 2, rel=0.02)
+    # per GPU and layer: its own tensor shard, grad_bytes per element
+    (layer_cost4, _), (layer_cost2, _) = (layer_cost(GPT3_2_7B, V100_CLOUD, lay)
+                                          for lay in (layout4, layout2))
+    assert layer_cost4.param_bytes == pytest.approx(GPT3_2_7B.layer_params / 4 * 4)
+    assert layer_cost2.param_bytes == pytest.approx(layer_cost4.param_bytes / 2)
+
+
+def test_memory_model():
+    layout = Layout3D(t=8, p=4, d=2, v=2, microbatch=1)
+    sched = simcluster._schedule("megatron-overlap", layout)
+    shape = GPT3_13B
+    params = (40 / 4 * shape.layer_params + (shape.vocab + shape.seq_len) * shape.hidden) / 8
+    act = max(sched.peak_live_activations()) * 2048 * 5120 * 2
+    work = 2048 * 5120 * (10 + 24 / 8 + 5 * 40 * 2048 / (5120 * 8)) + 8 * 2048 * 51200 / 8
+    assert memory_per_gpu(shape, layout, "megatron-overlap", sched) == \
+        pytest.approx((6 + 12 / 2) * params + act + work)
+    assert memory_per_gpu(shape, layout, "megatron", sched) == pytest.approx(18 * params + act + work)
+    # AFAPAB holds every microbatch's stage inputs (all forwards first): more than interleaved 1F1B
+    af = simcluster._schedule("afapab", layout)
+    assert max(af.peak_live_activations()) == layout.microbatches * layout.v
+    assert memory_per_gpu(shape, layout, "afapab", af) > memory_per_gpu(shape, layout, "megatron", sched)
+
+
+def test_step_lower_bound_never_exceeds_the_simulated_step():
+    for cluster, shape in ((V100_CLOUD, GPT3_2_7B), (H100_400G, GPT3_13B)):
+        for layout in candidates(shape, cluster, 16, microbatches=(1, 4), vs=(1, 2))[::3]:
+            for schedule in simcluster.SCHEDULES:
+                if _refused(schedule, layout):
+                    continue
+                for cm in (False, True):
+                    lb = step_lower_bound(shape, cluster, layout, schedule, tp_overlap=cm)
+                    step = predict(shape, cluster, layout, schedule, tp_overlap=cm).step_s
+                    assert 0 < lb <= step * (1 + 1e-9), (layout, schedule, cm)
+
+
+@pytest.mark.parametrize("schedule", ["megatron-overlap", "afapab"])
+def test_search_finds_what_simulating_every_layout_finds(schedule):
+    kw = dict(microbatches=(1, 2), vs=(1, 2, 4), global_batch=64)
+    found = search(GPT3_2_7B, V100_CLOUD, 16, schedule, **kw)
+    usable = V100_CLOUD.usable_fraction * V100_CLOUD.memory_bytes
+    every = [predict(GPT3_2_7B, V100_CLOUD, lay, schedule)
+             for lay in candidates(GPT3_2_7B, V100_CLOUD, 16, **kw) if not _refused(schedule, lay)]
+    fitting = [r for r in every if r.memory_bytes <= usable]
+    best = min(fitting, key=lambda r: r.step_s)
+    assert found.best.step_s == pytest.approx(best.step_s) and found.best.fits
+    assert found.candidates == len(every) and found.simulated < len(fitting)   # the bound pruned some
+    with pytest.raises(ConfigError):
+        search(GPT3_2_7B, V100_CLOUD, 16, "gpipe")
+
+
+@pytest.mark.slow
+def test_program_bytes_per_element_is_the_wire_dtype():
+    # Two compiles of the pipe2 x data2 x tensor2 AFAPAB step (~20 s each on 2 cores).
+    # The data-axis bytes over the gradient elements (d = 2: a ring all-reduce sends one
+    # buffer) are the wire's bytes per element: 4 for fp32, 2 for bf16.
+    from mindpipe_jax.sim.program_bytes import measure_grad_bytes_per_element
+
+    fp32 = measure_grad_bytes_per_element("fp32", "end", dims=dict(m=2))
+    bf16 = measure_grad_bytes_per_element("bf16", "end", dims=dict(m=2))
+    assert fp32["grad_elements"] == bf16["grad_elements"] > 10_000
+    assert fp32["bytes_per_element"] == pytest.approx(4.0, rel=0.10)
+    assert bf16["bytes_per_element"] == pytest.approx(2.0, rel=0.10)
+
+
 def test_lanes_picture(tmp_path):
     pytest.importorskip("matplotlib")
     from mindpipe_jax import viz
@@ -182,3 +276,13 @@ def test_smoke_run_prints_measured_and_predicted(tmp_path):
     for line in scale:
         tflops = float(re.search(r"(?:Megatron|AFAPAB)(?: \+ CM)?\s+[\d.]+\s+([\d.]+)", line).group(1))
         assert 0 < tflops < 125, line
+
+
+def test_bf16_sync_ops_carry_half_the_gradient_bytes():
+    sched = get_schedule("afapab", 2, 4, 2)
+    for mode in ("end", "chunk"):
+        fp32 = sync_ops(sched, [1000, 1000], 2, mode, end_elems=[64])
+        bf16 = sync_ops(sched, [1000, 1000], 2, mode, end_elems=[64], elem_bytes=2)
+        loss = [op for op in fp32 if op.nbytes == 4.0]
+        assert [op.nbytes for op in bf16 if op not in loss and op.axis == "data"] == \
+            [op.nbytes / 2 for op in fp32 if op not in loss and op.axis == "data"]

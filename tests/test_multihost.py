@@ -45,6 +45,10 @@ import mindpipe_jax as mp
 from mindpipe_jax.train.checkpoint import committed_steps, restore
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 
+# One xdist worker runs this file, so its children share one compilation cache (the
+# module's `cache`): each 2-process layout compiles once, not once per worker.
+pytestmark = pytest.mark.xdist_group("multihost")
+
 STEPS = 8
 MH = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
       "data.source=synthetic", "data.synthetic_tokens=65536", "train.global_batch=16",

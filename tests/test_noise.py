@@ -2,15 +2,18 @@
 statistics a real train step returns."""
 
 import math
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mindpipe_jax as mp
 from mindpipe_jax.train.reconfigure import build_layout
 from mindpipe_jax.train.state import init_train_state
-from mindpipe_jax.train.step import model_loss
+from mindpipe_jax.train.step import adam_preconditioner, model_loss, noise_statistics
 from mindpipe_jax.tuner.noise import NoiseScale, efficiency, lr_gain, noise_terms
 
 
@@ -88,6 +91,114 @@ def test_efficiency_and_learning_rate_rules():
         lr_gain("cubic", 64, 32, None)
 
 
+def test_linear_regression_with_known_noise_sgd_and_adam():
+    """Least squares with label noise, where B_noise is known in closed form.
+
+    Model y = x.w* + e, x ~ N(0, S) with S = diag(s), e ~ N(0, sigma^2), loss per example
+    (x.w - y)^2 / 2. At w = w* + d the per-example gradient is g = x (x.d - e), so
+
+      G = E[g] = S d,
+      E[g g'] = E[x x' d d' x x'] + sigma^2 S = 2 S d d' S + (d'S d) S + sigma^2 S
+                (Isserlis: E[x_a x_b x_c x_e] = S_ab S_ce + S_ac S_be + S_ae S_bc),
+      Sigma = E[g g'] - G G' = G G' + (d'S d + sigma^2) S.
+
+    With a fixed diagonal preconditioner P (identity for SGD):
+
+      B_noise = tr(P Sigma P) / |P G|^2 = 1 + (d'S d + sigma^2) sum_j P_j^2 s_j / sum_j P_j^2 G_j^2.
+
+    P for Adam is the one the train step uses: ``adam_preconditioner`` of a real optax
+    chain(clip, adamw) state after 50 updates on this problem, then held fixed. Each of
+    2000 steps draws B = 64 examples in m = 8 microbatches; the statistics come from the
+    train step's own ``noise_statistics`` and go through ``NoiseScale.update_from_metrics``
+    (preconditioned pair when present, plain otherwise), EMA 0.99.
+
+    Tolerance: the brief's 25%. Over seeds 0-6 the errors were at most 6% (SGD) and 6%
+    (Adam); the two truths differ 5x here, so an estimate that ignored P could not pass.
+    """
+    rng = np.random.default_rng(0)
+    d, m, b, steps, sigma = 16, 8, 8, 2000, 0.5
+    big = m * b
+    s = np.logspace(-2, 0, d)  # feature scales: Adam's preconditioner is far from uniform
+    delta = 0.3 * rng.normal(size=d)
+
+    def per_example_grads(x, e):
+        return x * (x @ delta - e)[..., None]
+
+    def draw(*shape):
+        return rng.normal(size=(*shape, d)) * np.sqrt(s), rng.normal(size=shape) * sigma
+
+    optim = types.SimpleNamespace(b2=0.99, eps=1e-8)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b2=optim.b2, eps=optim.eps))
+    w = {"w": jnp.zeros(d, jnp.float32)}  # the update's value is not used: only the moments
+    opt = tx.init(w)
+    for _ in range(50):
+        g = per_example_grads(*draw(big)).mean(axis=0)
+        _, opt = tx.update({"w": jnp.asarray(g, jnp.float32)}, opt, w)
+    precond = np.asarray(adam_preconditioner(opt, optim.b2, optim.eps)["w"], np.float64)
+
+    def truth(p):
+        grad = s * delta
+        return 1 + (delta @ (s * delta) + sigma**2) * np.sum(p**2 * s) / np.sum(p**2 * grad**2)
+
+    micro = per_example_grads(*draw(steps, m, b)).mean(axis=2)  # [steps, m, d]
+
+    def statistics(g):  # one step's metrics, as the train step returns them
+        step_grad = {"w": g.mean(axis=0)}
+        out = noise_statistics({"w": jnp.mean(g**2, axis=0)}, step_grad, opt, optim)
+        return {**out, "grad_norm": jnp.sqrt(jnp.sum(step_grad["w"] ** 2))}
+
+    metrics = jax.device_get(jax.jit(jax.vmap(statistics))(jnp.asarray(micro, jnp.float32)))
+    assert set(metrics) == {"micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq", "grad_norm"}
+
+    def estimate(preconditioned):
+        noise = NoiseScale(ema=0.99)
+        for i in range(steps):
+            m_i = {k: v[i] for k, v in metrics.items() if preconditioned or not k.startswith("precond")}
+            noise.update_from_metrics({**m_i, "micro_batch": b, "batch": big})
+        assert noise.preconditioned == preconditioned
+        return noise.b_noise
+
+    sgd, adam = truth(np.ones(d)), truth(precond)
+    assert adam > 2 * sgd  # the preconditioner matters on this problem
+    fresh = tx.update({"w": jnp.ones(d)}, tx.init(w), w)[1]  # count 1: v_hat is this gradient
+    unsettled = noise_statistics({"w": jnp.ones(d)}, {"w": jnp.ones(d)}, fresh, optim)
+    assert np.isnan(unsettled["precond_grad_sq"]) and np.isnan(unsettled["precond_micro_grad_sq"])
+    assert estimate(False) == pytest.approx(sgd, rel=0.25)
+    assert estimate(True) == pytest.approx(adam, rel=0.25)
+
+
+def test_preconditioner_is_found_only_in_adam_states():
+    params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    grads = {"a": jnp.array([1.0, -2.0, 0.5]), "b": jnp.full((2, 2), 3.0)}
+    tx = optax.chain(optax.clip_by_global_norm(10.0), optax.adamw(1e-3, b2=0.9, eps=1e-3,
+                                                                 mask={"a": True, "b": False}))
+    _, opt = tx.update(grads, tx.init(params), params)
+    # After one update: v_hat = g^2 exactly (bias-corrected), so P = 1/(|g| + eps).
+    got = adam_preconditioner(opt, 0.9, 1e-3)
+    for k in params:
+        np.testing.assert_allclose(got[k], 1 / (np.abs(grads[k]) + 1e-3), rtol=1e-6)
+    sgd = optax.sgd(0.1, momentum=0.9)
+    assert adam_preconditioner(sgd.init(params), 0.9, 1e-3) is None
+    two = optax.chain(optax.scale_by_adam(), optax.scale_by_adam())  # ambiguous: refused
+    assert adam_preconditioner(two.init(params), 0.9, 1e-3) is None
+
+
+def test_noise_kind_change_restarts_the_estimate():
+    noise = NoiseScale(ema=0.5)
+    plain = {"micro_batch": 8, "batch": 16, "micro_grad_sq": 3.0, "grad_norm": math.sqrt(2.0)}
+    for _ in range(4):
+        noise.update_from_metrics(plain)
+    assert noise.b_noise == pytest.approx(16.0) and not noise.preconditioned
+    noise.update_from_metrics({**plain, "precond_micro_grad_sq": math.nan, "precond_grad_sq": math.nan})
+    assert not noise.preconditioned and noise.count == 5  # Adam not settled yet: plain goes on
+    noise.update_from_metrics({**plain, "precond_micro_grad_sq": 30.0, "precond_grad_sq": 25.0})
+    assert noise.preconditioned and noise.count == 1  # the plain EMAs were dropped
+    noise.update_from_metrics({**plain, "precond_micro_grad_sq": math.nan, "precond_grad_sq": math.nan})
+    assert noise.preconditioned and noise.count == 1  # a bad step is skipped, plain never mixed in
+    assert NoiseScale.from_dict({k: v for k, v in noise.to_dict().items()
+                                 if k != "preconditioned"}).preconditioned is False  # old checkpoints
+
+
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         "train.global_batch=16", "parallel.simulate_cpu_devices=0", "tuner.enabled=true")
 
@@ -104,8 +215,12 @@ def test_train_step_returns_microbatch_statistics(overrides, micro):
     tokens = rng.integers(0, 256, (16, 33)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     params = jax.device_get(state["params"])  # before the step donates the state
+    # An optimizer with history (count 99): the preconditioned statistics count only once
+    # Adam's v_hat is more than the step's own gradient (train/step.py PRECOND_SETTLED_SHARE).
+    clip, (adam, *rest) = state["opt"]
+    state["opt"] = (clip, (adam._replace(count=jax.device_put(jnp.int32(99), adam.count.sharding)), *rest))
     step, _ = layout.compile()
-    _, metrics = step(state, layout.batches(batch))
+    new_state, metrics = step(state, layout.batches(batch))
     metrics = jax.device_get(metrics)
 
     # Independently: each microbatch's gradient on one device, no mesh. Accumulation
@@ -120,6 +235,18 @@ def test_train_step_returns_microbatch_statistics(overrides, micro):
     assert (int(metrics["micro_batch"]), int(metrics["batch"])) == (16 // micro, 16)
     assert float(metrics["micro_grad_sq"]) == pytest.approx(small, rel=1e-4)
     assert float(metrics["grad_norm"]) ** 2 == pytest.approx(full, rel=1e-4)
+    # AdamW's preconditioner after this step's update, read by hand from the chain
+    # (clip, adamw): v_hat = nu / (1 - b2^count), P = 1 / (sqrt(v_hat) + eps).
+    adam = jax.device_get(new_state["opt"][1][0])
+    assert isinstance(adam, optax.ScaleByAdamState) and int(adam.count) == 100
+    b2, eps = cfg.optim.b2, cfg.optim.eps
+    p_sq = jax.tree.map(lambda v: (1 / (np.sqrt(v.astype(np.float64) / (1 - b2**100)) + eps)) ** 2, adam.nu)
+    weighted = lambda t: sum(float(np.sum(p * np.square(x, dtype=np.float64)))  # noqa: E731
+                             for p, x in zip(jax.tree.leaves(p_sq), jax.tree.leaves(t), strict=True))
+    assert float(metrics["precond_micro_grad_sq"]) == pytest.approx(
+        np.mean([weighted(g) for g in grads]), rel=1e-4)
+    assert float(metrics["precond_grad_sq"]) == pytest.approx(
+        weighted(jax.tree.map(lambda *g: np.mean(g, axis=0), *grads)), rel=1e-4)
     # The step's statistics give the noise terms the independent gradients give.
     g_sq, trace = noise_terms(16 // micro, float(metrics["micro_grad_sq"]), 16,
                               float(metrics["grad_norm"]) ** 2)
@@ -135,4 +262,4 @@ def test_statistics_only_when_asked():
     assert set(out) == {"loss", "grad_norm", "lr", "nonfinite_leaf"}
     asked = jax.eval_shape(layout.make_step(cfg.replace("tuner.enabled=true")), layout.abstract_state,
                            layout.batches.spec())[1]
-    assert {"micro_grad_sq", "micro_batch", "batch"} <= set(asked)
+    assert {"micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq", "micro_batch", "batch"} <= set(asked)

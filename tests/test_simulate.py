@@ -539,6 +539,119 @@ def test_zero_bubble_sync_waits_for_the_last_w():
         assert sync.start == pytest.approx(last_w)
 
 
+# ------------------------------------- Megatron --overlap-grad-reduce ("buckets")
+def test_megatron_overlap_hand_computed_p1():
+    # p = 1, m = 2, 1F1B: F0 BW0 F1 BW1 (F = 1, BW = 2), compute ends at 6. The chunk's
+    # 4e9 bytes go in four 1e9 buckets; BW1 runs [4, 6], so the buckets are ready at
+    # 4.5, 5, 5.5, 6. A reduce-scatter over 2 ranks of 1e9 B on (10 ms, 1 GB/s):
+    # 1/2 * 1e9 / 1e9 + 0.01 = 0.51 s; the parameter all-gather (bf16 against fp32
+    # gradients: 0.5e9 B a bucket) 0.25 + 0.01 = 0.26 s, after the last reduce-scatter.
+    sched = one_f_one_b(1, 2)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=4e9)
+    link = Link(0.01, 1e9)
+    kw = dict(kind="reduce-scatter", slice_bytes=1e9, param_gather="after", gather_ratio=0.5)
+    over = simulate(sched, costs, dp_sync=DPSync(2, link, "buckets", **kw))
+    syncs = [t for e in over.events if e.kind == "sync" for t in (e.start, e.end)]
+    rs = [4.5, 5.01, 5.01, 5.52, 5.52, 6.03, 6.03, 6.54]
+    ag = [t for k in range(4) for t in (6.54 + 0.26 * k, 6.54 + 0.26 * (k + 1))]
+    assert syncs == pytest.approx(rs + ag)
+    assert over.step_time == pytest.approx(7.58)
+    # Without overlap: every reduce-scatter after the compute, then the all-gathers.
+    end = simulate(sched, costs, dp_sync=DPSync(2, link, "end", **kw))
+    assert end.step_time == pytest.approx(6 + 4 * 0.51 + 4 * 0.26)
+    # AFAPAB's chunk-wise placement waits for the whole backward: nothing after it to hide behind.
+    assert simulate(sched, costs, dp_sync=DPSync(2, link, "overlap", **kw)).step_time == \
+        pytest.approx(end.step_time)
+
+
+def test_megatron_overlap_param_gather_behind_the_next_forward():
+    # p = 2, GPipe m = 1 (F = 1, BW = 2), 1e9 B of gradient per stage, one bucket, 1 GB/s, no
+    # latency, 2 ranks: reduce-scatter 0.5 s, all-gather of the bf16 weights 0.25 s. With
+    # --overlap-param-gather the all-gathers run from the step's start: device 0's first F
+    # waits for it (0.25), device 1's is hidden behind the wait for device 0's activation.
+    sched = gpipe(2, 1)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=1e9)
+    dp = DPSync(2, Link(0.0, 1e9), "buckets", kind="reduce-scatter", param_gather="forward",
+                gather_ratio=0.5)
+    r = simulate(sched, costs, dp_sync=dp)
+    first_f = {s: min(e.start for e in r.events_of(s, "compute") if e.kind == "F") for s in (0, 1)}
+    assert first_f == pytest.approx({0: 0.25, 1: 1.25})
+    # device 1's BW [2.25, 4.25] then its reduce-scatter; device 0's BW [4.25, 6.25], then its own
+    assert r.step_time == pytest.approx(6.25 + 0.5)
+    with pytest.raises(ValueError, match="async"):
+        simulate(sched, costs, dp_sync=dp, mode="lockstep")
+
+
+def test_megatron_overlap_equals_end_with_nothing_to_hide_behind():
+    link = Link(1e-3, 1e9)
+    # One bucket: it is ready only when the last backward ends, which ends the step.
+    sched = one_f_one_b(1, 4)
+    costs = StageCosts(F=1, B=1, W=1, param_bytes=4e8)
+    for mode in ("async", "lockstep", "neighbour"):
+        end = simulate(sched, costs, dp_sync=DPSync(8, link, "end"), mode=mode)
+        over = simulate(sched, costs, dp_sync=DPSync(8, link, "buckets"), mode=mode)
+        assert over.step_time == pytest.approx(end.step_time) and over.step_time > 12
+    # Many buckets, but the gradient appears only at the very end (W takes no time).
+    zb = zb_h1(1, 4)
+    costs = StageCosts(F=1, B=1, W=0, param_bytes=4e8)
+    end = simulate(zb, costs, dp_sync=DPSync(8, link, "end", slice_bytes=5e7))
+    over = simulate(zb, costs, dp_sync=DPSync(8, link, "buckets", slice_bytes=5e7))
+    assert over.step_time == pytest.approx(end.step_time)
+    # No data parallelism: nothing to sync in either mode.
+    one = DPSync(1, link, "buckets", slice_bytes=1e8)
+    assert simulate(sched, costs, dp_sync=one).step_time == simulate(sched, costs).step_time
+
+
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 4), (4, 8)])
+def test_megatron_overlap_never_slower_than_end(p, m):
+    # The argument (sim/__init__): with sends first on the lane ("priority") or no
+    # contention, the compute timeline is the one without syncs and every bucket is
+    # queued no later than the end-of-step sync would be, on a work-conserving lane.
+    rng = random.Random(7 * p + m)
+    link = Link(1e-3, 1e9)
+    for sched in list(all_schedules(p, m)) + [get_schedule("afapab", p, m, 2)]:
+        G = sched.num_global_stages
+        costs = StageCosts(F=[rng.uniform(0.5, 2) for _ in range(G)],
+                           B=[rng.uniform(0.5, 2) for _ in range(G)],
+                           W=[rng.uniform(0.2, 1) for _ in range(G)],
+                           activation_bytes=[rng.uniform(0, 1e8) for _ in range(G)],
+                           param_bytes=[rng.uniform(0, 3e9) for _ in range(G)])
+        for bucket in (None, 2e8):
+            for mode, gathers in (("async", ("none", "after", "forward")), ("lockstep", ("none", "after")),
+                                  ("neighbour", ("none", "after"))):
+                if mode == "neighbour" and sched.name.startswith("interleaved") and p > 2:
+                    continue   # consecutive stages on devices that are not neighbours
+                for gather in gathers:
+                    kw = dict(kind="all-reduce" if gather == "none" else "reduce-scatter", slice_bytes=bucket,
+                              param_gather=gather, gather_ratio=0.5)
+                    for contention in (False, "priority"):
+                        end, over = (simulate(sched, costs, link=link, dp_sync=DPSync(4, link, when, **kw),
+                                              mode=mode, contention=contention)
+                                     for when in ("end", "buckets"))
+                        assert over.step_time <= end.step_time + 1e-9, (sched.name, mode, gather, contention)
+                        assert over.busy == end.busy
+
+
+def test_priority_contention_lets_a_send_through_a_running_sync():
+    # test_contention_serialises_sends_behind_a_sync's case: device 1's 5 s sync is
+    # running when BW0 of global stage 1 must send 1e6 B (1 ms) back to device 0.
+    sched = interleaved(2, 2, 2)
+    costs = StageCosts(F=1, B=1, W=1, activation_bytes=1e6, param_bytes=[0, 0, 0, 5e9])
+    dp = DPSync(2, Link(0.0, 1e9), "overlap")
+    free = simulate(sched, costs, link=Link(0.0, 1e9), dp_sync=dp, contention=False)
+    r = simulate(sched, costs, link=Link(0.0, 1e9), dp_sync=dp, contention="priority")
+    (bw,) = [e for e in r.events_of(1, "compute") if (e.kind, e.microbatch, e.global_stage) == ("BW", 0, 1)]
+    (send,) = [e for e in r.events_of(1, "network") if e.kind == "send" and e.tick == bw.tick]
+    (sync,) = [e for e in r.events_of(1, "network") if e.kind == "sync"]
+    assert send.start == pytest.approx(bw.end)                      # no wait
+    during = [e for e in r.events_of(1, "network") if e.kind == "send" and sync.start <= e.start < sync.end]
+    assert len(during) == 2                                         # BW0 and BW1 of global stage 1
+    assert sync.duration == pytest.approx(5.0 + 2 * 0.001)          # paused for each send
+    assert r.step_time == pytest.approx(max(free.step_time, sync.end))
+    with pytest.raises(ValueError, match="contention"):
+        simulate(sched, costs, contention="sometimes")
+
+
 # ----------------------------------------------------------------- calibration
 def test_fit_alpha_beta_recovers_noisy_link():
     rng = np.random.default_rng(0)
@@ -635,6 +748,10 @@ def test_bad_input_is_refused():
         Link(0.0, 0.0)
     with pytest.raises(ValueError, match="when"):
         DPSync(2, Link(), when="later")
+    with pytest.raises(ValueError, match="reduce-scatter"):
+        DPSync(2, Link(), param_gather="after")                   # an all-reduce leaves nothing to gather
+    with pytest.raises(ValueError, match="param_gather"):
+        DPSync(2, Link(), kind="reduce-scatter", param_gather="later")
     with pytest.raises(ValueError, match="ranks"):
         Collective(0, Link())
     with pytest.raises(ValueError, match="link"):

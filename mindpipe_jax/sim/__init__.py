@@ -44,6 +44,28 @@ slice. Placement of the sync:
 * ``when="overlap"`` (AFAPAB / Fold3D): a chunk's sync starts right after that
   chunk's last weight-gradient task (its last ``BW`` or ``W``) and runs on the
   network lane while the device computes its remaining tasks.
+* ``when="buckets"`` (Megatron-LM ``--overlap-grad-reduce``): the chunk's gradient
+  is cut into buckets (``slice_bytes``), and each bucket's collective is queued as
+  soon as its last gradient is ready *during* the chunk's last weight-gradient task
+  (the last microbatch's backward), taken to produce the gradient at an even rate,
+  the chunk's last layers first. So it hides behind the rest of that backward and
+  behind everything after it.
+
+With the distributed optimizer (``kind="reduce-scatter"``) the updated parameters
+are all-gathered (``param_gather``): ``"after"`` the device's reduce-scatters
+(exposed), or ``"forward"`` (Megatron's ``--overlap-param-gather``, async mode):
+from the start of the step, each chunk's first forward waiting for its chunk's
+all-gather.
+
+``contention="priority"``: sends and syncs share the lane but a send never waits
+for a sync: it preempts the running slice, whose end moves by the send's
+occupancy (NCCL interleaves a bucket's ring chunks with the pipeline's sends
+rather than holding a send for a whole bucket). Then the compute timeline is the
+one without syncs, each lane is a work-conserving server whose sync requests all
+arrive by the device's compute end, and so a sync that starts earlier can never
+end later: ``"buckets"`` and ``"overlap"`` are never slower than ``"end"`` (also
+with ``contention=False``). With ``contention=True`` a running slice can hold a
+send on the critical path for a whole slice, so that guarantee does not hold.
 
 Modes
 -----
@@ -162,7 +184,7 @@ def predict_utilization(layers: LayerCost | Sequence[LayerCost], stage_of_layer:
                         num_layers: int | None = None, embed: LayerCost | None = None,
                         head: LayerCost | None = None, link: Link | float | None = None,
                         dp_sync: DPSync | None = None, mode: str = "async",
-                        contention: bool = True, fuse: str | None = None) -> SimResult:
+                        contention: bool | str = True, fuse: str | None = None) -> SimResult:
     """Simulate a model given per-layer costs, e.g. a GPT-class model at p = 8, m = 32.
 
     ``layers``: one ``LayerCost`` per layer (or one for all, with ``num_layers`` or

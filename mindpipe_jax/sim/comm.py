@@ -6,16 +6,22 @@ runtime (``runtime.pipeline_grads``) issues something more particular, and this
 module lists and replays exactly that:
 
 * ``grad_sync="end"`` (Megatron): after the last tick, one all-reduce (``pmean``)
-  of each chunk's fp32 gradient over the batch axes (``d`` ranks).
+  of each chunk's gradient over the batch axes (``d`` ranks).
 * ``grad_sync="chunk"`` (AFAPAB): at each sync point (``sync.sync_points``)
-  that leaves ticks to run, the chunks that finished there are flattened into one
-  fp32 vector and reduced by a ring (``ringsync.RingSync``): ``buckets * (d - 1)``
+  that leaves ticks to run, each device's own shards of the chunks that finished
+  there are flattened into one vector and reduced by a ring (``ringsync.LocalRing``):
+  ``buckets * (d - 1)``
   reduce-scatter steps, each a ``ppermute`` of one piece, then one all-gather of
   ``d`` pieces per bucket, one step beside each following tick. Steps that the
   ticks up to the next sync point cannot take run back to back there; a chunk
   that finishes at the last tick is all-reduced after it.
 * after the loop, in both modes: the loss (a scalar) and the embed and head
   gradients (``psum`` over ``pipe``, then ``pmean`` over the batch axes).
+
+Gradients go on the wire as ``elem_bytes`` bytes per element (``parallel.grad_sync_dtype``:
+4 for fp32, 2 for bf16; the loss stays fp32); an element count is what one device
+holds (its tensor shard of a tensor-sharded leaf). ``parallel/collectives.py`` reads
+the same bytes from a compiled program.
 
 ``sync_ops`` lists those collectives with where they run; ``simulate_sync``
 replays a schedule tick by tick with per-device clocks — each tick a device runs
@@ -64,16 +70,17 @@ KINDS = ("ring-step", "all-gather", "all-reduce")
 
 @dataclass(frozen=True)
 class RingGeometry:
-    """The sizes ``ringsync.RingSync`` uses for a flat fp32 vector of ``n`` elements
-    over ``d`` ranks (same arithmetic, no JAX)."""
+    """The sizes ``ringsync.RingSync`` uses for a flat vector of ``n`` elements over ``d``
+    ranks, ``elem_bytes`` each on the wire (same arithmetic, no JAX)."""
 
     n: int
     d: int
     bucket_bytes: int | None = None
+    elem_bytes: int = 4
 
     @property
     def per_bucket(self) -> int:
-        return self.n if not self.bucket_bytes else max(self.d, self.bucket_bytes // 4)
+        return self.n if not self.bucket_bytes else max(self.d, self.bucket_bytes // self.elem_bytes)
 
     @property
     def buckets(self) -> int:
@@ -96,8 +103,8 @@ class RingGeometry:
         """(kind, bytes) of step ``k``: a ring step sends one piece; an all-gather
         assembles ``d`` of them (bytes = the gathered size)."""
         if k < self.scatter_steps:
-            return "ring-step", 4.0 * self.piece
-        return "all-gather", 4.0 * self.piece * self.d
+            return "ring-step", float(self.elem_bytes * self.piece)
+        return "all-gather", float(self.elem_bytes * self.piece * self.d)
 
 
 @dataclass(frozen=True)
@@ -140,11 +147,11 @@ def _leaves(x, name: str) -> tuple[int, ...]:
 
 def sync_ops(schedule: Schedule, chunk_elems: Sequence[int | Sequence[int]], data_ranks: int,
              grad_sync: str = "end", *, bucket_bytes: int | None = None,
-             end_elems: int | Sequence[int] = 0) -> list[CommOp]:
+             end_elems: int | Sequence[int] = 0, elem_bytes: int = 4) -> list[CommOp]:
     """The collectives ``runtime.pipeline_grads`` issues for one step, in issue order.
 
     ``chunk_elems[c]``: chunk ``c``'s gradient on a device, as an element count or
-    one count per leaf (fp32 on the wire); ``end_elems``: the embed and head
+    one count per leaf (``elem_bytes`` each on the wire); ``end_elems``: the embed and head
     gradients (synced after the loop over ``pipe`` and the batch axes), likewise.
     A ``pmean`` is one all-reduce per leaf: XLA combines them into one tuple
     all-reduce, but XLA:CPU runs a Gloo all-reduce per buffer of the tuple, each
@@ -178,14 +185,17 @@ def sync_ops(schedule: Schedule, chunk_elems: Sequence[int | Sequence[int]], dat
         if not here or d == 1:
             continue
         if end < ticks:
-            pending = (RingGeometry(sum(sum(leaves[c]) for c in here), d, bucket_bytes), 0, here)
+            ring = RingGeometry(sum(sum(leaves[c]) for c in here), d, bucket_bytes, elem_bytes)
+            pending = (ring, 0, here)
         else:
-            ops += [CommOp("all-reduce", 4.0 * n, end - 1, False, chunks=(c,))
+            ops += [CommOp("all-reduce", float(elem_bytes * n), end - 1, False, chunks=(c,))
                     for c in here for n in leaves[c]]
     last = ticks - 1
     for axis, ranks in (("pipe", schedule.num_stages), ("data", d)):   # the loss, embed and head
         if ranks > 1:
-            ops += [CommOp("all-reduce", 4.0 * n, last, False, axis=axis) for n in (1, *end_leaves) if n]
+            ops += [CommOp("all-reduce", 4.0, last, False, axis=axis)]  # the loss: fp32
+            wire = 4 if axis == "pipe" else elem_bytes  # the psum over pipe stays fp32
+            ops += [CommOp("all-reduce", float(wire * n), last, False, axis=axis) for n in end_leaves if n]
     return ops
 
 
@@ -194,7 +204,7 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
                   chunk_elems: Sequence[int | Sequence[int]] | None = None,
                   end_elems: int | Sequence[int] = 0,
                   pipe_link: Link | None = None, tick_overhead: float | Sequence[float] = 0.0,
-                  overlap: bool = False) -> SimResult:
+                  overlap: bool = False, elem_bytes: int = 4) -> SimResult:
     """Replay ``schedule`` tick by tick with the runtime's gradient sync (see the
     module docstring). ``costs`` as ``engine.simulate``; ``chunk_elems``
     (see ``sync_ops``) default: each chunk's ``param_bytes / 4`` as one leaf (largest over devices: the SPMD
@@ -213,7 +223,7 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
         chunk_elems = [int(max(cc.params[schedule.global_stage(s, c)] for s in range(p)) // 4)
                        for c in range(v)]
     ops = sync_ops(schedule, chunk_elems, data_ranks, grad_sync, bucket_bytes=bucket_bytes,
-                   end_elems=end_elems)
+                   end_elems=end_elems, elem_bytes=elem_bytes)
     beside: dict[int, list[CommOp]] = {}
     after: dict[int, list[CommOp]] = {}
     for op in ops:

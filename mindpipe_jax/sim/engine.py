@@ -6,6 +6,7 @@ The model and the modes are described in ``sim/__init__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -122,36 +123,88 @@ class _Lanes:
     before ``at`` (a running slice is never interrupted), then hands the lane to
     the caller, so a send overtakes the slices that have not started yet."""
 
-    def __init__(self, p: int, events: list[Event]):
+    def __init__(self, p: int, events: list[Event], priority: bool = False):
+        self.priority = priority              # contention="priority": sends preempt running slices
+        self.send_free = [0.0] * p            # when the device's last send has left its lane
+        self.running: list[int | None] = [None] * p   # index in events of the last slice started
+        self.running_tag: list[object] = [None] * p
         self.free = [0.0] * p
         self.busy = [0.0] * p
         self.events = events
         self.pending: list[deque] = [deque() for _ in range(p)]
         self.last = 0.0
+        self.tag_end: dict[tuple[int, object], float] = {}   # (device, tag) -> end of its last slice
 
-    def request_sync(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync) -> None:
+    def request_sync(self, s: int, chunk: int, g: int, nbytes: float, at: float | Sequence[float],
+                     dp: DPSync) -> None:
+        """Queue the slices of one chunk's sync on device ``s``'s lane, from ``at`` (one
+        time, or one per slice: ``when="buckets"``)."""
         coll = dp.collective
+        sizes = dp.slices(nbytes)
+        ats = [at] * len(sizes) if _is_number(at) else list(at)
+        for when, n in zip(ats, sizes, strict=True):
+            self.pending[s].append((when, n, coll.time(n), chunk, g, None))
+
+    def request_gather(self, s: int, chunk: int, g: int, nbytes: float, at: float, dp: DPSync,
+                       tag=None) -> None:
+        """Queue the parameter all-gather of one chunk (``dp.param_gather``), in its slices."""
+        coll = dp.gather
         for n in dp.slices(nbytes):
-            self.pending[s].append((at, n, coll.time(n), chunk, g))
+            m = n * dp.gather_ratio
+            self.pending[s].append((at, m, coll.time(m), chunk, g, tag))
 
     def drain(self, s: int, before: float = math.inf) -> None:
         queue = self.pending[s]
         while queue:
-            at, n, d, chunk, g = queue[0]
+            at, n, d, chunk, g, _ = queue[0]
             start = max(at, self.free[s])
             if start >= before:
                 break
-            queue.popleft()
-            self.free[s] = start + d
-            self.busy[s] += d
-            self.last = max(self.last, start + d)
-            self.events.append(Event(s, "network", "sync", start, start + d, chunk=chunk,
-                                     global_stage=g, nbytes=n))
+            self._run(s, start)
+
+    def _run(self, s: int, start: float) -> float:
+        at, n, d, chunk, g, tag = self.pending[s].popleft()
+        if tag is not None:
+            self.tag_end[(s, tag)] = start + d
+        self.free[s] = start + d
+        self.busy[s] += d
+        self.last = max(self.last, start + d)
+        self.running[s], self.running_tag[s] = len(self.events), tag
+        self.events.append(Event(s, "network", "sync", start, start + d, chunk=chunk,
+                                 global_stage=g, nbytes=n))
+        return start + d
+
+    def done_through(self, s: int, tag) -> float:
+        """Run device ``s``'s queue up to and including the last slice tagged ``tag``
+        (everything before it on the lane goes first: the lane is FIFO); returns when
+        that slice ends (0 if there is none)."""
+        queue = self.pending[s]
+        while any(item[5] == tag for item in queue):
+            self._run(s, max(queue[0][0], self.free[s]))
+        return self.tag_end.get((s, tag), 0.0)
 
     def claim(self, s: int, at: float) -> float:
-        """When a send issued at ``at`` gets device ``s``'s lane."""
+        """When a send issued at ``at`` gets device ``s``'s lane: after a running slice,
+        or (``priority``) at once unless another send is still leaving."""
         self.drain(s, before=at)
-        return max(at, self.free[s])
+        return max(at, self.send_free[s] if self.priority else self.free[s])
+
+    def occupy(self, s: int, leave: float, occ: float) -> None:
+        """A send holds device ``s``'s lane from ``leave`` for ``occ``. With ``priority``
+        a slice running then is paused for ``occ``: its end (and the lane's) moves by
+        ``occ``, as the slice's bytes wait behind the send's."""
+        self.send_free[s] = leave + occ
+        if not self.priority:
+            self.free[s] = leave + occ
+            return
+        i = self.running[s]
+        if i is not None and self.events[i].end > leave:
+            ev = self.events[i]
+            self.events[i] = dataclasses.replace(ev, end=ev.end + occ)
+            self.last = max(self.last, ev.end + occ)
+            if self.running_tag[s] is not None:
+                self.tag_end[(s, self.running_tag[s])] = ev.end + occ
+        self.free[s] = max(self.free[s], leave) + occ
 
     def finish(self) -> None:
         for s in range(len(self.pending)):
@@ -193,11 +246,12 @@ class _Trace:
 
 
 MODES = ("async", "lockstep", "neighbour")
+CONTENTION = (True, False, "priority")
 
 
 def simulate(schedule: Schedule | FusedSchedule, costs: StageCosts | Mapping | Callable | None = None, *,
              link: Link | float | None = None, dp_sync: DPSync | None = None, mode: str = "async",
-             contention: bool = True, tick_overhead: float | Sequence[float] = 0.0,
+             contention: bool | str = True, tick_overhead: float | Sequence[float] = 0.0,
              fuse: str | None = None) -> SimResult:
     """Replay ``schedule`` with ``costs`` on ``link`` (see the module docstring).
 
@@ -250,6 +304,12 @@ def simulate(schedule: Schedule | FusedSchedule, costs: StageCosts | Mapping | C
         raise ConfigError(f"link must be a Link, a number of seconds or None, got {link!r}")
     if dp_sync is not None and not isinstance(dp_sync, DPSync):
         raise ConfigError(f"dp_sync must be a DPSync or None, got {dp_sync!r}")
+    if contention not in CONTENTION:
+        raise ConfigError(f"contention must be one of {', '.join(map(repr, CONTENTION))}, got {contention!r}")
+    if dp_sync is not None and dp_sync.param_gather == "forward" and mode != "async":
+        raise ConfigError(f"DPSync(param_gather='forward') holds each chunk's first forward until its "
+                          f"all-gather arrives, which mode 'async' models; mode {mode!r} does not (use "
+                          f"param_gather='after' or 'none')")
     cc = _Resolved(costs, schedule)
     if mode == "async":
         return _run_async(schedule, cc, link, dp_sync, contention)
@@ -303,6 +363,38 @@ def _request_syncs(lanes: _Lanes, schedule: Schedule, cc: _Resolved, chunks: Ite
         lanes.request_sync(s, c, g, cc.params[g], at[s], dp)
 
 
+def _bucket_times(dp: DPSync, nbytes: float, start: float, duration: float) -> list[float]:
+    """``when="buckets"``: when each bucket of a chunk's ``nbytes`` is ready, its last
+    weight-gradient task running from ``start`` for ``duration`` and producing the
+    gradient at an even rate (``DPSync``)."""
+    times, done = [], 0.0
+    for n in dp.slices(nbytes):
+        done += n
+        times.append(start + duration * min(1.0, done / nbytes))
+    return times
+
+
+def _request_buckets(lanes: _Lanes, schedule: Schedule, cc: _Resolved, chunks: Iterable[tuple[int, int]],
+                     grad_task: dict[tuple[int, int], tuple[float, float]], dp: DPSync) -> None:
+    """Queue the buckets of each (device, chunk) in ``chunks`` from when they are ready
+    in the chunk's last weight-gradient task (``grad_task[(s, c)]``: its start, duration)."""
+    for s, c in chunks:
+        g = schedule.global_stage(s, c)
+        start, duration = grad_task[(s, c)]
+        lanes.request_sync(s, c, g, cc.params[g], _bucket_times(dp, cc.params[g], start, duration), dp)
+
+
+def _request_gathers_after(lanes: _Lanes, schedule: Schedule, cc: _Resolved,
+                           last_grad: dict[tuple[int, int], int], at: Sequence[float], dp: DPSync) -> None:
+    """``param_gather="after"``: every chunk's parameter all-gather, queued behind the
+    device's reduce-scatters (its lane is FIFO), from its compute's end ``at[s]``."""
+    if dp.param_gather != "after":
+        return
+    for s, c in _by_finish(last_grad):
+        g = schedule.global_stage(s, c)
+        lanes.request_gather(s, c, g, cc.params[g], at[s], dp)
+
+
 def _by_finish(last_grad: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
     """``dp.when == "end"``: the (device, chunk)s in the order their gradients became final."""
     return sorted(last_grad, key=last_grad.get)
@@ -316,14 +408,15 @@ def _crossing_bytes(schedule: Schedule, cc: _Resolved) -> list[float]:
     return [cc.act[g] for g in range(G - 1) if owner[g] != owner[g + 1]]
 
 
-def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None, fused=None):
+def _tick_start(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None, fused=None,
+                contention: bool | str = True):
     """What both tick modes start from: the trace, the network lanes, each chunk's
     last weight-gradient tick (and, per tick, the chunks finished in it), whether
     any activation crosses devices, and the exchange buffer (the largest that does:
     every exchange sends one of that size) with its lane occupancy. ``fused``: the
     ``FusedSchedule`` whose ticks are replayed (default: the table's)."""
     trace = _Trace(schedule, None if fused is None else fused.num_ticks)
-    lanes = _Lanes(schedule.num_stages, trace.events)
+    lanes = _Lanes(schedule.num_stages, trace.events, priority=contention == "priority")
     last_grad = _last_grad_ticks(schedule, None if fused is None else fused.cells) if dp is not None else {}
     crossing = _crossing_bytes(schedule, cc)
     buffer = max(crossing, default=0.0)
@@ -341,13 +434,23 @@ def _consumer(schedule: Schedule, task: Task, g: int) -> tuple[int, int] | None:
 
 
 def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
-               contention: bool) -> SimResult:
+               contention: bool | str) -> SimResult:
     p, G = schedule.num_stages, schedule.num_global_stages
     trace = _Trace(schedule)
     free = [0.0] * p
     events = trace.events
-    lanes = _Lanes(p, events)
+    lanes = _Lanes(p, events, priority=contention == "priority")
     last_grad = _last_grad_ticks(schedule) if dp is not None else {}
+    buckets = dp is not None and dp.when == "buckets"
+    gather_first = dp is not None and dp.param_gather == "forward"
+    gathered: set[tuple[int, int]] = set()
+    if gather_first:   # the previous step's all-gathers, chunk by chunk in the order each device uses them
+        for s in range(p):
+            firsts = [task.chunk for row in schedule.table
+                      if (task := row[s]) is not None and task.kind is Kind.F]
+            for c in dict.fromkeys(firsts):
+                g = schedule.global_stage(s, c)
+                lanes.request_gather(s, c, g, cc.params[g], 0.0, dp, tag=("gather", c))
     done: dict[tuple[str, int, int], tuple[float, int]] = {}   # key -> (end, device)
     arrival: dict[tuple[str, int, int], float] = {}           # key -> arrival at its consumer
     for t, row in enumerate(schedule.table):
@@ -359,8 +462,16 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
             for key in _inputs(task.kind, task.microbatch, g, G):
                 finish, where = done[key]
                 ready = max(ready, finish if where == s else arrival[key])
+            if gather_first and task.kind is Kind.F and (s, task.chunk) not in gathered:
+                # --overlap-param-gather: the chunk's parameters must have arrived
+                gathered.add((s, task.chunk))
+                ready = max(ready, lanes.done_through(s, ("gather", task.chunk)))
             stop = ready + trace.compute(cc, t, s, task, ready)
             free[s] = stop
+            if buckets and last_grad.get((s, task.chunk)) == t and task.kind in (Kind.BW, Kind.W):
+                # before this task's own send claims the lane: its buckets were ready during it
+                _request_buckets(lanes, schedule, cc, [(s, task.chunk)],
+                                 {(s, task.chunk): (ready, stop - ready)}, dp)
             if task.kind is Kind.W:
                 key = ("W", task.microbatch, g)
             else:
@@ -373,7 +484,7 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
                 occ = link.occupancy(nbytes)
                 leave = lanes.claim(s, stop) if contention else stop
                 if contention:
-                    lanes.free[s] = leave + occ
+                    lanes.occupy(s, leave, occ)
                 lanes.busy[s] += occ
                 arrival[key] = leave + occ + link.latency_s
                 events.append(Event(s, "network", "send", leave, arrival[key], t, task.microbatch,
@@ -383,31 +494,40 @@ def _run_async(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
     compute = max(free, default=0.0)
     if dp is not None and dp.when == "end":
         _request_syncs(lanes, schedule, cc, _by_finish(last_grad), free, dp)
+    if dp is not None:
+        _request_gathers_after(lanes, schedule, cc, last_grad, free, dp)
     lanes.finish()
     return trace.result("async", max(compute, lanes.last), compute, lanes.busy)
 
 
 def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | None,
-                  contention: bool, overhead: Sequence[float]) -> SimResult:
+                  contention: bool | str, overhead: Sequence[float]) -> SimResult:
     p, ticks = schedule.num_stages, schedule.num_ticks
-    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp)
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp,
+                                                                              contention=contention)
     events = trace.events
     clock = 0.0
+    # (device, chunk) -> its last W/BW's start and duration
+    grad_task: dict[tuple[int, int], tuple[float, float]] = {}
     for t, row in enumerate(schedule.table):
         longest = max(overhead, default=0.0)
         for s, task in enumerate(row):
             if task is None:
                 continue
             d = trace.compute(cc, t, s, task, clock)
+            if task.kind in (Kind.BW, Kind.W):
+                grad_task[(s, task.chunk)] = (clock, d)
             longest = max(longest, d + overhead[s])
         compute_end = clock + longest
         clock = compute_end
+        if dp is not None and dp.when == "buckets":
+            _request_buckets(lanes, schedule, cc, finished_in.get(t, ()), grad_task, dp)
         if t < ticks - 1 and crossing:
             leave = max(lanes.claim(s, compute_end) for s in range(p)) if contention else compute_end
             arrive = leave + occ + link.latency_s
             for s in range(p):
                 if contention:
-                    lanes.free[s] = leave + occ
+                    lanes.occupy(s, leave, occ)
                 lanes.busy[s] += occ
                 events.append(Event(s, "network", "exchange", leave, arrive, t, nbytes=buffer))
             clock = arrive
@@ -416,6 +536,8 @@ def _run_lockstep(schedule: Schedule, cc: _Resolved, link: Link, dp: DPSync | No
     compute = clock
     if dp is not None and dp.when == "end":
         _request_syncs(lanes, schedule, cc, _by_finish(last_grad), [compute] * p, dp)
+    if dp is not None:
+        _request_gathers_after(lanes, schedule, cc, last_grad, [compute] * p, dp)
     lanes.finish()
     return trace.result("lockstep", max(compute, lanes.last), compute, lanes.busy)
 
@@ -459,7 +581,7 @@ def _ppermutes(schedule: Schedule) -> list[int]:
 
 
 def _run_neighbour(fused: FusedSchedule, cc: _Resolved, link: Link, dp: DPSync | None,
-                   contention: bool, overhead: Sequence[float], how: str) -> SimResult:
+                   contention: bool | str, overhead: Sequence[float], how: str) -> SimResult:
     """The SPMD runtime as it executes: every device keeps its own clock. In fused
     tick ``t`` it runs its tasks of the tick one after the other (F, then its
     backward, then its W; the tick's compute is their sum) and its bookkeeping, then
@@ -473,25 +595,33 @@ def _run_neighbour(fused: FusedSchedule, cc: _Resolved, link: Link, dp: DPSync |
     # Every device sends one buffer, sized for the largest activation that crosses
     # devices, in each ppermute of every tick, whether or not it carries anything
     # (the scan body is the same each tick, the last one included).
-    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp, fused)
+    trace, lanes, last_grad, finished_in, crossing, buffer, occ = _tick_start(schedule, cc, link, dp, fused,
+                                                                              contention)
     shifts = _ppermutes(schedule) if crossing else []
     events = trace.events
     clock = [0.0] * p
+    # (device, chunk) -> its last W/BW's start and duration
+    grad_task: dict[tuple[int, int], tuple[float, float]] = {}
     for t, row in enumerate(fused.cells):
         ready = []
         for s, cell in enumerate(row):
             at = clock[s]
             for task in cell:
                 if task is not None:
-                    at += trace.compute(cc, t, s, task, at)
+                    d = trace.compute(cc, t, s, task, at)
+                    if task.kind in (Kind.BW, Kind.W):
+                        grad_task[(s, task.chunk)] = (at, d)
+                    at += d
             ready.append(at + overhead[s])
         compute_end = list(ready)
+        if dp is not None and dp.when == "buckets":
+            _request_buckets(lanes, schedule, cc, finished_in.get(t, ()), grad_task, dp)
         for shift in shifts:
             leave = [lanes.claim(s, ready[s]) if contention else ready[s] for s in range(p)]
             arrive = [leave[s] + occ + link.latency_s for s in range(p)]
             for s in range(p):
                 if contention:
-                    lanes.free[s] = leave[s] + occ
+                    lanes.occupy(s, leave[s], occ)
                 lanes.busy[s] += occ
                 events.append(Event(s, "network", "exchange", leave[s], arrive[s], t,
                                     peer=(s + shift) % p, nbytes=buffer))
@@ -501,6 +631,8 @@ def _run_neighbour(fused: FusedSchedule, cc: _Resolved, link: Link, dp: DPSync |
             _request_syncs(lanes, schedule, cc, finished_in.get(t, ()), compute_end, dp)
     if dp is not None and dp.when == "end":
         _request_syncs(lanes, schedule, cc, _by_finish(last_grad), clock, dp)
+    if dp is not None:
+        _request_gathers_after(lanes, schedule, cc, last_grad, clock, dp)
     compute = max(clock, default=0.0)
     lanes.finish()
     return trace.result("neighbour", max(compute, lanes.last), compute, lanes.busy, how)

@@ -72,32 +72,76 @@ class Collective:
         return steps * (nbytes / r / self.link.bandwidth_Bps) + steps * self.link.latency_s
 
 
+SYNC_WHEN = ("end", "overlap", "buckets")
+PARAM_GATHER = ("none", "after", "forward")
+
+
 @dataclass(frozen=True)
 class DPSync:
     """Data-parallel gradient sync of every (device, chunk)'s ``param_bytes``.
 
-    ``when="end"``: after the device's compute (Megatron); ``"overlap"``: right
-    after each chunk's last weight-gradient task, concurrent with the remaining
-    compute (AFAPAB). ``slice_bytes`` cuts each chunk's sync into slices of at
-    most that many bytes (each pays its own α; with ``contention`` a send waits
-    at most for the slice in progress)."""
+    ``when``:
+
+    * ``"end"``: after the device's compute (Megatron without overlap);
+    * ``"overlap"``: each chunk's sync right after its last weight-gradient task,
+      concurrent with the remaining compute (AFAPAB's chunk-wise sync);
+    * ``"buckets"``: Megatron-LM's ``--overlap-grad-reduce``: the chunk's gradient is
+      cut into buckets of ``slice_bytes`` (one bucket if ``None``) in the order the
+      backward produces it (the chunk's last layer first), and each bucket's
+      collective is requested as soon as its last gradient is ready during the
+      chunk's last weight-gradient task (the last microbatch's backward; earlier
+      microbatches only accumulate). The task is taken to produce its gradient at
+      an even rate: bucket ``k`` of a chunk of ``P`` bytes is ready once
+      ``min((k + 1) slice_bytes, P) / P`` of the task has run.
+
+    ``slice_bytes`` cuts each chunk's sync into slices (buckets) of at most that
+    many bytes (each pays its own α; with ``contention`` a send waits at most for
+    the slice in progress).
+
+    ``param_gather`` (the distributed optimizer: ``kind="reduce-scatter"`` leaves each
+    rank its shard of the reduced gradient, it updates that shard, and the updated
+    parameters are all-gathered, ``gather_ratio`` bytes per gradient byte, e.g. 0.5
+    for bf16 weights against fp32 gradients, in the same slices):
+
+    * ``"none"``: no all-gather is modelled;
+    * ``"after"``: after the device's last reduce-scatter (the optimizer step
+      itself is not timed), on the same lane: exposed;
+    * ``"forward"``: Megatron's ``--overlap-param-gather``: the previous step's
+      all-gathers run on the lane from the start of the step, chunk by chunk in the
+      order the device first runs them, and a chunk's first forward waits for its
+      chunk's all-gather (mode ``"async"`` only)."""
 
     ranks: int
     link: Link
     when: str = "end"
     kind: str = "all-reduce"
     slice_bytes: float | None = None
+    param_gather: str = "none"
+    gather_ratio: float = 1.0
 
     def __post_init__(self):
-        if self.when not in ("end", "overlap"):
-            raise ConfigError(f"DPSync.when must be 'end' or 'overlap', got {self.when!r}")
+        if self.when not in SYNC_WHEN:
+            raise ConfigError(f"DPSync.when must be one of {', '.join(map(repr, SYNC_WHEN))}, "
+                              f"got {self.when!r}")
         if self.slice_bytes is not None:
             _number(self.slice_bytes, "DPSync.slice_bytes", positive=True)
+        if self.param_gather not in PARAM_GATHER:
+            raise ConfigError(f"DPSync.param_gather must be one of {', '.join(map(repr, PARAM_GATHER))}, "
+                              f"got {self.param_gather!r}")
+        if self.param_gather != "none" and self.kind != "reduce-scatter":
+            raise ConfigError(f"DPSync.param_gather={self.param_gather!r} gathers what a reduce-scatter "
+                              f"left sharded: it needs kind='reduce-scatter', got kind={self.kind!r}")
+        _number(self.gather_ratio, "DPSync.gather_ratio", positive=True)
         Collective(self.ranks, self.link, self.kind)   # validates ranks, link and kind
 
     @property
     def collective(self) -> Collective:
         return Collective(self.ranks, self.link, self.kind)
+
+    @property
+    def gather(self) -> Collective:
+        """The parameter all-gather (``param_gather``)."""
+        return Collective(self.ranks, self.link, "all-gather")
 
     def slices(self, nbytes: float) -> list[float]:
         """The slice sizes one chunk's ``nbytes`` is synced in."""
@@ -108,9 +152,16 @@ class DPSync:
         full, rest = divmod(nbytes, self.slice_bytes)
         return [self.slice_bytes] * int(full) + ([rest] if rest > 0 else [])
 
+    def gather_time(self, nbytes: float) -> float:
+        """Seconds of the parameter all-gather of a chunk of ``nbytes`` gradient bytes (0 if none)."""
+        if self.param_gather == "none":
+            return 0.0
+        return sum(self.gather.time(n * self.gather_ratio) for n in self.slices(nbytes))
+
     def time(self, nbytes: float) -> float:
-        """Seconds to sync ``nbytes`` on a free lane (all slices back to back)."""
-        return sum(self.collective.time(n) for n in self.slices(nbytes))
+        """Seconds to sync ``nbytes`` on a free lane (all slices back to back, and the
+        parameter all-gather when ``param_gather`` is not ``"none"``)."""
+        return sum(self.collective.time(n) for n in self.slices(nbytes)) + self.gather_time(nbytes)
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], *,

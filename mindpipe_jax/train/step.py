@@ -62,10 +62,12 @@ def _split_microbatches(batch, m: int):
 def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bool = False):
     """Loss and gradient averaged over ``accum`` sequential microbatches (fp32 sum).
 
-    With ``stats`` (and ``accum >= 2``) also the mean over microbatches of each
-    microbatch gradient's squared norm (fp32): the small-batch half of the gradient
-    noise scale (tuner/noise.py). It costs one more pass over each microbatch's
-    gradient, so it is computed only when asked.
+    With ``stats`` (and ``accum >= 2``) also the elementwise mean over microbatches
+    of each microbatch gradient squared (fp32, a tree like the gradient): the
+    small-batch half of the gradient noise scale (tuner/noise.py). Kept per element
+    rather than summed so the step can weight it by the optimizer's preconditioner
+    after the update (``noise_statistics``); it costs one gradient-sized buffer and
+    one more pass over each microbatch's gradient, so it is computed only when asked.
     """
     grad_fn = jax.value_and_grad(lambda p, b, k: model_loss(spec, p, b, k))
     if accum == 1:
@@ -80,18 +82,65 @@ def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bo
         loss, grads = grad_fn(params, mb, jax.random.fold_in(key, j))
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         if stats:
-            sq_sum = sq_sum + _sq_norm(grads)
+            sq_sum = jax.tree.map(lambda a, g: a + _abs_sq(g.astype(jnp.float32)), sq_sum, grads)
         return (loss_sum + loss, grad_sum, sq_sum), None
 
-    init = (jnp.zeros((), jnp.float32), zeros, jnp.zeros((), jnp.float32))
+    init = (jnp.zeros((), jnp.float32), zeros, zeros if stats else None)
     (loss, grads, sq), _ = lax.scan(body, init, (micro, jnp.arange(accum)))
     grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
-    return loss / accum, grads, (sq / accum if stats else None)
+    return loss / accum, grads, (jax.tree.map(lambda x: x / accum, sq) if stats else None)
 
 
-def _sq_norm(tree):
-    """Squared L2 norm of a gradient tree, summed in fp32."""
-    return sum(jnp.sum(_abs_sq(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
+def _weighted_sum(tree, weights=None):
+    """sum over all elements of ``tree`` (x ``weights`` squared), in fp32."""
+    if weights is None:
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree))
+    return sum(jnp.sum(x.astype(jnp.float32) * jnp.square(w.astype(jnp.float32)))
+               for x, w in zip(jax.tree.leaves(tree), jax.tree.leaves(weights), strict=True))
+
+
+def adam_preconditioner(opt_state, b2: float, eps: float):
+    """The diagonal preconditioner 1/(sqrt(v_hat) + eps) an Adam-family optimizer
+    (optax ``scale_by_adam``: adam, adamw, nadam, lamb's moments) divides its update by,
+    from the optimizer state after its update (so v_hat includes this step's gradient,
+    exactly what this step's update used); a tree like the parameters. ``b2``/``eps``
+    are the optimizer's (the state does not hold them). None when ``opt_state`` has no
+    ``ScaleByAdamState`` (SGD-like: no preconditioner) or more than one (ambiguous)."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "ScaleByAdamState")
+    if len(found) != 1:
+        return None
+    adam = found[0][1]
+    # optax stores the incremented count: the bias correction this update used.
+    correction = 1 - jnp.asarray(b2, jnp.float32) ** adam.count.astype(jnp.float32)
+    return jax.tree.map(lambda v: 1 / (jnp.sqrt(v.astype(jnp.float32) / correction) + eps), adam.nu)
+
+
+# The preconditioned statistics count once this step's gradient is at most this share
+# of Adam's v_hat ((1 - b2) / (1 - b2^count); about 1/count while b2^count ~ 1, so ~10
+# steps for any b2 near 1). Earlier, v_hat is mostly this very gradient (all of it at
+# count 1: P G_B = ±1 per element, and P g_b blows up wherever the microbatches nearly
+# cancel), so P is not the fixed matrix the estimator assumes: seen on the tiny GPT,
+# step 1 gave |P G|^2 = -2e9 against ~5e4 once settled.
+PRECOND_SETTLED_SHARE = 0.1
+
+
+def noise_statistics(micro_sq, grads, opt_state, optim) -> dict:
+    """The step's inputs to the gradient noise scale (tuner/noise.py):
+    ``micro_grad_sq`` = mean over microbatches of |g_b|^2 (from the elementwise
+    ``micro_sq``) and, when the optimizer is Adam-family, the same two norms of the
+    preconditioned gradients P g (Pollux's noise scale for adaptive optimizers):
+    ``precond_micro_grad_sq`` = mean |P g_b|^2 and ``precond_grad_sq`` = |P G_B|^2,
+    NaN until v_hat has settled (``PRECOND_SETTLED_SHARE``)."""
+    out = {"micro_grad_sq": _weighted_sum(micro_sq)}
+    precond = adam_preconditioner(opt_state, optim.b2, optim.eps)
+    if precond is not None:
+        count = optax.tree_utils.tree_get(opt_state, "ScaleByAdamState").count.astype(jnp.float32)
+        share = (1 - optim.b2) / (1 - jnp.asarray(optim.b2, jnp.float32) ** count)
+        settled = share <= PRECOND_SETTLED_SHARE
+        out["precond_micro_grad_sq"] = jnp.where(settled, _weighted_sum(micro_sq, precond), jnp.nan)
+        out["precond_grad_sq"] = jnp.where(
+            settled, _weighted_sum(jax.tree.map(_abs_sq, grads), precond), jnp.nan)
+    return out
 
 
 def _pairwise_sum(stacked):
@@ -104,8 +153,8 @@ def _pairwise_sum(stacked):
 
 
 def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, stats: bool = False):
-    """Loss, gradient and (with ``stats``) the mean over virtual shards of each shard
-    gradient's squared norm, taken from the gathered stack (the same on every
+    """Loss, gradient and (with ``stats``) the elementwise mean over virtual shards of
+    each shard gradient squared, taken from the gathered stack (the same on every
     device count, and never part of the update)."""
     grad_fn = jax.value_and_grad(lambda p, b, k: model_loss(spec, p, b, k))
     n_dev = math.prod(mesh.shape[a] for a in BATCH_AXES)
@@ -125,10 +174,9 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, 
             lambda x: lax.all_gather(x, BATCH_AXES, tiled=True, to="invarying"), (losses, grads))
         loss, total = _pairwise_sum(gathered)
         out = (loss / shards, jax.tree.map(lambda g: g / shards, total))
-        if stats:
-            per_shard = sum(jnp.sum(_abs_sq(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
-                            for g in jax.tree.leaves(gathered[1]))
-            out = (*out, jnp.mean(per_shard))
+        if stats:  # elementwise mean over shards of each shard gradient squared
+            out = (*out, jax.tree.map(lambda g: jnp.mean(_abs_sq(g.astype(jnp.float32)), axis=0),
+                                      gathered[1]))
         return out
 
     vbatch = jax.tree.map(lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), batch)
@@ -275,7 +323,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
         e_specs, b_specs, h_specs = model.split(spec.storage)
         specs = {"embed": e_specs, "blocks": b_specs, "head": h_specs}
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
-                         sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None, param_specs=specs,
+                         sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
+                         grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
                          fuse_mode=par.fuse_ticks)
 
     def grad_fn(params, batch):
@@ -332,7 +381,8 @@ def noise_microbatches(cfg: Config, mesh) -> int:
 
 
 def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
-    """``(params in storage layout, batch, key) -> (loss, grads, micro_grad_sq or None)``:
+    """``(params in storage layout, batch, key) -> (loss, grads, micro_sq or None)``
+    (``micro_sq``: elementwise mean over microbatches of the gradient squared):
     the gradient exactly as the train step computes it (pipeline, deterministic
     shards or plain/accumulated), before clipping and the optimizer."""
     tr = cfg.train
@@ -362,7 +412,8 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
     """The train step. With ``noise_stats`` (default: ``tuner.enabled``) and at least
     two microbatches (``noise_microbatches``), its metrics also hold ``micro_grad_sq``
     (mean over microbatches of |g_microbatch|^2, fp32), ``micro_batch`` (rows per
-    microbatch, b) and ``batch`` (rows per step, B): what the gradient noise scale
+    microbatch, b) and ``batch`` (rows per step, B), and for an Adam-family optimizer
+    the preconditioned norms (``noise_statistics``): what the gradient noise scale
     needs (tuner/noise.py). Without them the step is exactly the default one.
     With a pipeline (pipe > 1) the runtime accumulates inside itself and no such
     statistics exist; the tuner then makes no noise estimate."""
@@ -397,8 +448,9 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
                    "nonfinite_leaf": first_bad}
         if stats:
             rows = jax.tree.leaves(batch)[0].shape[0]
-            metrics.update(micro_grad_sq=micro_sq, micro_batch=jnp.int32(rows // n_micro),
-                           batch=jnp.int32(rows))
+            micro_sq = jax.tree.map(jax.lax.with_sharding_constraint, micro_sq, layout)
+            metrics.update(noise_statistics(micro_sq, grads, opt, cfg.optim),
+                           micro_batch=jnp.int32(rows // n_micro), batch=jnp.int32(rows))
         return new_state, metrics
 
     return train_step

@@ -2,13 +2,14 @@
 entropyput = throughput (samples/s) x statistical efficiency.
 
 The loop feeds ``OnlineTuner`` every fetched step's metrics (for the gradient
-noise scale, tuner/noise.py) and the measured time per step (for the step-time
-model). Every ``tuner.every`` steps (after ``tuner.warmup``) ``decide`` predicts,
-for each candidate — the global batches of the batch ladder and, with
-``tuner.meshes``, every data x fsdp x tensor mesh shape (tuner/space.py) and, in a
-pipeline, microbatch counts from half to four times the current one — its step
-time and so its entropyput ``B / t(B) x efficiency(B)``, and returns a ``Decision``
-when the best beats the current candidate by more than ``tuner.threshold``.
+noise scale, tuner/noise.py: Adam's preconditioned one for this project's AdamW)
+and the measured time per step (for the step-time model). Every ``tuner.every``
+steps (after ``tuner.warmup``) ``decide`` predicts, for each candidate — the global
+batches of the batch ladder and, with ``tuner.meshes``, every data x fsdp x tensor
+mesh shape (tuner/space.py) and, in a pipeline, microbatch counts from half to four
+times the current one — its step time and so its entropyput
+``B / t(B) x efficiency(B)``, and returns a ``Decision`` when the best beats the
+current candidate by more than ``tuner.threshold``.
 Switching is the loop's job (train/reconfigure.py).
 
 Step times come from a pluggable ``StepModel``: anything with
@@ -226,8 +227,7 @@ class OnlineTuner:
         """Fetched steps' metrics (host values) and their mean measured step time."""
         for m in metrics:
             if "micro_grad_sq" in m and math.isfinite(float(m["loss"])):
-                self.noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]),
-                                  float(m["batch"]), float(m["grad_norm"]) ** 2)
+                self.noise.update_from_metrics(m)  # preconditioned for Adam (tuner/noise.py)
         discard = last_step - len(metrics) < self._discard_until <= last_step
         if seconds_per_step is not None and not discard:
             self.model.observe(self.current, seconds_per_step)
@@ -360,11 +360,3 @@ class EParaTuning:
         return OnlineTuner.from_state(cfg, candidate_of(cfg, mesh), len(jax.devices()), saved,
                                       lr_gain=lr_gain, step_model=step_model)
 
-
-def train(model=None, data=None, config: Config | None = None, *overrides: str,
-          step_model: StepModel | None = None):
-    """``mindpipe_jax.train``: the training loop (``train.loop.train``, same arguments) with
-    EPara's online tuner plugged in for ``tuner.enabled`` and for resuming tuned runs."""
-    from mindpipe_jax.train.loop import train as train_loop
-
-    return train_loop(model, data, config, *overrides, step_model=step_model, tuning=EParaTuning())

@@ -19,6 +19,30 @@ gradient's noise equals its signal. Each step's two estimates are very noisy
 the ratio of the two averages — the paper's advice; an average of per-step
 ratios would be dominated by steps whose |G|² estimate is near zero.
 
+For an adaptive optimizer the same is done on preconditioned gradients (Pollux,
+Qiao et al. OSDI '21, sec. 3.1): Adam moves along P g with P = diag(1/(sqrt(v̂)+ε)),
+so the noise that matters is that of P g, and
+
+    B_noise = tr(P Σ P) / |P G|²,
+
+from |P G_b|² and |P G_B|² by the same two formulas (P is one fixed matrix for a
+step's microbatches and batch, so both are still unbiased). The train step returns
+both kinds (train/step.py ``noise_statistics``, P read from the optimizer's
+``ScaleByAdamState`` after its update, i.e. what that update divided by, and only
+once v̂ is more than this one step's gradient); ``NoiseScale.update_from_metrics``
+takes the preconditioned pair when it is there, so efficiency and the AdaScale gain
+below use Adam's noise scale for AdamW. The preconditioned norms are much larger
+than the plain ones (P g is about one per element), so the two kinds never share an
+EMA: a change of kind restarts it.
+
+B_noise grows as the loss falls (McCandlish et al. sec. 3), so estimates taken at
+different steps differ by design: on a tiny GPT (d_model 64, 2 layers, batch 32 in 4
+microbatches, EMA 0.9, three seeds) plain B_noise went 0.6 -> 44-52 and the
+preconditioned one 13-19 -> 70-88 from step 20/40 to step 100, the seeds within
+±11% of each other at step 100. The online benchmark's 8.3 (step 100 of one run)
+and 38.6 (the end of another) are two points of such a rise: replaying its recorded
+history with this estimator gives 5.5 at step 170 and 30-60 after step 900.
+
 Statistical efficiency of a batch ``B`` relative to a base batch ``b0`` (the
 samples a batch of ``b0`` needs for some progress, over what ``B`` needs; Pollux,
 OSDI '21, after the same paper) is ``(B_noise + b0)/(B_noise + B)``: 1 at b0,
@@ -67,6 +91,22 @@ class NoiseScale:
     g_sq: float = 0.0
     trace: float = 0.0
     count: int = 0
+    preconditioned: bool = False  # whether the EMAs hold |P G|² and tr(P Σ P)
+
+    def update_from_metrics(self, m: dict) -> None:
+        """One step's metrics (host values, as the train step returns them): the
+        preconditioned norms when the optimizer has a preconditioner, else the plain
+        ones. The step returns NaN preconditioned norms until Adam's second moment has
+        settled; until then the plain ones are used, and the first settled step
+        restarts the EMAs (as does any change of kind, e.g. a resumed plain estimate).
+        Once preconditioned, a non-finite step is skipped, never mixed in."""
+        pre = "precond_micro_grad_sq" in m and (self.preconditioned or (
+            math.isfinite(float(m["precond_micro_grad_sq"])) and math.isfinite(float(m["precond_grad_sq"]))))
+        if pre != self.preconditioned:
+            self.g_sq, self.trace, self.count, self.preconditioned = 0.0, 0.0, 0, pre
+        small, big = (("precond_micro_grad_sq", float(m["precond_grad_sq"])) if pre else
+                      ("micro_grad_sq", float(m["grad_norm"]) ** 2))
+        self.update(float(m["micro_batch"]), float(m[small]), float(m["batch"]), big)
 
     def update(self, b_small: float, small_sq: float, b_big: float, big_sq: float) -> None:
         g_sq, trace = noise_terms(b_small, small_sq, b_big, big_sq)
@@ -93,7 +133,7 @@ class NoiseScale:
 
     @classmethod
     def from_dict(cls, d: dict) -> NoiseScale:
-        return cls(**d)
+        return cls(**d)  # a checkpoint from before ``preconditioned`` existed: plain (False)
 
 
 def efficiency(batch: float, b_noise: float | None, b0: float) -> float:

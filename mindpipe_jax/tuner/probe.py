@@ -56,6 +56,7 @@ def estimate_b_noise(cfg: Config, *, steps: int = 30, microbatches: int = 4, mod
     splits = load_tokens(run.data, run.model.vocab_size)
     loader = Loader(splits.train, seq_len=run.model.seq_len, batch_size=batch, seed=run.train.seed)
     noise = NoiseScale(ema=ema)
+    plain = NoiseScale(ema=ema)  # SGD's estimate beside it, for a probe too short for Adam's
     losses: list[float] = []
     history: list[float | None] = []
     try:
@@ -67,10 +68,15 @@ def estimate_b_noise(cfg: Config, *, steps: int = 30, microbatches: int = 4, mod
                 arrays = {k: jax.device_put(np.asarray(v), built.batch_sharding) for k, v in host.items()}
                 state, metrics = built.jitted(state, arrays)
                 m = jax.device_get(metrics)
-                noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]), float(m["batch"]),
-                             float(m["grad_norm"]) ** 2)
+                noise.update_from_metrics(m)  # Adam's preconditioned noise scale (tuner/noise.py)
+                plain.update_from_metrics({k: v for k, v in m.items() if not k.startswith("precond_")})
                 losses.append(float(m["loss"]))
                 history.append(noise.b_noise)
     finally:
         loader.close()
+    # Adam's preconditioned estimate needs its second moment settled (about 14 steps at
+    # b2 = 0.95) and then the EMA's warm-up: a shorter probe reports the plain estimate
+    # (``probe.noise.preconditioned`` says which) rather than none.
+    if noise.b_noise is None and plain.b_noise is not None:
+        noise = plain
     return Probe(noise.b_noise, noise, losses, history)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 from flax import nnx
@@ -133,9 +134,14 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
         reasons = "; ".join(list(space.reasons())[:3])
         raise ConfigError(f"tune: no valid configuration of this model on {n} devices ({reasons})")
     log(f"space: {len(space.valid)} valid, {len(space.rejected)} rejected")
-    hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes)
+    # The machine's calibration is measured once and cached: next to the feasibility
+    # cache when there is one (a run directory), else in ~/.cache/mindpipe_jax.
+    hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes,
+                                              cache_dir=Path(cache_path).parent if cache_path else None)
     costs = costs or ModelCosts.measure(cfg, model=_factory(model))
-    model_cost = CostModel(costs, hardware, cfg.model.seq_len)
+    # The runtime re-times a pipeline's table into fused ticks (parallel.fuse_ticks):
+    # the model counts the ticks it runs.
+    model_cost = CostModel(costs, hardware, cfg.model.seq_len, fuse_mode=cfg.parallel.fuse_ticks)
     log(f"hardware: {hardware.note}")
     rows = [Row(c, b, efficiency(c.global_batch, b_noise, b0)) for c, b in model_cost.rank(space.valid)]
     rows.sort(key=lambda r: -r.predicted_entropyput)

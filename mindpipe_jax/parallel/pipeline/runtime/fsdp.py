@@ -19,8 +19,11 @@ Only a dimension whose storage spec names ``fsdp`` first (``'fsdp'`` or
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from mindpipe_jax.parallel.pipeline.runtime import ringsync
 
 FSDP = "fsdp"
 
@@ -63,16 +66,29 @@ def gather(tree, dims, offset: int = 0):
                         tree, dims)
 
 
-def mean_scatter(tree, dims, batch, offset: int = 0):
+def mean_scatter(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):
     """The mean over the batch axes, reduce-scattered over ``fsdp`` where a leaf is sharded:
-    each device keeps its shard of the mean."""
+    each device keeps its shard of the mean. ``wire_dtype``: the values' dtype on the
+    wire (sums in fp32, ``ringsync.mean``)."""
     others = tuple(a for a in batch if a != FSDP)
 
     def one(g, d):
         if d < 0:
-            return lax.pmean(g, batch)
-        g = lax.psum_scatter(g, FSDP, scatter_dimension=d + offset, tiled=True) / lax.axis_size(FSDP)
-        return lax.pmean(g, others) if others else g
+            return ringsync.mean(g, batch, wire_dtype)
+        g = ringsync.reduce_scatter(g, FSDP, d + offset, wire_dtype) / lax.axis_size(FSDP)
+        return ringsync.mean(g, others, wire_dtype) if others else g
+    return jax.tree.map(one, tree, dims)
+
+
+def scatter_first(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):
+    """The first half of ``mean_scatter``, for a sync that runs the rest as a ring over the
+    other batch axes: a leaf sharded over ``fsdp`` is reduce-scattered over it (its mean
+    over ``fsdp``, still to be averaged over the others); any other leaf is averaged over
+    all of ``batch`` at once."""
+    def one(g, d):
+        if d < 0:
+            return ringsync.mean(g, batch, wire_dtype)
+        return ringsync.reduce_scatter(g, FSDP, d + offset, wire_dtype) / lax.axis_size(FSDP)
     return jax.tree.map(one, tree, dims)
 
 

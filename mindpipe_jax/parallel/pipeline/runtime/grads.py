@@ -23,7 +23,7 @@ Gradients of the first (embed) and last (head) stages are formed on the devices
 that own them and summed over ``pipe`` once, at the end, outside every branch.
 Chunk gradients are averaged over the batch axes after the last tick, or, with
 ``grad_sync="chunk"``, behind the ticks that follow each chunk's last backward
-(``tickloop.py``).
+(``tickloop.py``), each device sending only its own shards (``ringsync.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.parallel.pipeline.runtime import fsdp
+from mindpipe_jax.parallel.pipeline.runtime import fsdp, ringsync
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     AXIS,
@@ -49,18 +49,38 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     needs_lockstep,
 )
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
-from mindpipe_jax.parallel.pipeline.runtime.tickloop import run_ticks_with_sync
+from mindpipe_jax.parallel.pipeline.runtime.tickloop import OwnedShards, run_ticks_with_sync
 from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 from mindpipe_jax.parallel.pipeline.runtime.ticks import make_tick
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
 from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 
+WIRE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P) or hasattr(s, "spec")
+
+
+def _auto_spec(spec, auto: dict[str, int], stacked: bool) -> P:
+    """A parameter's storage spec (``PartitionSpec`` or sharding) over the automatic axes
+    only (the manual ones are the pipeline's ``shard_map``'s); ``stacked``: a stack leaf
+    ``[L, *rest]`` as a chunk gradient leaf ``[width, *rest]`` (the layer axis not sharded)."""
+    entries = tuple(getattr(spec, "spec", spec))
+    if stacked:
+        entries = (None, *entries[1:])
+    keep = []
+    for entry in entries:
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in auto)
+        keep.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*keep)
+
 
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
-                   lockstep: bool | None = None, fuse_mode: str = "auto", fuse_cost=None,
-                   param_specs=None):
+                   grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
+                   fuse_cost=None, param_specs=None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -82,6 +102,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     gradients (small, owned by one stage each) are synced at the end.
     ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
     (None: one bucket), i.e. at most bucket/d bytes per tick and device.
+    ``grad_sync_dtype``: the gradients' dtype on the wire of every batch-axis sync
+    (``"fp32"``, or ``"bf16"``: half the bytes, sums still in fp32, see ``ringsync``).
+    A chunk's ring sends each device's own shards of leaves sharded over an automatic
+    axis (tensor, expert: read from ``param_specs``; ``ringsync.LocalRing``).
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
     None decides from the mesh. ``fuse_mode``, ``fuse_cost``: how the table is re-timed
     into fused ticks (``schedules.fused.fuse``; "table" runs one task per tick; "auto"
@@ -92,6 +116,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     reduce-scattered (``fsdp.py``). None: every weight enters gathered.
     """
     n_batch = math.prod(mesh.shape[a] for a in BATCH)
+    if grad_sync_dtype not in WIRE_DTYPES:
+        raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    wire = WIRE_DTYPES[grad_sync_dtype]
+    auto = {a: n for a, n in mesh.shape.items() if a not in MANUAL}
+
+    def on_shards(fn, tree, specs):
+        """A narrow wire's mean reshapes the gradients: on each device's own shards
+        (``ringsync.on_shards``); fp32's ``pmean`` needs no reshape."""
+        return fn(tree) if wire == jnp.float32 else ringsync.on_shards(fn, tree, specs, auto)
     # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
     # uneven stages form the whole vjp in B and in W instead.
     plan = make_plan(schedule, remat, fuse_mode, split_backward=layout is None or layout.uniform,
@@ -111,7 +144,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     # fixed order, so there the ring stays free to overlap the tick.
     serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
 
-    def body(dims, embed_p, blocks_p, head_p, inputs, targets):
+    def owned_shards(dims, specs):
+        """What the chunk ring carries: with weights sharded over fsdp, their shards only."""
+        ring = tuple(d >= 0 for d in jax.tree.leaves(dims))
+        if mesh.shape[fsdp.FSDP] == 1 or not any(ring):
+            return None
+        first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
+        return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
+
+    def body(dims, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
         # Sharded over fsdp in storage: gathered once per step here (fsdp.py).
         embed_p, head_p = fsdp.gather(embed_p, dims["embed"]), fsdp.gather(head_p, dims["head"])
@@ -136,9 +177,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         # A chunk's gradient leaves are [width, *rest].
         carry, synced = run_ticks_with_sync(
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
-            serialize_ring=serialize_ring,
-            mean=lambda g: fsdp.mean_scatter(g, dims["blocks"], BATCH, offset=1),
-            shard=lambda g: fsdp.local_shard(g, dims["blocks"], offset=1))
+            serialize_ring=serialize_ring, specs=auto_specs["blocks"], auto=auto, wire_dtype=wire,
+            mean=lambda g: on_shards(
+                lambda t: fsdp.mean_scatter(t, dims["blocks"], BATCH, offset=1, wire_dtype=wire),
+                g, auto_specs["blocks"]),
+            owned=owned_shards(dims["blocks"], auto_specs["blocks"]))
         # Embed/head gradients live on their owners only (zeros elsewhere): one psum
         # over pipe. Shards hold equal row counts, so the global mean over the batch
         # axes is the mean of the shard means.
@@ -146,8 +189,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
         for name, params in (("embed", embed_p), ("head", head_p)):
             summed = jax.tree.map(lambda g: lax.psum(g, AXIS), acc[name])
-            synced[name] = jax.tree.map(lambda g, x: g.astype(x.dtype),
-                                        fsdp.mean_scatter(summed, dims[name], BATCH), params)
+            mean = on_shards(lambda t, name=name: fsdp.mean_scatter(t, dims[name], BATCH, wire_dtype=wire),
+                             summed, auto_specs[name])
+            synced[name] = jax.tree.map(lambda g, x: g.astype(x.dtype), mean, params)
         d_blocks = jax.tree.map(lambda x, *cs: jnp.stack(cs).astype(x.dtype)[None], chunks,
                                 *(synced[c] for c in range(v)))
         return loss, synced["embed"], d_blocks, synced["head"]
@@ -165,7 +209,12 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         spec_e = jax.tree.map(fsdp.in_spec, dims["embed"])
         spec_h = jax.tree.map(fsdp.in_spec, dims["head"])
         spec_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None)), dims["blocks"])
-        fn = jax.shard_map(partial(body, dims), mesh=mesh, axis_names=set(MANUAL),
+        # Each group's sharding over the automatic axes (tensor, expert), which the
+        # gradient syncs need to work on each device's own shards.
+        auto_specs = {name: None if param_specs is None else jax.tree.map(
+            lambda s, stacked=name == "blocks": _auto_spec(s, auto, stacked), param_specs[name],
+            is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
+        fn = jax.shard_map(partial(body, dims, auto_specs), mesh=mesh, axis_names=set(MANUAL),
                            in_specs=(spec_e, spec_b, spec_h, rows, rows),
                            out_specs=(P(), spec_e, spec_b, spec_h))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)

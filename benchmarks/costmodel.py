@@ -1,0 +1,179 @@
+"""Cost-model benchmark: predicted vs measured step time on layouts the model has never run.
+
+Setup: 8 simulated CPU devices, the tuner tests' small GPT (d_model 64, 4 layers,
+4 heads, seq 32, byte vocabulary), adamw.
+
+1. **Calibrate** the machine (``Hardware.calibrate``: matmul rate, memory
+   bandwidth, kernel cost, per-axis-size collective α–β; read from the cache when
+   this machine was calibrated before, ``--refresh`` measures again) and the model
+   (``ModelCosts.measure``: FLOPs, bytes and kernels of its compiled pieces).
+2. **Fit** the model's five coefficients on ``FIT`` layouts (global batch 16 and
+   64), each measured like the held-out ones.
+3. **Hold out** ``HELD_OUT`` layouts (global batch 32, never used in 1 or 2),
+   mixing data, fsdp, tensor and pipe (schedules 1f1b, zb-h1, interleaved; remat
+   none/full). The dense train step has no subnet axis (a subnet > 1 is refused
+   by the space for a non-supernet model), so none is in the set.
+
+Measurement: every layout is compiled and warmed up (2 steps), then all layouts
+are timed in ``--rounds`` interleaved round-robin rounds of ``--steps`` steps each
+(each step waited for with ``block_until_ready``); a layout's time is the median
+of all its steps, its spread the 10th-90th percentile range relative to that
+median. Printed per held-out layout: the prediction from calibration alone (no
+trial seen), the prediction after fitting, the measured median and spread, and
+both errors; then the median absolute error (goal <= 25%) and Spearman's rank
+correlation over the held-out set (one global batch, goal >= 0.8). The machine is
+shared: the load average before and after and the spreads decide whether the
+output says the numbers are reliable.
+
+Usage: ``python benchmarks/costmodel.py [--rounds 5] [--steps 2] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np  # noqa: E402
+from _report import report  # noqa: E402
+
+from mindpipe_jax.config import Config  # noqa: E402
+from mindpipe_jax.tuner import calibrate  # noqa: E402
+from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman  # noqa: E402
+from mindpipe_jax.tuner.space import Candidate, check_candidate  # noqa: E402
+from mindpipe_jax.tuner.trial import Trial  # noqa: E402
+
+SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=32",
+         "train.progress=false", "train.tensorboard=false")
+C = Candidate
+FIT = [C(data=8, global_batch=16), C(data=8, microbatches=4, global_batch=64),
+       C(data=4, tensor=2, global_batch=16), C(fsdp=8, global_batch=64),
+       C(data=2, pipe=4, microbatches=4, global_batch=16), C(data=4, pipe=2, microbatches=2, global_batch=64),
+       C(tensor=2, pipe=4, microbatches=4, global_batch=16)]
+HELD = dict(global_batch=32)
+HELD_OUT = [C(data=8, **HELD), C(data=8, microbatches=2, **HELD), C(data=8, remat="full", **HELD),
+            C(fsdp=8, **HELD), C(data=4, tensor=2, **HELD), C(data=2, tensor=4, **HELD),
+            C(data=2, fsdp=2, tensor=2, **HELD), C(fsdp=4, tensor=2, microbatches=2, **HELD),
+            C(data=4, pipe=2, microbatches=2, **HELD), C(data=2, pipe=4, microbatches=4, **HELD),
+            C(tensor=2, pipe=4, microbatches=4, **HELD), C(data=2, tensor=2, pipe=2, microbatches=4, **HELD),
+            C(data=2, pipe=4, microbatches=8, schedule="zb-h1", **HELD),
+            C(data=4, pipe=2, microbatches=4, schedule="interleaved", virtual_stages=2, **HELD),
+            C(fsdp=2, pipe=4, microbatches=4, remat="full", **HELD)]
+RELIABLE_SPREAD = 0.25  # a layout whose 10-90% range exceeds this fraction of its median is noisy
+
+
+def spread(times) -> float:
+    lo, hi = np.percentile(times, [10, 90])
+    return float((hi - lo) / statistics.median(times))
+
+
+def main(args) -> None:
+    cfg = Config().replace(*SMALL)
+    for cand in FIT + HELD_OUT:
+        why = check_candidate(cfg, cand, 8)
+        if why:
+            raise SystemExit(f"{cand.label()}: {why}")
+    assert not set(FIT) & set(HELD_OUT)
+    devices = jax.devices()
+    key = calibrate.machine_key(devices)
+    cached = not args.refresh and calibrate.load(key, args.cache_dir) is not None
+    t0 = time.perf_counter()
+    hw = Hardware.calibrate(devices, cache_dir=args.cache_dir, refresh=args.refresh)
+    how = "read from the cache" if cached else "measured"
+    print(f"calibration ({how} in {time.perf_counter() - t0:.1f} s, "
+          f"{calibrate.cache_file(key, args.cache_dir)}):\n  {hw.note}")
+    t0 = time.perf_counter()
+    costs = ModelCosts.measure(cfg)
+    update = costs.pieces["update"]
+    print(f"model pieces (compiled on one device in {time.perf_counter() - t0:.1f} s):\n  " + "\n  ".join(
+        f"{k:14s} {p.flops / 1e6:5.1f} MFLOP + {p.bytes / 1e6:5.2f} MB per row, {p.kernels:3.0f} kernels"
+        for k, p in costs.pieces.items() if k != "update") +
+        f"\n  {'update':14s} {update.fixed_bytes / 1e6:.1f} MB, {update.kernels:.0f} kernels")
+
+    prior = CostModel(costs, hw, cfg.model.seq_len)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    trials = {}
+    for i, cand in enumerate(FIT + HELD_OUT, 1):
+        trials[cand] = Trial(cfg, cand, devices=devices)
+        print(f"  [{i:2d}/{len(FIT) + len(HELD_OUT)}] compiled {cand.label()}", flush=True)
+    print(f"compiled and warmed up {len(trials)} layouts in {time.perf_counter() - t0:.0f} s")
+    for _ in range(args.rounds):  # round-robin: the machine's drift hits every layout alike
+        for trial in trials.values():
+            trial.run(args.steps)
+    load_after = os.getloadavg()
+    measured = {c: t.median for c, t in trials.items()}
+    if args.save_times:
+        with open(args.save_times, "w") as f:
+            json.dump([{"candidate": c.to_dict(), "times": t.times} for c, t in trials.items()], f)
+
+    fitted = CostModel(costs, hw, cfg.model.seq_len)
+    for cand in FIT:
+        fitted.observe(cand, measured[cand])
+    names = ("compute", "comm", "update", "launch s", "pipeline tick s")
+    print("fitted coefficients (prior -> fit on the FIT layouts): " + ", ".join(
+        f"{n} {p:.3g} -> {f:.3g}" for n, p, f in zip(names, prior.coef, fitted.coef, strict=True)))
+
+    print("\nFIT layouts (B16/B64; used for the fit, not scored)")
+    for cand in FIT:
+        print(f"  {cand.label():44s} measured {measured[cand] * 1e3:7.1f} ms  prior "
+              f"{prior.step_time(cand) * 1e3:7.1f}  fitted {fitted.step_time(cand) * 1e3:7.1f}")
+    print("\nHELD-OUT layouts (B32; never run before this table's measurement, never fitted)")
+    head = (f"  {'layout':44s} {'calib-only':>10} {'err':>6} {'fitted':>8} {'err':>6} {'measured':>9} "
+            f"{'spread':>7} {'pipe ticks':>10}")
+    print(head + "\n  " + "-" * (len(head) - 2))
+    err_prior, err_fit, spreads = [], [], []
+    for cand in HELD_OUT:
+        p0, p1, m = prior.step_time(cand), fitted.step_time(cand), measured[cand]
+        e0, e1, s = p0 / m - 1, p1 / m - 1, spread(trials[cand].times)
+        err_prior.append(abs(e0))
+        err_fit.append(abs(e1))
+        spreads.append(s)
+        ticks = fitted.breakdown(cand).iterations if cand.pipe > 1 else ""
+        print(f"  {cand.label():44s} {p0 * 1e3:8.1f}ms {e0:+6.0%} {p1 * 1e3:6.1f}ms {e1:+6.0%} "
+              f"{m * 1e3:7.1f}ms {s:7.0%} {ticks:>10}")
+    rho0 = spearman([prior.step_time(c) for c in HELD_OUT], [measured[c] for c in HELD_OUT])
+    rho1 = spearman([fitted.step_time(c) for c in HELD_OUT], [measured[c] for c in HELD_OUT])
+    mae0, mae1 = statistics.median(err_prior), statistics.median(err_fit)
+    print(f"\n{len(HELD_OUT)} held-out layouts, global batch 32, median of {args.rounds} x {args.steps} "
+          f"steps each, timed round-robin")
+    print(f"median |error|   calibration only {mae0:5.0%}   fitted on {len(FIT)} other layouts {mae1:5.0%}"
+          f"   (goal <= 25%: {'met' if mae1 <= 0.25 else 'NOT met'})")
+    print(f"Spearman rho     calibration only {rho0:5.2f}   fitted {rho1:5.2f}"
+          f"   (goal >= 0.8: {'met' if rho1 >= 0.8 else 'NOT met'})")
+    noisy = [c for c, s in zip(HELD_OUT, spreads, strict=True) if s > RELIABLE_SPREAD]
+    cores = os.cpu_count() or 1
+    load = max(load_before[0], load_after[0])
+    print(f"spread (10-90% range / median) over the held-out layouts: median "
+          f"{statistics.median(spreads):.0%}, max {max(spreads):.0%}; load average {load_before[0]:.1f} "
+          f"before, {load_after[0]:.1f} after the timing, on {cores} cores")
+    if noisy or load > 2 * cores:
+        print(f"RELIABILITY: the machine was loaded (load average up to {load:.1f} on {cores} cores) and "
+              f"{len(noisy)} of {len(HELD_OUT)} layouts spread by more than {RELIABLE_SPREAD:.0%}: "
+              f"differences under that spread are noise, and the errors above carry it.")
+    else:
+        print("RELIABILITY: load and spreads were low enough for the errors to be read as the model's.")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="steps per layout per round")
+    parser.add_argument("--cache-dir", default=None, help="calibration cache (default ~/.cache/mindpipe_jax)")
+    parser.add_argument("--refresh", action="store_true", help="measure the calibration again")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--save-times", default=None, metavar="FILE", help="every timed step, as JSON")
+    args = parser.parse_args()
+    if args.rounds * args.steps < 5:
+        raise SystemExit(f"--rounds x --steps = {args.rounds * args.steps}: at least 5 timed steps per "
+                         f"layout are needed")
+    with report("Cost model on held-out layouts", args.out):
+        main(args)

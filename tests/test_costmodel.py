@@ -1,0 +1,166 @@
+"""The cost model's calibration cache, its pipeline term (the fused ticks the runtime
+runs, not the table's) and its monotonicity. No timing assertions: every number
+here is built by hand or read from a compiled program's structure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline.schedules.fused import fuse
+from mindpipe_jax.sim.network import Link
+from mindpipe_jax.tuner import calibrate
+from mindpipe_jax.tuner.calibrate import Calibration
+from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, Piece, count_kernels
+from mindpipe_jax.tuner.space import Candidate
+
+
+def _calibration(key=None, **changes) -> Calibration:
+    key = key or calibrate.machine_key(jax.devices())
+    fits = {f"{kind}:{r}": [1e-4, 1e-9] for kind in calibrate.KINDS for r in (2, 4, 8)}
+    base = Calibration(key, flops_busy=1e9, flops_solo=4e9, mem_busy=1e9, mem_solo=4e9, kernel_busy_s=1e-5,
+                       kernel_solo_s=5e-6, launch_s=1e-3, iteration_s=1e-5, collectives=fits,
+                       measured_at="by hand")
+    return dataclasses.replace(base, **changes)
+
+
+def _costs(scale: float = 1.0, bytes_scale: float = 1.0) -> ModelCosts:
+    """A 4-layer model whose pieces are given by hand (FLOPs and bytes per row)."""
+    layer_f = Piece(1e6 * scale, 2e5 * bytes_scale, 0.0, 1e5 * bytes_scale, 30)
+    layer_bw = Piece(2e6 * scale, 4e5 * bytes_scale, 0.0, 2e5 * bytes_scale, 60)
+    pieces = {"layer_F": layer_f, "layer_BW:none": layer_bw, "layer_BW:dots": layer_bw,
+              "layer_BW:full": layer_f + layer_bw,
+              "rest_F": Piece(5e5 * scale, 1e5 * bytes_scale, kernels=10),
+              "rest_BW": Piece(1e6 * scale, 2e5 * bytes_scale, kernels=20),
+              "update": Piece(0.0, 0.0, 1e6 * scale, 4e6 * bytes_scale, 100)}
+    return ModelCosts(n_layers=4, layer_fwd=1e6 * scale, layer_bwd={"none": 2e6 * scale, "dots": 2e6 * scale,
+                                                                      "full": 3e6 * scale},
+                      rest_fwd=5e5 * scale, rest_bwd=1e6 * scale, param_bytes=4e6, hidden_bytes_per_row=1e4,
+                      pieces=pieces)
+
+
+def _model(costs=None, **kw) -> CostModel:
+    return CostModel(costs or _costs(), Hardware.from_calibration(_calibration()), seq_len=16, **kw)
+
+
+# ------------------------------------------------------------ calibration cache
+def test_calibration_cache_round_trips_and_a_changed_key_misses(tmp_path):
+    cal = _calibration()
+    calibrate.save(cal, tmp_path)
+    assert calibrate.load(cal.key, tmp_path) == cal  # every field, the collective fits included
+    other = {**cal.key, "jax": "0.0.0"}  # another jax version: not this calibration
+    assert calibrate.load(other, tmp_path) is None
+    # A file under the right name whose stored key differs (edited, or a hash clash) misses too.
+    calibrate.cache_file(other, tmp_path).write_text(calibrate.cache_file(cal.key, tmp_path).read_text())
+    assert calibrate.load(other, tmp_path) is None
+    calibrate.cache_file(cal.key, tmp_path).write_text("{not json")
+    assert calibrate.load(cal.key, tmp_path) is None  # damaged: measure again
+
+
+def test_load_or_measure_measures_once_per_machine_key(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(devices):
+        calls.append(len(devices))
+        return _calibration(calibrate.machine_key(devices))
+
+    first = calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    again = calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    assert calls == [len(jax.devices())] and again == first  # the second run reads the cache
+    calibrate.load_or_measure(jax.devices()[:4], cache_dir=tmp_path, measure_fn=fake_measure)
+    assert calls[-1] == 4  # other devices: another key, measured
+    real_key = calibrate.machine_key
+    monkeypatch.setattr(calibrate, "machine_key", lambda d: {**real_key(d), "host": "elsewhere"})
+    calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    assert len(calls) == 3  # another host: measured again
+    calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure, refresh=True)
+    assert len(calls) == 4
+    hw = Hardware.calibrate(cache_dir=tmp_path)  # the tuner's entry point reads the same cache
+    assert hw.calibration.key["host"] == "elsewhere" and len(calls) == 4
+
+
+# ------------------------------------------------------------- pipeline term
+def test_prediction_counts_the_fused_ticks_the_runtime_runs():
+    cand = Candidate(data=2, pipe=4, microbatches=8, global_batch=32)
+    table = get_schedule("1f1b", 4, 8)
+    fused = fuse(table, "auto")
+    assert fused.num_ticks < table.num_ticks  # 1F1B fused forward-ahead: F and BW share a tick
+    as_run = _model()
+    as_table = _model(fuse_mode="table")
+    run, tab = as_run.breakdown(cand), as_table.breakdown(cand)
+    assert run.iterations == fused.num_ticks and tab.iterations == table.num_ticks
+    # Each fused tick pays its ppermutes: the pipe term follows the tick count.
+    assert run.comm_s["pipe"] / tab.comm_s["pipe"] == pytest.approx(fused.num_ticks / table.num_ticks)
+    # Same work, fewer ticks and a shorter replay: the prediction is shorter.
+    assert run.compute_s < tab.compute_s and run.step_s < tab.step_s
+    # After trials teach it a per-tick cost, the gap is that cost times the ticks saved.
+    for model in (as_run, as_table):
+        model.coef = model.coef.copy()
+        model.coef[4] = 1e-3
+    gap = as_table.step_time(cand) - as_run.step_time(cand)
+    assert gap > 1e-3 * (table.num_ticks - fused.num_ticks)
+
+
+# --------------------------------------------------------------- monotonicity
+CANDIDATES = [Candidate(data=8, global_batch=32), Candidate(data=4, tensor=2, global_batch=32),
+              Candidate(fsdp=8, global_batch=32), Candidate(data=2, pipe=4, microbatches=4, global_batch=32),
+              Candidate(data=4, pipe=2, microbatches=4, schedule="interleaved", virtual_stages=2,
+                        global_batch=32)]
+
+
+@pytest.mark.parametrize("cand", CANDIDATES, ids=lambda c: c.label())
+def test_more_flops_or_bytes_predict_more_time(cand):
+    base = _model().step_time(cand)
+    assert _model(_costs(scale=2.0)).step_time(cand) > base  # more FLOPs, all else equal
+    assert _model(_costs(bytes_scale=20.0)).step_time(cand) > base  # memory-bound pieces
+    # A bigger batch is more work on every layout.
+    assert _model().step_time(dataclasses.replace(cand, global_batch=64)) > base
+
+
+def test_piece_time_is_a_roofline_plus_kernels():
+    hw = Hardware.from_calibration(_calibration())
+    compute_bound = Piece(flops=1e6, bytes=1e3, kernels=10)  # 1 ms of FLOPs, 1 us of bytes per row
+    assert hw.piece_time(compute_bound, 2) == pytest.approx(2e-3 + 10 * 1e-5)
+    memory_bound = Piece(flops=1e3, bytes=1e6, fixed_bytes=1e6, kernels=0)
+    assert hw.piece_time(memory_bound, 2) == pytest.approx(3e-3)
+    assert hw.piece_time(memory_bound, 2, split=2) == pytest.approx(1.5e-3)  # tensor shards the work
+    assert hw.piece_time(compute_bound, 2, solo=True) < hw.piece_time(compute_bound, 2)
+    # Collectives read the fit of the axis size.
+    assert hw.collective("all-reduce", 4, 1e6) == pytest.approx(1e-4 + 1e-3)
+    assert hw.collective("all-reduce", 1, 1e6) == 0.0
+
+
+def test_hand_written_costs_without_a_calibration_still_predict():
+    """The FLOP fields alone (no pieces, no calibration) keep the old model's behaviour."""
+    costs = ModelCosts(n_layers=4, layer_fwd=1e6, layer_bwd={"none": 2e6, "dots": 2.2e6, "full": 3e6},
+                       rest_fwd=5e5, rest_bwd=1e6, param_bytes=4e6, hidden_bytes_per_row=1e4)
+    hw = Hardware(flop_rate=1e9, link=Link(1e-5, 1e9), solo_rate=1e9, launch_s=1e-3, iteration_s=1e-4)
+    small = CostModel(costs, hw, 16).breakdown(Candidate(data=8, global_batch=8))
+    assert small.compute_s == pytest.approx(costs.step_flops(1) / 1e9)
+
+
+def test_count_kernels_reads_the_compiled_entry():
+    def f(a, b):
+        return jnp.tanh(a @ b) @ b
+
+    x = jnp.ones((16, 16))
+    compiled = jax.jit(f).lower(x, x).compile()
+    kernels = count_kernels(compiled.as_text())
+    assert kernels >= 2  # two dots at least; parameters, constants and tuples are not kernels
+    assert count_kernels(jax.jit(lambda a: a).lower(x).compile().as_text()) <= 1
+
+
+def test_tensor_inside_a_pipeline_is_modelled_as_the_runtime_runs_it():
+    """Inside the pipeline's shard_map the stage programs are not split over tensor
+    today (compiled FLOPs per device: t2 p4 = 2x d2 p4), so by default a pipeline's
+    tensor ranks each do the stage's whole work; the flag models a split."""
+    tp = Candidate(tensor=2, pipe=4, microbatches=4, global_batch=32)
+    dp = Candidate(data=2, pipe=4, microbatches=4, global_batch=32)
+    as_run = _model()
+    assert as_run.breakdown(tp).compute_s > 1.5 * as_run.breakdown(dp).compute_s  # 2x the rows, unsplit
+    split = _model(pipeline_tensor_split=True)
+    assert split.breakdown(tp).compute_s == pytest.approx(split.breakdown(dp).compute_s, rel=0.2)
