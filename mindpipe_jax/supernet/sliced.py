@@ -203,10 +203,14 @@ class SlicedStep:
         carry = jax.eval_shape(self._start, state)
         params = None if self.semantics == "causal" else state["params"]
         total = count(self._start.lower(state))
+        # Every round of a shape runs the same program (its slots are arguments): one count each.
+        per_shape: dict = {}
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
-            rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
-            counting = self._jit_round(shape, unroll=True)
-            total += count(counting.lower(carry, params, state["step"], rnd, subnets, batch))
+            if shape not in per_shape:
+                rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
+                counting = self._jit_round(shape, unroll=True)
+                per_shape[shape] = count(counting.lower(carry, params, state["step"], rnd, subnets, batch))
+            total += per_shape[shape]
         return total + count(self._finish.lower(state["step"], carry, plan.used))
 
     # --- the programs --------------------------------------------------------------------------
@@ -292,8 +296,10 @@ class SlicedStep:
                 return pairwise_sum((losses, grads))  # the fixed tree's lower levels: [W], [W, Pp]
 
             def padding(_):
-                return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), AXES, to="varying"),
-                                    jax.eval_shape(compute, None))
+                # The shapes compute returns, written out: tracing it again to learn them
+                # (eval_shape) doubled the model's trace time in every round program.
+                zeros = (jnp.zeros((w,), jnp.float32), jnp.zeros((w, spec.padded_size), jnp.float32))
+                return jax.tree.map(lambda a: lax.pcast(a, AXES, to="varying"), zeros)
 
             # A device whose slots are all padding computes nothing (no collective inside).
             losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
