@@ -40,8 +40,8 @@ if __name__ == "__main__":
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+import jax.monitoring  # noqa: E402
 import numpy as np  # noqa: E402
-from jax._src import monitoring  # noqa: E402
 
 import mindpipe_jax as mp  # noqa: E402
 from mindpipe_jax.supernet import SuperGPT, sample_subnets, train_supernet  # noqa: E402
@@ -52,8 +52,8 @@ STEPS = 2
 SEARCH_SPLIT = {1: 1, 2: 1, 4: 2, 8: 8}
 # The masked path's runs (semantics -> {devices: subnet axis}): sync on 1 device (the
 # reference) and on a mixed split of 8. (Each run costs as much as a sliced one; the
-# masked step is main's, whose every split was checked there; test_supernet checks
-# both semantics against the sequential reference.)
+# masked step is unchanged by slicing and was checked on every split before it came;
+# test_supernet checks both of its semantics against the sequential reference.)
 MASKED_SPLIT = {"sync": {1: 1, 8: 4}}
 LADDER = 1  # sizes per ladder: the widths 16 and 32 both run at 32
 SHAPE = ((32, 1), (32, 1))  # what every subnet runs at: (FFN width, heads) per block
@@ -120,7 +120,7 @@ def main() -> None:
     n, out = int(sys.argv[1]), sys.argv[2]
     if len(jax.devices()) != n:
         raise SystemExit(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")
-    monitoring.register_event_duration_secs_listener(_count)
+    jax.monitoring.register_event_duration_secs_listener(_count)
     arrays = {}
     for semantics in ("sync", "causal"):
         for s in (s for s in (1, 2, 4, 8) if s <= n):
