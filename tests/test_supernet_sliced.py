@@ -39,6 +39,10 @@ from mindpipe_jax.supernet.model import ladder
 from mindpipe_jax.supernet.sliced import max_shapes, sliced_loss_and_grad
 from mindpipe_jax.supernet.spara import state_shardings
 
+# One xdist worker runs the file, so the programs its fixtures share are compiled once
+# (pytest -n 2 --dist loadgroup, pyproject.toml), not once per worker.
+pytestmark = pytest.mark.xdist_group("supernet_sliced")
+
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)  # head_dim 8, d_ff 128
 WIDTHS = (16, 32, 64, 96, 128)  # five widths: a 4-level ladder rounds one of them up
 OPS = ("gelu", "relu", "silu")
