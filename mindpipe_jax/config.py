@@ -415,12 +415,17 @@ class SupernetConfig:
     subnets are vectorized per device: it changes the bits of a subnet's gradient,
     the device count never does, so keep it fixed to compare runs. The ``subnet``
     mesh axis (``parallel.subnet``) splits the K subnets of a step.
+
+    ``ladder_levels``: subnets run sliced, at their own depth and with FFN widths and
+    head counts rounded up to at most this many sizes each (one compiled program per
+    shape); 0 runs every subnet masked at the supernet's full size (one program).
     """
 
     semantics: Literal["sync", "causal"] = "sync"
     subnets_per_step: int = 4  # K
     strategy: Literal["uniform", "sandwich"] = "sandwich"
     vmap_width: int = 1
+    ladder_levels: int = 4  # sliced execution: sizes per ladder; 0 = masked (full size)
     ops: tuple[str, ...] = ("gelu", "relu", "silu")  # FFN candidates (their activations)
     ffn_ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # hidden widths, fractions of d_ff
     heads: tuple[int, ...] = ()  # attention head counts; empty = 1..model.n_heads
@@ -440,6 +445,9 @@ class SupernetConfig:
         _positive("supernet", subnets_per_step=self.subnets_per_step, vmap_width=self.vmap_width,
                   min_depth=self.min_depth, search_population=self.search_population,
                   search_top_k=self.search_top_k, search_eval_batches=self.search_eval_batches)
+        _check(self.ladder_levels >= 0,
+               f"supernet.ladder_levels={self.ladder_levels} must be >= 0 (sizes each FFN width and head "
+               f"count is rounded up to; 0 = masked, every subnet at full size)")
         _check(self.search_generations >= 0,
                f"supernet.search_generations={self.search_generations} must be >= 0")
         _check(self.search_max_params >= 0,

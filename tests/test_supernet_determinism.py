@@ -1,14 +1,16 @@
 """SPara's guarantee: the same supernet, bit for bit, on 1, 2, 4 and 8 devices, for every
-split of them between the ``subnet`` and ``data`` axes, in both semantics; and the same
-search result.
+split of them between the ``subnet`` and ``data`` axes, in both semantics, on the sliced
+path (the default); the masked path (``supernet.ladder_levels=0``, sync) on 1 device and
+on subnet=4 x data=2; and the same search result.
 
 One worker process per device count (``jax_num_cpu_devices`` is read once, before the
-backend starts): ``supernet_worker.py`` trains the tiny supernet (2 layers, d=32,
-K=8 subnets per step, 2 steps, clipping active) on every split of its devices and
-saves the params and its search's top-k. The control: the same run with
-``supernet.vmap_width=2`` instead of 1 must differ in its bits — so the comparison
-can see a change in how gradients are computed, and the equality is not vacuous.
-"""
+backend starts): ``supernet_worker.py`` trains the tiny supernet (3 layers of which
+subnets run 2, d=32, K=8 subnets per step, 2 steps, clipping active) on every split of
+its devices and saves the params and its search's top-k. Every subnet runs sliced at
+one shape below the supernet's size in depth, width and heads (one round program per
+run: see the worker). The control: the same run with ``supernet.vmap_width=2`` instead
+of 1 must differ in its bits — so the comparison can see a change in how gradients are
+computed, and the equality is not vacuous."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ pytestmark = pytest.mark.xdist_group("supernet_determinism")
 WORKER = Path(__file__).with_name("supernet_worker.py")
 TIMEOUT_S = 1500  # ~4 CPU-minutes of compiling; a shared 2-core machine can triple that
 DEVICES = (1, 2, 4, 8)
+# The worker's one shape: 2 of 3 blocks, FFN width 32 of 128, 1 of 2 heads (supernet_worker.SHAPE;
+# not imported: that would import the library into this process for two constants).
+SHAPE = ((32, 1), (32, 1))
 
 
 def _diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
@@ -87,38 +92,68 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("semantics", ["sync", "causal"])
-def test_params_are_bitwise_equal_on_every_device_count_and_split(runs, semantics):
-    reference = _group(runs[1], f"{semantics}/S1/")
+def test_sliced_params_are_bitwise_equal_on_every_device_count_and_split(runs, semantics):
+    reference = _group(runs[1], f"sliced/{semantics}/S1/")
     assert len(reference) > 10  # every parameter of the supernet
     compared = 0
     for n in DEVICES:
         for s in (1, 2, 4, 8):
             if s > n:
                 continue
-            diff = _diff(reference, _group(runs[n], f"{semantics}/S{s}/"))
-            assert not diff, (f"{semantics}: subnet={s} x data={n // s} differs from 1 device:\n"
+            diff = _diff(reference, _group(runs[n], f"sliced/{semantics}/S{s}/"))
+            assert not diff, (f"sliced {semantics}: subnet={s} x data={n // s} differs from 1 device:\n"
                               + "\n".join(diff))
             compared += 1
     assert compared == 10
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("semantics", ["sync"])
+def test_masked_params_are_bitwise_equal_on_its_device_counts(runs, semantics):
+    reference = _group(runs[1], f"masked/{semantics}/S1/")
+    compared = []
+    for n in DEVICES[1:]:
+        for key in {k.rsplit("/", 1)[0] for k in runs[n] if k.startswith(f"masked/{semantics}/S")}:
+            s = int(key.rsplit("/S", 1)[1])
+            diff = _diff(reference, _group(runs[n], key + "/"))
+            assert not diff, (f"masked {semantics}: subnet={s} x data={n // s} differs from 1 device:\n"
+                              + "\n".join(diff))
+            compared.append((n, s))
+    assert compared, f"no masked {semantics} run on more than one device"
+
+
+@pytest.mark.slow
+def test_every_run_took_the_path_it_is_filed_under(runs):
+    # The trainer's own report: sliced is the default, ladder_levels=0 is masked.
+    for n in DEVICES:
+        paths = {k[len("path/"):]: str(v) for k, v in runs[n].items() if k.startswith("path/")}
+        assert paths and all(path == key.split("/")[0] or key.startswith("control/") and path == "sliced"
+                             for key, path in paths.items()), (n, paths)
+    # Every subnet at the one shape, below the supernet's size in depth (2 of 3 blocks),
+    # FFN width (32 of 128) and heads (1 of 2): the runs are sliced in every dimension.
+    for n in DEVICES:
+        assert runs[n]["shapes"].tolist() == [[list(size) for size in SHAPE]], runs[n]["shapes"]
+        compiles = {k: int(v) for k, v in runs[n].items() if k.startswith("compiles/sliced/")}
+        print(n, "devices: programs compiled per sliced run:", compiles)
+
+
+@pytest.mark.slow
 def test_control_vmap_width_changes_the_bits(runs):
     # A different per-device vectorization rounds differently (~1e-7): the bitwise
     # comparison above would notice a device-count-dependent program.
-    assert _diff(_group(runs[1], "sync/S1/"), _group(runs[1], "control/vmap2/"))
+    assert _diff(_group(runs[1], "sliced/sync/S1/"), _group(runs[1], "control/vmap2/"))
     # ... and the semantics differ from each other by far more.
-    assert _diff(_group(runs[1], "sync/S1/"), _group(runs[1], "causal/S1/"))
+    assert _diff(_group(runs[1], "sliced/sync/S1/"), _group(runs[1], "sliced/causal/S1/"))
 
 
 @pytest.mark.slow
 def test_search_top_k_is_identical_on_every_device_count(runs):
     # Scored on data=1, data=2, subnet=2 x data=2 and subnet=8 evaluators (SEARCH_SPLIT).
-    subnets, losses = runs[1]["sync/search/subnets"], runs[1]["sync/search/losses"]
+    subnets, losses = runs[1]["search/subnets"], runs[1]["search/losses"]
     assert subnets.shape[0] == 3 and np.all(np.diff(losses) >= 0)
     for n in DEVICES[1:]:
-        assert np.array_equal(runs[n]["sync/search/subnets"], subnets), n
-        assert runs[n]["sync/search/losses"].tobytes() == losses.tobytes(), n
+        assert np.array_equal(runs[n]["search/subnets"], subnets), n
+        assert runs[n]["search/losses"].tobytes() == losses.tobytes(), n
 
 
 @pytest.mark.slow

@@ -46,7 +46,10 @@ TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_le
         "parallel.tensor=1", "parallel.subnet=4", "parallel.data=2", "supernet.subnets_per_step=4",
         "supernet.semantics=causal", "supernet.search_population=6",
         "supernet.search_generations=2", "supernet.search_top_k=3", "optim.lr=1e-2",
-        "optim.warmup_steps=0", "train.log_every=1")
+        "optim.warmup_steps=0", "train.log_every=1",
+        # Resuming, not slicing: masked, one program per process instead of one per shape
+        # (the sliced step keeps the same state; its bits: test_supernet_determinism).
+        "supernet.ladder_levels=0")
 HERE = (*TINY, "parallel.simulate_cpu_devices=0")  # in this process: conftest's 8 CPU devices
 # The learning-rate schedule is a function of train.steps, so a 4-step run continued
 # to 6 follows the 6-step schedule only from step 5 on (as dense runs do). To compare

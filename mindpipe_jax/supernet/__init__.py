@@ -8,6 +8,9 @@
 * ``optimizer.py`` — the fixed-order gradient reduction, clipping and the lazy sharded AdamW;
 * ``spara.py``   — the vectorized multi-subnet step on the ``subnet`` × ``data`` mesh, its
   ``sync`` and ``causal`` semantics, and the sequential reference both are tested against;
+  every subnet computed masked at full size (one program);
+* ``sliced.py``  — the same step with each subnet computed from slices of the weights at
+  its own depth and (ladder-rounded) widths / heads: one program per shape, cached;
 * ``search.py``  — validation scores with inherited weights and the evolutionary search;
 * ``trainer.py`` — ``train_supernet(config=...)``: the whole run from a config (checkpoints
   with ``checkpoint=True``); ``search_checkpoint(run_dir)``: the search of a saved run.
@@ -16,6 +19,7 @@
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.sampler import STRATEGIES, Sampler, sample_subnets
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
+from mindpipe_jax.supernet.sliced import SlicedPlan, SlicedStep, plan_sliced
 from mindpipe_jax.supernet.space import Candidate, Gene, SearchSpace, prefix_mask, select
 from mindpipe_jax.supernet.spara import (
     SEMANTICS,
@@ -34,7 +38,8 @@ from mindpipe_jax.supernet.trainer import SupernetResult, search_checkpoint, sup
 __all__ = [
     "Supernet", "check_supernet",
     "SuperGPT", "STRATEGIES", "Sampler", "sample_subnets", "SearchResult", "evolutionary_search",
-    "make_evaluator", "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
+    "make_evaluator", "SlicedPlan", "SlicedStep", "plan_sliced",
+    "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
     "StepPlan", "causal_waves", "init_state", "jit_step", "make_spara_step", "plan_step",
     "reference_step", "supernet_spec", "SupernetResult", "search_checkpoint", "supernet_factory",
     "train_supernet",

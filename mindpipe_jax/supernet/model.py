@@ -23,6 +23,13 @@ variables stacked ``[layers, candidates, ...]``: the unit grid is
 ``(n_layers, n_ops)`` and a subnet uses unit ``(l, c)`` when block ``l`` runs
 and chose candidate ``c``. Attention, layer norms, embedding and head are
 shared by every subnet (elastic heads only mask the attention's output).
+
+Two ways to run a subnet. ``loss`` (the *masked* path) computes every subnet at the
+supernet's full size, one program for all of them. ``sliced_loss`` (the *sliced*
+path, see ``sliced.py``) computes it from slices of the shared weights: its first
+``depth`` blocks, the first FFN units and heads of each, so a small subnet costs
+what it is. The ``shape`` (static: one program per shape) fixes the sizes; widths
+and heads below them are still masked, so one program serves every subnet that fits.
 """
 
 from __future__ import annotations
@@ -248,6 +255,107 @@ class SuperGPT(nnx.Module):
         logits = self(inputs, subnet).astype(jnp.float32)
         hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
         return -jnp.mean(jnp.sum(hot * jax.nn.log_softmax(logits), axis=-1))
+
+
+    # --- sliced execution --------------------------------------------------------------------------
+
+    def own_shape(self, subnet) -> tuple[tuple[int, int], ...]:
+        """``((ffn width, heads), ...)`` of each block the subnet runs (host NumPy): its own size."""
+        values = self.space.decode(np.asarray(subnet))
+        return tuple((values[f"ffn{layer}"], values[f"heads{layer}"]) for layer in range(values["depth"]))
+
+    def ladders(self, levels: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The FFN widths and head counts a subnet is rounded up to: at most ``levels`` of each."""
+        return ladder(self.ffn_widths, levels), ladder(self.head_choices, levels)
+
+    def sliced_shape(self, subnet, levels: int) -> tuple[tuple[int, int], ...]:
+        """The shape the sliced path runs ``subnet`` at: its depth, and in every block the
+        largest width and head count of its blocks, each rounded up to its ladder.
+
+        One size for all blocks (not one per block) keeps the number of shapes at
+        ``len(depths) x len(width ladder) x len(head ladder)``; per-block sizes would
+        make it exponential in the depth.
+        """
+        own = self.own_shape(subnet)
+        widths, heads = self.ladders(levels)
+        size = (round_up(max(w for w, _ in own), widths), round_up(max(h for _, h in own), heads))
+        return (size,) * len(own)
+
+    def sliced_loss(self, inputs, targets, subnet, shape, unroll: bool = False):
+        """The subnet's mean loss computed from slices of the weights (``shape``: static,
+        ``((width, heads), ...)`` per block run; ``subnet`` may be traced).
+
+        Blocks of one size (every ladder shape) run as a scan over the first ``depth``
+        stacked blocks, as the masked path does; blocks of different sizes (a subnet's own
+        shape) one after another in Python. ``unroll``: unroll the scan (XLA's cost
+        analysis counts a loop body once: unroll to count FLOPs). A slice's gradient is
+        the full parameter's gradient restricted to it, so autodiff through this function
+        gives gradients of the supernet's parameters, zero outside the slices.
+        """
+        cfg = self.config
+        graphdef, layers = nnx.split(self.blocks)
+        genes = jnp.asarray(subnet)[1:].reshape(cfg.n_layers, GENES_PER_LAYER)
+        widths = choice_value(Gene("w", self.ffn_widths), genes[:, 1])
+        heads = choice_value(Gene("h", self.head_choices), genes[:, 2])
+
+        def block(x, layer_state, op, width, n_heads):
+            return nnx.merge(graphdef, layer_state)(x, True, op, width, n_heads)
+
+        if cfg.remat != "none":
+            block = jax.checkpoint(block, prevent_cse=False)
+        h = self.embed(inputs)
+        depth = len(shape)
+        # One size: scan the first `depth` blocks, sliced together. (The scan also keeps the
+        # bits independent of the mesh: the same blocks unrolled in Python, inside SPara's
+        # loop over a device's shards, rounded differently on 1 and 2 data devices.)
+        if len(set(shape)) == 1:
+            stacked = _slice_block(jax.tree.map(lambda x: x[:depth], layers), *shape[0], lead=1)
+
+            def body(x, xs):
+                return block(x, *xs), None
+
+            xs = (stacked, genes[:depth, 0], widths[:depth], heads[:depth])
+            h, _ = jax.lax.scan(body, h, xs, unroll=depth if unroll else 1)
+        else:
+            for layer, (width, n_heads) in enumerate(shape):
+                one = jax.tree.map(lambda x, i=layer: x[i], layers)
+                layer_state = _slice_block(one, width, n_heads, lead=0)
+                h = block(h, layer_state, genes[layer, 0], widths[layer], heads[layer])
+        logits = self.head(h).astype(jnp.float32)
+        hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+        return -jnp.mean(jnp.sum(hot * jax.nn.log_softmax(logits), axis=-1))
+
+
+def _slice_block(state, width: int, n_heads: int, lead: int):
+    """A block's state (``lead`` leading layer axes) cut to ``width`` FFN units and
+    ``n_heads`` heads: a fresh state, the input is not changed."""
+    pure = nnx.to_pure_dict(state)
+    attn, ffn, ax = pure["attn"], pure["ffn"], (slice(None),) * lead
+    attn["qkv"] = attn["qkv"][(*ax, slice(None), slice(None), slice(0, n_heads))]
+    attn["qkv_bias"] = attn["qkv_bias"][(*ax, slice(None), slice(0, n_heads))]
+    attn["out"] = attn["out"][(*ax, slice(0, n_heads))]
+    ffn["w_in"], ffn["b_in"] = ffn["w_in"][..., :width], ffn["b_in"][..., :width]
+    ffn["w_out"] = ffn["w_out"][(*ax, slice(None), slice(0, width))]
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def ladder(choices, levels: int) -> tuple[int, ...]:
+    """At most ``levels`` of the sorted ``choices``, always the largest: the ``i``-th of
+    ``levels`` is the choice at ``ceil(i·n/levels) - 1`` (evenly spread; all of them when
+    ``n <= levels``)."""
+    choices = tuple(sorted(set(choices)))
+    n = len(choices)
+    if levels < 1:
+        raise ConfigError(f"supernet.ladder_levels={levels}: the sliced path needs >= 1 level")
+    if n <= levels:
+        return choices
+    return tuple(choices[-(-i * n // levels) - 1] for i in range(1, levels + 1))
+
+
+def round_up(value: int, sizes) -> int:
+    """The smallest of ``sizes`` that is >= ``value``."""
+    return min(s for s in sizes if s >= value)
 
 
 def _check_range(what: str, values, lo: int, hi: int, limit: str) -> None:

@@ -50,6 +50,7 @@ from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.sampler import Sampler
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
+from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
 from mindpipe_jax.supernet.spara import (
     AXES,
     SupernetSpec,
@@ -236,23 +237,38 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         if changed and log is not None and jax.process_index() == 0:
             log(f"resuming step {resume_step} with a changed config: {', '.join(changed)}")
     rows = NamedSharding(mesh, P("data"))
-    step_fn = jit_step(make_spara_step(
-        spec, mesh, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
-        vmap_width=sn.vmap_width, virtual_shards=tr.virtual_shards, global_batch=tr.global_batch,
-        optim=cfg.optim, total_steps=tr.steps), mesh)
     if resume_step is None:
         state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
     start = int(np.asarray(jax.device_get(state["step"].addressable_data(0))))
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     round_slots = mesh.shape["subnet"] * sn.vmap_width
-    # Ahead-of-time compile, so that step times are step times.
+    sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
+                 virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
+                 total_steps=tr.steps)
     t0 = time.perf_counter()
-    tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-    plan0 = plan_step(spec, sampler(0), sn.semantics, round_slots).arrays()
-    step_fn = step_fn.lower(state, plan0, {"inputs": tokens, "targets": tokens}).compile()
+    # Sliced (subnets at their own size) where the supernet offers it; a custom supernet
+    # without a sliced path trains masked.
+    if sn.ladder_levels and supports_slicing(spec.module):
+        sliced = SlicedStep(spec, mesh, levels=sn.ladder_levels, **sizes)
+        make_plan, step_fn = sliced.plan, sliced
+        bound = f"<= {sliced.max_programs} programs: " if sliced.max_programs else ""
+        compiled = f"sliced ({bound}one per shape, compiled on first use)"
+    else:
+        def make_plan(subnets):
+            return plan_step(spec, subnets, sn.semantics, round_slots)
+
+        # Ahead-of-time compile, so that step times are step times.
+        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
+        masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh).lower(
+            state, make_plan(sampler(0)).arrays(), {"inputs": tokens, "targets": tokens}).compile()
+
+        def step_fn(state, plan, batch):
+            return masked(state, plan.arrays(), batch)
+
+        compiled = f"masked, compiled in {time.perf_counter() - t0:.1f}s"
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
         f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh subnet="
-        f"{mesh.shape['subnet']} x data={mesh.shape['data']} | compiled in {time.perf_counter() - t0:.1f}s"
+        f"{mesh.shape['subnet']} x data={mesh.shape['data']} | {compiled}"
         + (f" | resuming at step {start}" if start else ""))
     history: list[dict] = []
     t_last, waves_sum, since = time.perf_counter(), 0, 0
@@ -281,9 +297,9 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     try:
         with signals:
             for step in range(start, tr.steps):
-                plan = plan_step(spec, sampler(step), sn.semantics, round_slots)
+                plan = make_plan(sampler(step))
                 batch = {k: _global_array(v, rows) for k, v in next(loader).items()}
-                state, metrics = step_fn(state, plan.arrays(), batch)
+                state, metrics = step_fn(state, plan, batch)
                 waves_sum, since, done = waves_sum + plan.num_waves, since + 1, step + 1
                 stop = signals.reached(done) if ckpt is not None else None
                 if done % tr.log_every == 0 or done == tr.steps:
