@@ -34,6 +34,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import from_linen
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.supernet.spec import supernet_spec
+from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.reconfigure import build_layout
 from mindpipe_jax.train.state import init_train_state, model_spec
 from mindpipe_jax.train.step import make_eval_step, make_grad_fn
@@ -49,6 +50,7 @@ def framework_grads(factory, *overrides):
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(None):
         spec, create = model_spec(factory, mesh, SEED)
+    spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)  # as the train layout stores them
     params = jax.jit(create, out_shardings=spec.storage)()
     grad_fn = make_grad_fn(spec, cfg, mesh)
     batch = tokens(1, ROWS)

@@ -127,3 +127,29 @@ def test_flops_per_token_counts_matmuls():
     fwd = jax.jit(lambda t: model(t)).lower(tokens).compile().cost_analysis()["flops"]
     predicted = batch * T * flops_per_token(one) / 3
     assert abs(fwd - predicted) / predicted < 0.15, (fwd, predicted)
+
+
+@pytest.mark.parametrize("chain", ["adamw", "clip+masked-adamw"])
+def test_optimizer_moments_are_stored_as_their_parameters(chain):
+    # Before: the moments' shardings were read off the compiled tx.init, where
+    # zeros_like has no sharding to inherit, so XLA replicated them: with fsdp=8 every
+    # device held all of Adam's state. The created state is checked, not the table.
+    import optax
+
+    from mindpipe_jax.train.state import init_train_state
+
+    mesh = make_mesh(ParallelConfig(data=1, fsdp=8, tensor=1))
+    with jax.set_mesh(None):
+        spec, create = model_spec(lambda rngs: GPT(CFG, rngs=rngs), mesh, 0)
+    tx = optax.adamw(1e-3)
+    if chain != "adamw":
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=spec.decay_mask))
+    state = init_train_state(spec, create, tx, mesh, seed=0)
+    moments = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state["opt"])[0]
+               if any(getattr(k, "name", None) in ("mu", "nu") for k in path)]
+    params = jax.tree.leaves(state["params"])
+    assert len(moments) == 2 * len(params)
+    for moment, param in zip(moments, params + params, strict=True):
+        assert moment.sharding.is_equivalent_to(param.sharding, param.ndim), (moment.sharding, param.sharding)
+    w_in = state["params"]["blocks"]["mlp"]["w_in"]
+    assert w_in.addressable_shards[0].data.nbytes * 8 == w_in.nbytes

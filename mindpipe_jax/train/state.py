@@ -150,15 +150,32 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask) -> optax.Grad
 def state_shardings_for(spec: ModelSpec, tx, mesh):
     """Shardings of the whole train state.
 
-    The optimizer's are read off the compiled ``tx.init``: sharding propagation
-    gives each moment its parameter's sharding and replicates the counters, for
-    any optax chain, without hand-written tree matching.
+    An optimizer leaf found under a parameter's path with that parameter's shape
+    (optax keeps Adam's ``mu`` and ``nu`` as trees mirroring the params, under any
+    chain or mask) is stored as that parameter is; anything else (step counts) is
+    replicated. Not read off the compiled ``tx.init``: ``zeros_like`` inside ``jit``
+    has no input to inherit a sharding from, and XLA replicated every moment (with
+    ``fsdp=8`` each device held all of Adam's state).
     """
     rep = NamedSharding(mesh, P())
-    opt = jax.jit(tx.init).lower(spec.abstract_params).compile().output_shardings
-    # Scalars (step counts) come back as single-device shardings: replicate them.
-    opt = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else rep, opt)
+    params = {_path_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in zip(
+        jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0], jax.tree.leaves(spec.storage),
+        strict=True)}
+
+    def one(path, leaf):
+        keys = _path_keys(path)
+        for start in range(len(keys)):  # the longest suffix that names a parameter
+            shape, sharding = params.get(keys[start:], (None, None))
+            if shape is not None:
+                return sharding if shape == leaf.shape else rep
+        return rep
+
+    opt = jax.tree_util.tree_map_with_path(one, jax.eval_shape(tx.init, spec.abstract_params))
     return {"step": rep, "params": spec.storage, "opt": opt, "rng": rep}
+
+
+def _path_keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
 def abstract_train_state(spec: ModelSpec, tx, mesh, shardings=None):

@@ -315,13 +315,13 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
     sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
-    # Weights stored sharded over fsdp stay so inside the pipeline (gathered once per step,
-    # gradients reduce-scattered); a grouped stack (period-k layers) is stacked in the step,
-    # so its weights enter gathered.
-    specs = None
-    if model.group == 1:
-        e_specs, b_specs, h_specs = model.split(spec.storage)
-        specs = {"embed": e_specs, "blocks": b_specs, "head": h_specs}
+    # Weights stored sharded over fsdp (the embedding and head over pipe too:
+    # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step,
+    # gradients reduce-scattered; a grouped stack (period-k layers) is stacked in the
+    # step, so its blocks enter gathered.
+    e_specs, h_specs = model.ends(spec.storage)
+    specs = {"embed": e_specs, "blocks": model.split(spec.storage)[1] if model.group == 1 else None,
+             "head": h_specs}
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,

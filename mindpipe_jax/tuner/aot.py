@@ -72,6 +72,7 @@ def build_step(cfg: Config, model=None, devices=None, *, noise_stats: bool | Non
     """Mesh, model spec, optimizer, shardings and the jitted step for ``cfg``
     (``noise_stats``: as ``make_train_step``; default ``tuner.enabled``)."""
     from mindpipe_jax.parallel.mesh import make_mesh
+    from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
     from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec, state_shardings_for
     from mindpipe_jax.train.step import BATCH_AXES, check_step_config, make_train_step
 
@@ -79,6 +80,7 @@ def build_step(cfg: Config, model=None, devices=None, *, noise_stats: bool | Non
     check_step_config(cfg, mesh)
     spec, create = model_spec(model if model is not None else default_model_factory(cfg), mesh,
                               cfg.train.seed)
+    spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
     shardings = state_shardings_for(spec, tx, mesh)
     abstract_state = abstract_train_state(spec, tx, mesh, shardings)

@@ -341,6 +341,16 @@ class PipelineModel:
                          for j in range(k)}
         return ({n: flat[n] for n in self._embed_names}, stack, {n: flat[n] for n in self._head_names})
 
+    def ends(self, tree: dict) -> tuple[dict, dict]:
+        """The prologue's and the epilogue's leaves of ``tree`` (the params, or a tree
+        shaped like them, e.g. their shardings), by name as ``split`` gives them."""
+        return ({n: _get(tree, self._paths[n]) for n in self._embed_names},
+                {n: _get(tree, self._paths[n]) for n in self._head_names})
+
+    def end_paths(self) -> list[tuple]:
+        """Paths (in the params dict) of every parameter the prologue or epilogue uses."""
+        return [self._paths[n] for n in sorted({*self._embed_names, *self._head_names})]
+
     def merge_grads(self, params: dict, d_embed: dict, d_stack, d_head: dict) -> dict:
         """Gradients shaped like ``params``: a parameter both ends use gets the sum of both
         uses; one neither uses gets zeros."""

@@ -14,9 +14,19 @@ one stage's parameters per device) and reduce-scatters the gradient over
 
 Only a dimension whose storage spec names ``fsdp`` first (``'fsdp'`` or
 ``('fsdp', ...)``) is sharded this way; any other leaf is gathered as before.
+
+The embedding and head (``EndSplit``) may be stored split over ``pipe`` too, on
+that same dimension (``('fsdp', 'pipe')``, or ``'pipe'`` alone when ``fsdp`` is
+1; ``train/pipeline_storage.py`` decides): one SPMD program gives every device the
+same shapes, so the first and last stage cannot keep them alone; split over
+``pipe`` each device keeps ``1 / (pipe · fsdp)`` of them and of their optimizer
+state, gathers them once per step, and their gradient (non-zero on its owners
+only) leaves reduce-scattered over ``pipe`` instead of ``psum``-ed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.parallel.pipeline.runtime import ringsync
 
 FSDP = "fsdp"
+PIPE = "pipe"
 
 
 NOT_SHARDED = -1  # not None: None is an empty subtree to jax.tree.map
@@ -101,3 +112,70 @@ def local_shard(tree, dims, offset: int = 0):
         size = g.shape[d + offset] // n
         return lax.dynamic_slice_in_dim(g, lax.axis_index(FSDP) * size, size, axis=d + offset)
     return jax.tree.map(one, tree, dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class EndSplit:
+    """How an embedding or head leaf enters the pipeline: split along ``dim`` over
+    ``axes`` (``fsdp`` and/or ``pipe``, major first, as its storage spec lists
+    them), or whole (``axes == ()``). A leaf of ``jax.tree`` (not a pytree)."""
+
+    dim: int
+    axes: tuple[str, ...]
+
+    @property
+    def over_pipe(self) -> bool:
+        return PIPE in self.axes
+
+    def spec(self) -> P:
+        if not self.axes:
+            return P()
+        return P(*([None] * self.dim), self.axes[0] if len(self.axes) == 1 else self.axes)
+
+
+def end_splits(specs, tree, mesh_shape):
+    """Per leaf of an embedding or head ``tree``: its ``EndSplit`` read from its storage
+    spec's ``fsdp`` entry (``specs``: a matching tree of specs or shardings, or None).
+    ``fsdp`` counts only when its size is > 1 (as ``dims_of``'s callers decide);
+    ``pipe`` whenever the storage lists it."""
+    def one(spec, _):
+        entries = tuple(getattr(spec, "spec", spec)) if spec is not None else ()
+        dim = fsdp_dim(P(*entries)) if entries else NOT_SHARDED
+        if dim < 0:
+            return EndSplit(0, ())
+        entry = entries[dim] if isinstance(entries[dim], tuple) else (entries[dim],)
+        axes = tuple(a for a in entry if a == PIPE or (a == FSDP and mesh_shape.get(FSDP, 1) > 1))
+        return EndSplit(dim, axes)
+    if specs is None:
+        return jax.tree.map(lambda _: EndSplit(0, ()), tree)
+    return jax.tree.map(one, specs, tree, is_leaf=lambda s: isinstance(s, P) or hasattr(s, "spec"))
+
+
+def gather_ends(tree, splits):
+    """Each leaf whole on every device: all-gathered over its split's axes, minor first."""
+    def one(x, split):
+        for axis in reversed(split.axes):
+            x = lax.all_gather(x, axis, axis=split.dim, tiled=True)
+        return x
+    return jax.tree.map(one, tree, splits)
+
+
+def sum_over_pipe_then_mean(tree, splits, batch, wire_dtype=jnp.float32):
+    """An embedding's or head's gradient (its owners' contributions, zeros elsewhere):
+    summed over ``pipe`` and averaged over the batch axes, each device keeping its
+    piece as the leaf is stored. A leaf split over ``pipe`` is reduce-scattered over
+    its axes (major first, so device ``(f, s)`` keeps piece ``f · pipe + s``) instead
+    of ``psum``-ed whole."""
+    def one(g, split):
+        if not split.over_pipe:
+            g = lax.psum(g, PIPE)
+            if FSDP in split.axes:
+                return mean_scatter(g, split.dim, batch, wire_dtype=wire_dtype)
+            return ringsync.mean(g, batch, wire_dtype)
+        for axis in split.axes:
+            g = ringsync.reduce_scatter(g, axis, split.dim, wire_dtype)
+        if FSDP in split.axes:
+            g = g / lax.axis_size(FSDP)
+        others = tuple(a for a in batch if a not in split.axes)
+        return ringsync.mean(g, others, wire_dtype) if others else g
+    return jax.tree.map(one, tree, splits)

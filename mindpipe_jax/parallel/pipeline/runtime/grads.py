@@ -152,10 +152,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
         return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
 
-    def body(dims, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
+    def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
         stage_idx = lax.axis_index(AXIS)
-        # Sharded over fsdp in storage: gathered once per step here (fsdp.py).
-        embed_p, head_p = fsdp.gather(embed_p, dims["embed"]), fsdp.gather(head_p, dims["head"])
+        # Sharded over fsdp (the ends perhaps over pipe too) in storage: gathered once
+        # per step here (fsdp.py).
+        embed_p, head_p = fsdp.gather_ends(embed_p, ends["embed"]), fsdp.gather_ends(head_p, ends["head"])
         blocks_p = fsdp.gather(blocks_p, dims["blocks"], offset=3)  # [1, v, width, *rest]
         # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
         # a branch (a hang) and double-count; varying values keep gradients local.
@@ -182,15 +183,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                 lambda t: fsdp.mean_scatter(t, dims["blocks"], BATCH, offset=1, wire_dtype=wire),
                 g, auto_specs["blocks"]),
             owned=owned_shards(dims["blocks"], auto_specs["blocks"]))
-        # Embed/head gradients live on their owners only (zeros elsewhere): one psum
-        # over pipe. Shards hold equal row counts, so the global mean over the batch
-        # axes is the mean of the shard means.
+        # Embed/head gradients live on their owners only (zeros elsewhere): summed over
+        # pipe once (reduce-scattered where they are stored split over it). Shards hold
+        # equal row counts, so the global mean over the batch axes is the mean of the
+        # shard means.
         acc = carry[0]
         loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / m
         for name, params in (("embed", embed_p), ("head", head_p)):
-            summed = jax.tree.map(lambda g: lax.psum(g, AXIS), acc[name])
-            mean = on_shards(lambda t, name=name: fsdp.mean_scatter(t, dims[name], BATCH, wire_dtype=wire),
-                             summed, auto_specs[name])
+            mean = on_shards(lambda t, name=name: fsdp.sum_over_pipe_then_mean(t, ends[name], BATCH, wire),
+                             acc[name], auto_specs[name])
             synced[name] = jax.tree.map(lambda g, x: g.astype(x.dtype), mean, params)
         d_blocks = jax.tree.map(lambda x, *cs: jnp.stack(cs).astype(x.dtype)[None], chunks,
                                 *(synced[c] for c in range(v)))
@@ -202,19 +203,20 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         staged = stage_layout.to_stages(blocks_p)
         rows = P(None, BATCH)
         specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
-        dims = {name: fsdp.dims_of(specs and specs[name], tree)
-                for name, tree in (("embed", embed_p), ("blocks", blocks_p), ("head", head_p))}
         # A stack leaf [L, *rest] is staged as [p, v, width, *rest]: its dims count in rest.
-        dims["blocks"] = jax.tree.map(lambda d: d - 1 if d >= 0 else d, dims["blocks"])
-        spec_e = jax.tree.map(fsdp.in_spec, dims["embed"])
-        spec_h = jax.tree.map(fsdp.in_spec, dims["head"])
+        dims = {"blocks": jax.tree.map(lambda d: d - 1 if d >= 0 else d,
+                                       fsdp.dims_of(specs and specs["blocks"], blocks_p))}
+        ends = {name: fsdp.end_splits(param_specs and param_specs[name], tree, dict(mesh.shape))
+                for name, tree in (("embed", embed_p), ("head", head_p))}
+        spec_e = jax.tree.map(fsdp.EndSplit.spec, ends["embed"])
+        spec_h = jax.tree.map(fsdp.EndSplit.spec, ends["head"])
         spec_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None)), dims["blocks"])
         # Each group's sharding over the automatic axes (tensor, expert), which the
         # gradient syncs need to work on each device's own shards.
         auto_specs = {name: None if param_specs is None else jax.tree.map(
             lambda s, stacked=name == "blocks": _auto_spec(s, auto, stacked), param_specs[name],
             is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
-        fn = jax.shard_map(partial(body, dims, auto_specs), mesh=mesh, axis_names=set(MANUAL),
+        fn = jax.shard_map(partial(body, dims, ends, auto_specs), mesh=mesh, axis_names=set(MANUAL),
                            in_specs=(spec_e, spec_b, spec_h, rows, rows),
                            out_specs=(P(), spec_e, spec_b, spec_h))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
