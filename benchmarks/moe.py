@@ -21,7 +21,8 @@ row is dropped (warm-up). After ``--steps`` steps each row's validation loss is
 the next-token cross-entropy alone (the MoE's auxiliary loss left out) over the
 same ``--val-batches`` held-out batches. Reported: median ms/step, tokens/s, and
 the validation loss, each with its ratio to the dense row, and EPara's view: the
-gradient noise scale B_noise of each model, the statistical efficiency of the
+gradient noise scale B_noise of each model (AdamW's preconditioned one, as the
+tuner uses, once Adam's second moment has settled), the statistical efficiency of the
 batch and entropyput = samples/s x efficiency.
 
 What this can show on a 2-core CPU: the routing overhead (router, one-hot
@@ -172,8 +173,7 @@ def main() -> None:
                 jax.block_until_ready(metrics["loss"])
             row.times.append((time.perf_counter() - t0) / len(chunk))
             for m in jax.device_get(seen):  # after the clock: the noise scale's inputs
-                row.noise.update(float(m["micro_batch"]), float(m["micro_grad_sq"]), float(m["batch"]),
-                                 float(m["grad_norm"]) ** 2)
+                row.noise.update_from_metrics(m)  # AdamW's preconditioned estimate once it has settled
 
     print(file=out)
     print(f"{'configuration':<40} {'params':>9} {'MFLOP/tok':>9} {'ms/step':>8} {'x dense':>7} "
@@ -197,9 +197,10 @@ def main() -> None:
               f"{b_noise or float('nan'):>7.1f} {eff:>5.2f} {ent:>10.1f} {ent / base[3]:>7.2f}", file=out)
     print("# MFLOP/tok: training FLOPs per token of the active parameters (flops_per_token); "
           "val loss: cross-entropy in nats per byte, aux loss excluded", file=out)
+    kinds = sorted({"AdamW-preconditioned" if row.noise.preconditioned else "plain" for row in rows})
     print(f"# B_noise: gradient noise scale over the run (EMA 0.95 of the two microbatches' vs the "
-          f"step's squared gradient norm); eff = efficiency({BATCH}) relative to b0={B0}; "
-          f"entropyput = samples/s x eff", file=out)
+          f"step's squared gradient norm; {' / '.join(kinds)} gradients, see tuner/noise.py); "
+          f"eff = efficiency({BATCH}) relative to b0={B0}; entropyput = samples/s x eff", file=out)
     print(f"# total {time.perf_counter() - t_start:.0f}s; load average at end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", file=out)
     if args.out:
