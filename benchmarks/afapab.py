@@ -43,10 +43,11 @@ step (end, chunk) takes the same wall time on both processes; for the
 uncoupled compute-only step the slower process's time is taken each round
 (a data-parallel step waits for the slower one). Medians over rounds.
 
-Part 2 — prediction at scale: ``simcluster.predict`` on a GPT-3-class model on
-V100 nodes (NVLink inside a node, a shared 25 Gbps NIC between nodes), a
-Megatron-style baseline (interleaved 1F1B, all-reduce after the flush) against
-AFAPAB (chunk-wise sync overlapped), assumptions printed with the table.
+Part 2 — prediction at scale: ``sim.cluster.predict`` on a GPT-3-class model on
+V100 nodes (NVLink inside a node, a shared 25 Gbps NIC between nodes), fixed
+layouts, Megatron-LM with ``--overlap-grad-reduce`` (interleaved 1F1B) against
+AFAPAB (chunk-wise sync overlapped), fp32 gradients on the wire, assumptions
+printed with the table. The searched layouts are ``benchmarks/afapab_predict.py``.
 
 Part 0 — bytes from the programs. The pipeline step compiled on 8 simulated CPU
 devices as pipe2 x data2 x tensor2 (weights stored sharded as training stores them),
@@ -475,13 +476,16 @@ def report_part1(out, args, dims, results, ns, a) -> None:
 # ====================================================================== part 2
 SCALE_MODELS = (("GPT-3 2.7B", dict(t=4, p=2)), ("GPT-3 6.7B", dict(t=4, p=4)))
 SCALE_GPUS = (16, 32, 64)
-SCALE_VARIANTS = (("Megatron", "megatron", False), ("Megatron + CM", "megatron", True),
+GRAD_BYTES = 4  # fp32 on the wire: parallel.grad_sync_dtype's default
+SCALE_VARIANTS = (("Megatron-overlap", "megatron-overlap", False),
+                  ("Megatron-overlap + CM", "megatron-overlap", True),
                   ("AFAPAB", "afapab", False), ("AFAPAB + CM", "afapab", True))
 
 
 def scale_rows(cluster, shape, base: dict, gpus: int, v: int, **layout_kw) -> list:
     from mindpipe_jax.sim.cluster import Layout3D, predict
 
+    layout_kw = {"grad_bytes": GRAD_BYTES, **layout_kw}
     layout = Layout3D(d=gpus // (base["t"] * base["p"]), v=v, **base, **layout_kw)
     return [(label, predict(shape, cluster, layout, sched, tp_overlap=cm))
             for label, sched, cm in SCALE_VARIANTS]
@@ -505,7 +509,9 @@ def report_part2(out, smoke: bool = False) -> dict:
     print(f"    batch {lay.global_batch} sequences per step ({lay.global_batch * 2048 / 1e6:.1f} M tokens), "
           f"microbatch {lay.microbatch}; full activation recompute (a fused backward = 3 forwards of "
           f"compute); "
-          f"fp16 activations and gradients", file=out)
+          f"fp16 activations; gradients {GRAD_BYTES} bytes each on the wire (fp32: the runtime's "
+          f"parallel.grad_sync_dtype default; benchmarks/afapab_predict.py --measure-bytes reads it "
+          f"off the compiled step)", file=out)
     print(f"    GPU: V100, {c.peak_flops / 1e12:.0f} TFLOP/s fp16 peak x {c.efficiency:.2f} assumed "
           f"achievable "
           f"= {c.flop_rate / 1e12:.0f} TFLOP/s for every layer kernel (Megatron-LM measured 39 TFLOP/s, 30% "
@@ -517,10 +523,12 @@ def report_part2(out, smoke: bool = False) -> dict:
     print(f"    between nodes: {8 * c.nic_Bps / 1e9:.0f} Gbit/s NIC per node shared by {c.nic_sharing} "
           f"GPUs -> "
           f"{c.inter.bandwidth_Bps / 1e9:.2f} GB/s per GPU, alpha {1e6 * c.nic_latency_s:.0f} us; the "
-          f"pipeline's sends (b s h / t fp16 per GPU) and the data-parallel ring all-reduce (fp16 gradients, "
-          f"{lay.bucket_bytes / 1e6:.0f} MB buckets) share it", file=out)
-    print("    executor: asynchronous replay (simulate mode 'async'). Megatron = interleaved 1F1B, every "
-          "gradient all-reduced after the flush, blocking tensor-parallel all-reduces. AFAPAB = all "
+          f"pipeline's sends (b s h / t fp16 per GPU) and the data-parallel gradient sync "
+          f"({lay.bucket_bytes / 1e6:.0f} MB buckets) share it", file=out)
+    print("    executor: asynchronous replay (simulate mode 'async'). Megatron-overlap = interleaved "
+          "1F1B with Megatron-LM's --overlap-grad-reduce and distributed optimizer (bucketed "
+          "reduce-scatters launched as each bucket's last gradient is ready, the parameter all-gather "
+          "behind the next forward), blocking tensor-parallel all-reduces. AFAPAB = all "
           "forwards, "
           "then all backwards chunk by chunk in reverse, each chunk's sync from its last backward on, beside "
           "the remaining compute. '+ CM': tensor-parallel all-reduces as collective matmuls (1 ring step "
@@ -528,7 +536,7 @@ def report_part2(out, smoke: bool = False) -> dict:
           "exposed, the rest under the layer's matmuls).", file=out)
     print("    FLOP rate: Megatron-LM's 96 B s l h^2 (1 + s/6h + V/16lh) per step (counts the recompute) / "
           "(GPUs x step time)", file=out)
-    head = (f"\n  {'model':<11} {'GPUs':>4} {'t':>2} {'p':>2} {'d':>2} {'v':>2} {'m':>4}  {'schedule':<13} "
+    head = (f"\n  {'model':<11} {'GPUs':>4} {'t':>2} {'p':>2} {'d':>2} {'v':>2} {'m':>4}  {'schedule':<21} "
             f"{'step s':>7} {'TFLOP/s':>8} {'peak':>5} {'vs Meg.':>8} {'exposed':>8} {'DP sync':>8} "
             f"{'TP comm':>8} {'memory':>8}")
     print(head, file=out)
@@ -539,27 +547,29 @@ def report_part2(out, smoke: bool = False) -> dict:
             for v in (2,) if smoke else (2, 4):
                 rows = scale_rows(c, shapes[name], base, gpus, v)
                 for label, r in rows:
-                    meg = dict(rows)["Megatron + CM" if label.endswith("CM") else "Megatron"].tflops_per_gpu
+                    meg = dict(rows)["Megatron-overlap + CM" if label.endswith("CM")
+                                     else "Megatron-overlap"].tflops_per_gpu
                     L = r.layout
                     table[(name, gpus, v, label)] = r
                     mem = f"{r.memory_bytes / 2**30:.1f}G" + ("!" if r.memory_bytes > c.memory_bytes else "")
                     print(f"  {name:<11} {gpus:>4} {L.t:>2} {L.p:>2} {L.d:>2} {L.v:>2} {L.microbatches:>4}  "
-                          f"{label:<13} {r.step_s:>7.2f} {r.tflops_per_gpu:>8.1f} "
+                          f"{label:<21} {r.step_s:>7.2f} {r.tflops_per_gpu:>8.1f} "
                           f"{r.tflops_per_gpu / (c.peak_flops / 1e12):>5.0%} "
                           f"{r.tflops_per_gpu / meg - 1:>+8.0%} {r.step_s - r.compute_s:>8.2f} "
                           f"{r.dp_sync_s:>8.2f} {r.tp_exposed_s:>8.2f} {mem:>8}",
                           file=out)
             print("", file=out)
-    print("  (vs Meg.: over Megatron with the same tensor-parallel collectives; step, exposed (step time "
-          "after "
-          "the last compute), DP sync (one GPU's gradient all-reduce on a "
-          "free link) and TP comm (tensor-parallel time inside the tasks) in seconds per step; memory: fp16 "
-          "weights and gradients + fp32 master and Adam (16 B per parameter) + stored stage inputs, per GPU, "
-          "'!' = over the GPU's memory)", file=out)
+    print("  (vs Meg.: over Megatron-overlap with the same tensor-parallel collectives; step, exposed "
+          "(step time after the last compute), DP sync (one GPU's gradient sync on a free link) and TP comm "
+          "(tensor-parallel time inside the tasks) in seconds per step; memory per GPU as "
+          "sim.cluster.memory_per_gpu models each schedule (Megatron-overlap's distributed optimizer "
+          "shards the fp32 master weights and Adam over d) + stored stage inputs, '!' = over the GPU's "
+          "memory)", file=out)
     system = [(name, v, table[(name, gpus, v, "AFAPAB + CM")].tflops_per_gpu,
-               table[(name, gpus, v, "Megatron")].tflops_per_gpu)
-              for (name, gpus, v, label) in table if label == "Megatron" and gpus == SCALE_GPUS[-1]]
-    print(f"  The whole of AFAPAB (chunk-wise sync and collective matmuls) against plain Megatron at "
+               table[(name, gpus, v, "Megatron-overlap")].tflops_per_gpu)
+              for (name, gpus, v, label) in table
+              if label == "Megatron-overlap" and gpus == SCALE_GPUS[-1]]
+    print(f"  The whole of AFAPAB (chunk-wise sync and collective matmuls) against Megatron-overlap at "
           f"{SCALE_GPUS[-1]} GPUs: "
           + "; ".join(f"{name} v={v}: {a:.1f} vs {m:.1f} TFLOP/s ({a / m - 1:+.0%})"
                       for name, v, a, m in system), file=out)
@@ -580,7 +590,8 @@ def report_part2(out, smoke: bool = False) -> dict:
         "gradient bytes on the wire": [(f"{n} B", c, dict(grad_bytes=n)) for n in (2, 4)],
     }
     print(f"\n  Sensitivity: {name}, 64 GPUs, v=4, one assumption changed at a time "
-          f"(TFLOP/s per GPU: Megatron / AFAPAB, gain; with collective matmuls: Megatron + CM / AFAPAB + CM, "
+          f"(TFLOP/s per GPU: Megatron-overlap / AFAPAB, gain; with collective matmuls: Megatron-overlap "
+          f"+ CM / AFAPAB + CM, "
           f"gain):", file=out)
     spread = {}
     for what, options in sweeps.items():
@@ -596,21 +607,22 @@ def report_part2(out, smoke: bool = False) -> dict:
     order = sorted(spread, key=spread.get, reverse=True)
     print("  What drives the gap (AFAPAB over Megatron, largest swing first): "
           + ", ".join(f"{w} ({100 * spread[w]:.0f} points)" for w in order)
-          + ". The gap is the data-parallel all-reduce that Megatron leaves after the flush and AFAPAB runs "
-            "beside the backwards of the later chunks (the last chunk's share, about 1/v of it, stays "
-            "exposed); every assumption that makes that sync a larger share of the step widens it.",
+          + ". What is left of the gap is the part of the data-parallel sync that Megatron-overlap can "
+            "hide only behind the last microbatch's backward and AFAPAB behind the backwards of the later "
+            "chunks; every assumption that makes that sync a larger share of the step widens it. The "
+            "searched layouts of benchmarks/afapab_predict.py are the issue's table.",
           file=out)
     return table
 
 
 def draw_picture(out_path: str):
-    """The Megatron and AFAPAB timelines of one 64-GPU row of the table."""
+    """The Megatron-overlap and AFAPAB timelines of one 64-GPU row of the table."""
     from mindpipe_jax import viz
     from mindpipe_jax.sim.cluster import GPT3_6_7B, V100_CLOUD
 
     name, base = SCALE_MODELS[1]
     rows = dict(scale_rows(V100_CLOUD, GPT3_6_7B, base, 64, 2))
-    picked = [("Megatron", "interleaved 1F1B, all-reduce after the flush"),
+    picked = [("Megatron-overlap", "interleaved 1F1B, bucketed sync in the last backward"),
               ("AFAPAB", "all-F-all-B, chunk-wise sync beside the backwards")]
     titles = [f"{label}: {what} — step {rows[label].step_s:.2f} s, "
               f"{rows[label].tflops_per_gpu:.1f} TFLOP/s per GPU "
