@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -19,23 +20,36 @@ class StartupInterrupts:
     C++), so the request is also recorded, and ``raise_if_interrupted`` (called before
     the run writes anything, and when the loop's ``StopSignals`` take over) raises it
     again. Installed only from the main thread over Python's default handler (a
-    program's own handler is left alone), and put back on exit.
+    program's own handler is left alone), and put back on exit. Where Python ignores
+    the exception it would print "Exception ignored in ..." with a traceback; that
+    report is dropped (``sys.unraisablehook``), as the recorded request stands for it:
+    the command's output stays its one line.
     """
 
     def __init__(self):
         self._previous = None
+        self._previous_hook = None
 
     def __enter__(self):
         _interrupted.clear()
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+            sys.unraisablehook = self._previous_hook
+            self._previous_hook = None
+
+    def _unraisable(self, info) -> None:
+        if issubclass(info.exc_type, KeyboardInterrupt) and _interrupted.is_set():
+            return  # recorded: raise_if_interrupted raises it where it can be handled
+        self._previous_hook(info)
 
     @staticmethod
     def _handle(signum, frame) -> None:
