@@ -1,14 +1,18 @@
 """8 simulated CPU devices for every test, set before any JAX operation."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from xla_flags import CHILD, DEFAULT_EMITTERS, FAST
 
-# The tests' models are tiny: compiling dominates their time, not running. LLVM at -O0
-# compiles XLA:CPU programs ~1/3 faster (a vPipe step: 7.8 -> 5.2 s); what XLA computes
-# is the same (gradient tests hold at the same tolerances). Children of the tests
-# (cli_procs) inherit it. Set XLA_FLAGS yourself to test with other flags.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# The tests' models are tiny: compiling dominates their time. Every test process (and
+# its children, which inherit it) compiles with xla_flags.FAST; tests of what XLA's
+# default emitters give run with those (xla_flags.py says why). Set XLA_FLAGS yourself
+# to run every test with other flags.
+os.environ.setdefault("XLA_FLAGS", FAST)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet XLA's C++ warnings in test logs
 
 import jax  # noqa: E402
@@ -38,3 +42,25 @@ def _compilation_cache(tmp_path_factory):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # a compile at collection time may have found no cache set
     yield
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``xla_default_emitters`` runs in a child pytest that compiles with
+    XLA's default fusion emitters (``xla_flags.DEFAULT_EMITTERS``), unless this process
+    already does (the child itself, or XLA_FLAGS set by the user)."""
+    if pyfuncitem.get_closest_marker("xla_default_emitters") is None or os.environ.get(CHILD) \
+            or os.environ.get("XLA_FLAGS") != FAST:
+        return None
+    node = pyfuncitem.nodeid.split("@", 1)[0]  # xdist's loadgroup suffix is not part of the id
+    env = {**os.environ, "XLA_FLAGS": DEFAULT_EMITTERS, CHILD: "1"}
+    root = Path(__file__).resolve().parents[1]
+    try:
+        command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", node]
+        proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as err:  # subprocess.run kills the child it started
+        pytest.fail(f"{node} with XLA's default emitters ran over {err.timeout}s")
+    if proc.returncode != 0 or "1 passed" not in proc.stdout:
+        pytest.fail(f"{node} with XLA's default emitters (XLA_FLAGS={DEFAULT_EMITTERS!r}), in a child "
+                    f"pytest, exited {proc.returncode}:\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}",
+                    pytrace=False)
+    return True

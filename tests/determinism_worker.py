@@ -1,15 +1,16 @@
 """Train a tiny GPT on N simulated CPU devices and save its final params to .npz.
 
 Usage: ``python determinism_worker.py N OUT.npz [MODES]``. MODES is a
-comma-separated list of ``det`` (``train.deterministic=true``) and ``plain``
-(``train.deterministic=false``), default ``det``; each mode's final params are
+comma-separated list of ``det`` (``train.deterministic=true``), ``plain``
+(``train.deterministic=false``) and ``det-fsdp`` (deterministic, ``parallel.data=2``
+and ``parallel.fsdp=N/2``: parameters stored in shards), default ``det``; each mode's
+final params are
 stored under ``"<mode>/<keystr path>"``, gathered to the host, and its logged
 losses and gradient norms (float64, one per step) under ``"history/<mode>/loss"`` and
 ``"history/<mode>/grad_norm"``.
 
 ``tests/test_determinism.py`` runs one of these per device count, because
-``jax_num_cpu_devices`` must be set before JAX creates its backend. The same
-module is imported (not run) by the in-process test for ``TINY`` and ``train_tiny``.
+``jax_num_cpu_devices`` must be set before JAX creates its backend.
 """
 
 import os
@@ -57,16 +58,24 @@ def host_params(state) -> dict[str, np.ndarray]:
 def main() -> None:
     n, out = int(sys.argv[1]), sys.argv[2]
     modes = (sys.argv[3] if len(sys.argv) > 3 else "det").split(",")
-    if bad := [m for m in modes if m not in ("det", "plain")]:
-        raise SystemExit(f"unknown mode(s) {bad}; valid: det, plain")
+    if bad := [m for m in modes if m not in ("det", "plain", "det-fsdp")]:
+        raise SystemExit(f"unknown mode(s) {bad}; valid: det, plain, det-fsdp")
     if len(jax.devices()) != n:
         raise SystemExit(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")
     arrays = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
-            result = train_tiny(n, mode == "det", os.path.join(tmp, mode))
-            if result.mesh.shape["data"] != n:
-                raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have data={n}")
+            if mode == "det-fsdp":
+                result = train_tiny(2, True, os.path.join(tmp, mode), f"parallel.fsdp={n // 2}")
+                if result.mesh.shape["fsdp"] != n // 2:
+                    raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have fsdp={n // 2}")
+                # Really stored in shards (else the test compares data=N with itself).
+                if not any("fsdp" in str(p.sharding.spec) for p in jax.tree.leaves(result.state["params"])):
+                    raise SystemExit("det-fsdp: no parameter is sharded over fsdp")
+            else:
+                result = train_tiny(n, mode == "det", os.path.join(tmp, mode))
+                if result.mesh.shape["data"] != n:
+                    raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have data={n}")
             arrays.update({f"{mode}/{k}": v for k, v in host_params(result.state).items()})
             for key in ("loss", "grad_norm"):
                 arrays[f"history/{mode}/{key}"] = np.asarray([h[key] for h in result.history], np.float64)

@@ -14,7 +14,6 @@ and uses dropout, so the clipping norm and the per-shard dropout keys are covere
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_flags import DEFAULT_EMITTERS
 
 # One xdist worker runs all of this file's tests, so its expensive module fixture runs
 # once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
@@ -31,14 +31,7 @@ pytestmark = pytest.mark.xdist_group("determinism")
 WORKER = Path(__file__).with_name("determinism_worker.py")
 TIMEOUT_S = 300
 # Device count -> modes the worker trains. ``plain`` only where the control needs it.
-RUNS = {1: "det,plain", 2: "det", 4: "det", 8: "det,plain"}
-
-
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("determinism_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+RUNS = {1: "det,plain", 2: "det", 4: "det", 8: "det,plain,det-fsdp"}
 
 
 def _bitwise_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
@@ -67,7 +60,9 @@ def _mode(arrays, mode: str) -> dict[str, np.ndarray]:
 def device_runs(tmp_path_factory):
     """{n: {mode: params}} from one worker process per device count, run in parallel."""
     tmp = tmp_path_factory.mktemp("determinism")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # XLA's default fusion emitters: the bits deterministic mode promises are those of the
+    # programs users compile (tests/xla_flags.py).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": DEFAULT_EMITTERS}
     procs = {}
     try:
         for n, modes in RUNS.items():
@@ -121,22 +116,12 @@ def test_control_plain_mode_differs_between_1_and_8_devices(device_runs):
 
 
 @pytest.mark.slow
-def test_deterministic_fsdp_equals_data_parallel_in_process(device_runs, tmp_path):
-    """8 devices (conftest): data=2 x fsdp=4 gives the bits of data=8 (the 8-device
-    worker's deterministic run: the same program, trained once)."""
-    import jax
-
-    worker = _load_worker()
-    assert len(jax.devices()) == 8
-    fsdp = worker.train_tiny(2, True, str(tmp_path / "fsdp"), "parallel.fsdp=4")
-    assert dict(fsdp.mesh.shape)["fsdp"] == 4
-    # The fsdp run really keeps its params in shards (else this compares data=8 with itself).
-    sharded = [p for p in jax.tree.leaves(fsdp.state["params"]) if "fsdp" in str(p.sharding.spec)]
-    assert sharded, "no parameter is sharded over fsdp"
-    diff = _bitwise_diff(device_runs[8]["det"], worker.host_params(fsdp.state))
+def test_deterministic_fsdp_equals_data_parallel(device_runs):
+    """On 8 devices, data=2 x fsdp=4 (parameters stored in shards: the worker checks) gives
+    the bits of data=8: the params, the losses and the clipping norms of every step."""
+    diff = _bitwise_diff(device_runs[8]["det"], device_runs[8]["det-fsdp"])
     assert not diff, "deterministic data=2 x fsdp=4 differs from data=8:\n" + "\n".join(diff)
-    # Same losses and clipping norms as well (logged as Python floats from float32).
-    data8 = device_runs[8]["history"]
-    assert len(fsdp.history) == 3  # train.steps of the tiny config: one entry per step
+    history = device_runs[8]["history"]
     for key in ("loss", "grad_norm"):
-        assert data8[f"det/{key}"].tolist() == [h[key] for h in fsdp.history], (key, data8, fsdp.history)
+        assert len(history[f"det-fsdp/{key}"]) == 3  # train.steps of the tiny config
+        assert history[f"det/{key}"].tolist() == history[f"det-fsdp/{key}"].tolist(), (key, history)

@@ -148,6 +148,7 @@ def _loop_body_copies(hlo: str) -> list[str]:
             if re.search(r"= \S+ copy\(", ln)]
 
 
+@pytest.mark.xla_default_emitters  # a property of the program XLA compiles for users
 @pytest.mark.parametrize("name,v,remat", [("1f1b", 1, False), ("zb-h1", 1, "dots"), ("interleaved", 2, True)])
 def test_tick_loop_copies_no_accumulator_or_buffer(name, v, remat):
     # Before: the accumulators went through the switch and XLA copied each of them

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import FAST
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"([-+0-9.eEinfa]+)"
@@ -24,7 +25,7 @@ def test_gpu_train_step_smoke(tmp_path):
     env.pop("OUT", None)
     # One CPU device, not the suite's 8 simulated ones, and cheaper CPU compiles: the
     # smoke run is almost all compilation (the train step and ~10 per-layer programs).
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = FAST
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu" / "train_step.py"), "--smoke",
          "--out", str(tmp_path)],

@@ -227,6 +227,7 @@ def test_mesh_switch_keeps_params_and_optimizer_state_bit_for_bit():
     assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(before, after, strict=True))
 
 
+@pytest.mark.xla_default_emitters  # bitwise across two programs: as users compile them
 def test_step_after_mesh_switch_matches_a_fresh_run_on_the_new_mesh(tmp_path):
     common = (*TINY, "train.steps=3", "train.checkpoint_every=2", "train.log_every=1")
     # The tuner, with every mesh shape as a candidate, moves data=8 to data=4 x tensor=2 after
