@@ -1,6 +1,6 @@
 """Train a small weight-sharing supernet with SPara, then search it for the best subnet.
 
-    python examples/supernet_search.py                       # causal, subnet=4 x data=2
+    python examples/supernet_search.py                       # operator-causal, subnet=4 x data=2
     python examples/supernet_search.py --semantics sync --steps 60 --budget 60000
 
 The supernet is the reference GPT with searchable blocks (``SuperGPT``): each of its
@@ -28,7 +28,8 @@ from mindpipe_jax.supernet import train_supernet
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
-    parser.add_argument("--semantics", default="causal", help="sync or causal (default: causal)")
+    parser.add_argument("--semantics", default="operator-causal", choices=mp.supernet.SEMANTICS,
+                        help="sync, sequential or operator-causal (default: operator-causal)")
     parser.add_argument("--subnet", type=int, default=4,
                         help="device groups the 4 subnets of a step are split over; the rest of the "
                              "devices split each subnet's batch (default: 4; use 1 on a single GPU)")

@@ -35,7 +35,7 @@ def add_parsers(sub, fmt) -> None:
         epilog=textwrap.dedent("""\
             examples:
               mindpipe supernet parallel.subnet=4 parallel.data=2 train.steps=100
-              mindpipe supernet supernet.semantics=causal supernet.search_max_params=500000
+              mindpipe supernet supernet.semantics=sequential supernet.search_max_params=500000
               mindpipe supernet train.out_dir=runs/super && mindpipe search runs/super
               mindpipe supernet train.out_dir=runs/super train.steps=200 --resume
             """) + "\n" + "\n".join([OVERRIDES_HELP, sections_help(), ERRORS_HELP]))

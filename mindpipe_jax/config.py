@@ -48,6 +48,22 @@ _INT_RANGES = {
 }
 
 
+SUPERNET_SEMANTICS = ("sync", "sequential", "operator-causal")
+_RENAMED_SEMANTICS = {"causal": "operator-causal"}  # old name -> new, refused naming the new one
+
+
+def semantics_error(semantics) -> str | None:
+    """The one-line reason ``semantics`` is not a SPara semantics (``supernet.semantics``), or None."""
+    if semantics in SUPERNET_SEMANTICS:
+        return None
+    valid = ", ".join(repr(s) for s in SUPERNET_SEMANTICS)
+    if semantics in _RENAMED_SEMANTICS:
+        return (f"supernet.semantics={semantics!r} is now called {_RENAMED_SEMANTICS[semantics]!r} "
+                f"(its shared weights take one averaged update per step; 'sequential' trains the "
+                f"subnets one after another); valid: {valid}")
+    return f"supernet.semantics={semantics!r} is not valid; valid: {valid}"
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -410,8 +426,10 @@ class SupernetConfig:
     trained together over shared weights, and the search afterwards.
 
     ``semantics``: ``sync`` (the K subnets of a step read the same weights, their
-    gradients are averaged) or ``causal`` (equal to training them one after
-    another; shared layers take one averaged update per step). ``vmap_width``
+    gradients are averaged: one update per step), ``sequential`` (equal to training
+    them one after another, each with its own update of every weight it touches) or
+    ``operator-causal`` (sequential for the operator candidates, while the shared
+    layers take one averaged update per step). ``vmap_width``
     subnets are vectorized per device: it changes the bits of a subnet's gradient,
     the device count never does, so keep it fixed to compare runs. The ``subnet``
     mesh axis (``parallel.subnet``) splits the K subnets of a step.
@@ -421,7 +439,7 @@ class SupernetConfig:
     shape); 0 runs every subnet masked at the supernet's full size (one program).
     """
 
-    semantics: Literal["sync", "causal"] = "sync"
+    semantics: Literal["sync", "sequential", "operator-causal"] = "sync"
     subnets_per_step: int = 4  # K
     strategy: Literal["uniform", "sandwich"] = "sandwich"
     vmap_width: int = 1
@@ -438,8 +456,7 @@ class SupernetConfig:
 
     def __post_init__(self):
         _check_numbers(self, "supernet")
-        _check(self.semantics in ("sync", "causal"),
-               f"supernet.semantics={self.semantics!r} is not valid; valid: 'sync', 'causal'")
+        _check(semantics_error(self.semantics) is None, semantics_error(self.semantics))
         _check(self.strategy in ("uniform", "sandwich"),
                f"supernet.strategy={self.strategy!r} is not valid; valid: 'uniform', 'sandwich'")
         _positive("supernet", subnets_per_step=self.subnets_per_step, vmap_width=self.vmap_width,
@@ -708,6 +725,8 @@ def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
         valid = _valid_keys(section)
         return f"unknown config key {where}{keys}; valid keys{(' in ' + section) if section else ''}: {valid}"
     if isinstance(err, dacite.WrongTypeError):
+        if err.field_path == "supernet.semantics" and semantics_error(err.value):
+            return semantics_error(err.value)  # names a renamed value's new name
         if typing.get_origin(err.field_type) is Literal or _is_bool_or_literal(err.field_type):
             valid = ", ".join(str(v).lower() if isinstance(v, bool) else repr(v)
                               for v in _flat_choices(err.field_type))

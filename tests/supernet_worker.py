@@ -1,9 +1,10 @@
 """Train the tiny supernet on N simulated CPU devices, every subnet x data split, and save it.
 
-Usage: ``python supernet_worker.py N OUT.npz``. For each semantics (sync, causal) and
-each split ``parallel.subnet=S, parallel.data=N/S`` (S = 1, 2, 4, ... N) the worker
-runs ``train_supernet`` on the **sliced** path (the default) for ``STEPS`` steps and
-stores the final params under ``"sliced/<semantics>/S<S>/<path>"``. The masked path
+Usage: ``python supernet_worker.py N OUT.npz``. For each semantics (sync, sequential,
+operator-causal) and each of its splits ``parallel.subnet=S, parallel.data=N/S`` on N
+devices (``SPLITS``) the worker runs ``train_supernet`` on the **sliced** path (the
+default) for ``STEPS`` steps and stores the final params under
+``"sliced/<semantics>/S<S>/<path>"``. The masked path
 (``supernet.ladder_levels=0``) runs on fewer configurations, to keep the cost down
 (``MASKED_SPLIT``: sync on 1 device and on subnet=4 x data=2), under
 ``"masked/<semantics>/S<S>/<path>"``. One split (``SEARCH_SPLIT``) of the sliced
@@ -47,9 +48,17 @@ import mindpipe_jax as mp  # noqa: E402
 from mindpipe_jax.supernet import SuperGPT, sample_subnets, train_supernet  # noqa: E402
 
 STEPS = 2
-# The split whose run also searches, per device count: data-split, mixed and subnet-split
-# evaluators all take part in the top-k comparison.
-SEARCH_SPLIT = {1: 1, 2: 1, 4: 2, 8: 8}
+# The splits (subnet axis sizes) each semantics runs on N devices. sync, whose step the
+# others build on, runs subnet axes 1, 2, 4 and 8 and data axes 1, 2, 4 and 8; sequential
+# and operator-causal each run a pure subnet split, a pure data split and mixed ones
+# across the device counts. (Every split of every count for every semantics: ~100 more
+# CPU-seconds for combinations these already cover.)
+SPLITS = {"sync": {1: (1,), 2: (1, 2), 4: (4,), 8: (1, 2, 8)},
+          "sequential": {1: (1,), 2: (2,), 4: (1,), 8: (4,)},
+          "operator-causal": {1: (1,), 2: (1,), 4: (2,), 8: (8,)}}
+# The sync split whose run also searches, per device count: data-split, subnet-split and
+# mixed evaluators all take part in the top-k comparison.
+SEARCH_SPLIT = {1: 1, 2: 1, 4: 4, 8: 2}
 # The masked path's runs (semantics -> {devices: subnet axis}): sync on 1 device (the
 # reference) and on a mixed split of 8. (Each run costs as much as a sliced one; the
 # masked step is unchanged by slicing and was checked on every split before it came;
@@ -122,8 +131,8 @@ def main() -> None:
         raise SystemExit(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")
     jax.monitoring.register_event_duration_secs_listener(_count)
     arrays = {}
-    for semantics in ("sync", "causal"):
-        for s in (s for s in (1, 2, 4, 8) if s <= n):
+    for semantics, splits in SPLITS.items():
+        for s in splits[n]:
             search = s == SEARCH_SPLIT[n] and semantics == "sync"  # the search is the same code for both
             result = run(arrays, f"sliced/{semantics}/S{s}", n, semantics, s, search=search)
             if search:

@@ -31,7 +31,8 @@ TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_le
         "parallel.tensor=1", "parallel.simulate_cpu_devices=0")
 SUPERNET = ("train.steps=4", "train.log_every=2", "train.checkpoint_every=2", "optim.lr=1e-2",
             "optim.warmup_steps=0", "parallel.subnet=4", "parallel.data=2",
-            "supernet.subnets_per_step=4", "supernet.semantics=causal", "supernet.search_population=6",
+            "supernet.subnets_per_step=4", "supernet.semantics=operator-causal",
+            "supernet.search_population=6",
             "supernet.search_generations=2", "supernet.search_top_k=3",
             # Checkpoints and the search, not slicing: masked, one program instead of one
             # per shape (the search scores subnets masked on either path).
@@ -93,7 +94,7 @@ def test_search_command_gives_the_top_k_of_the_search_after_training(run):
     result, cfg, step = search_checkpoint(out_dir)
     assert step == 4 and result.top == saved["top"]
     assert result.best_per_generation == saved["best_per_generation"]
-    assert cfg.supernet.semantics == "causal"  # the run's own config
+    assert cfg.supernet.semantics == "operator-causal"  # the run's own config
 
 
 def test_same_top_k_on_another_split_and_a_different_earlier_step(run):

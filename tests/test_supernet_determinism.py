@@ -1,7 +1,9 @@
-"""SPara's guarantee: the same supernet, bit for bit, on 1, 2, 4 and 8 devices, for every
-split of them between the ``subnet`` and ``data`` axes, in both semantics, on the sliced
-path (the default); the masked path (``supernet.ladder_levels=0``, sync) on 1 device and
-on subnet=4 x data=2; and the same search result.
+"""SPara's guarantee: the same supernet, bit for bit, on 1, 2, 4 and 8 devices and on
+splits of them between the ``subnet`` and ``data`` axes, in all three semantics, on the
+sliced path (the default): sync on subnet axes 1, 2, 4, 8 and data axes 1, 2, 4, 8,
+sequential and operator-causal each on pure subnet, pure data and mixed splits
+(``supernet_worker.SPLITS``); the masked path (``supernet.ladder_levels=0``, sync) on 1
+device and on subnet=4 x data=2; and the same search result.
 
 One worker process per device count (``jax_num_cpu_devices`` is read once, before the
 backend starts): ``supernet_worker.py`` trains the tiny supernet (3 layers of which
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_flags import DEFAULT_EMITTERS
 
 # One xdist worker runs all of this file's tests, so its expensive module fixture runs
 # once rather than once per worker (pytest -n 2 with --dist loadgroup, pyproject.toml).
@@ -57,7 +60,9 @@ def _group(arrays, prefix: str) -> dict[str, np.ndarray]:
 def runs(tmp_path_factory):
     """{n: {key: array}} from one worker per device count, run side by side."""
     tmp = tmp_path_factory.mktemp("supernet_determinism")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # XLA's default fusion emitters: the bits SPara promises are those of the programs users
+    # compile (tests/xla_flags.py).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2", "XLA_FLAGS": DEFAULT_EMITTERS}
     procs = {}
     try:
         for n in DEVICES:
@@ -90,21 +95,28 @@ def runs(tmp_path_factory):
     return out
 
 
+def _splits(runs, prefix: str) -> set[tuple[int, int]]:
+    """{(devices, subnet axis)} of the runs stored under ``prefix`` (e.g. ``sliced/sync``)."""
+    return {(n, int(key[len(prefix) + 2:].split("/", 1)[0])) for n in DEVICES for key in runs[n]
+            if key.startswith(prefix + "/S")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("semantics", ["sync", "causal"])
+@pytest.mark.parametrize("semantics", ["sync", "sequential", "operator-causal"])
 def test_sliced_params_are_bitwise_equal_on_every_device_count_and_split(runs, semantics):
     reference = _group(runs[1], f"sliced/{semantics}/S1/")
     assert len(reference) > 10  # every parameter of the supernet
-    compared = 0
-    for n in DEVICES:
-        for s in (1, 2, 4, 8):
-            if s > n:
-                continue
-            diff = _diff(reference, _group(runs[n], f"sliced/{semantics}/S{s}/"))
-            assert not diff, (f"sliced {semantics}: subnet={s} x data={n // s} differs from 1 device:\n"
-                              + "\n".join(diff))
-            compared += 1
-    assert compared == 10
+    splits = _splits(runs, f"sliced/{semantics}")
+    for n, s in sorted(splits):
+        diff = _diff(reference, _group(runs[n], f"sliced/{semantics}/S{s}/"))
+        assert not diff, (f"sliced {semantics}: subnet={s} x data={n // s} differs from 1 device:\n"
+                          + "\n".join(diff))
+    # Every device count; subnet-split, data-split and mixed layouts (sync: every axis size).
+    assert {n for n, _ in splits} == set(DEVICES)
+    assert any(s == n > 1 for n, s in splits) and any(s == 1 < n for n, s in splits)
+    assert any(1 < s < n for n, s in splits)
+    if semantics == "sync":
+        assert {s for _, s in splits} == {n // s for n, s in splits} == {1, 2, 4, 8}
 
 
 @pytest.mark.slow
@@ -143,12 +155,14 @@ def test_control_vmap_width_changes_the_bits(runs):
     # comparison above would notice a device-count-dependent program.
     assert _diff(_group(runs[1], "sliced/sync/S1/"), _group(runs[1], "control/vmap2/"))
     # ... and the semantics differ from each other by far more.
-    assert _diff(_group(runs[1], "sliced/sync/S1/"), _group(runs[1], "sliced/causal/S1/"))
+    for other in ("sequential", "operator-causal"):
+        assert _diff(_group(runs[1], "sliced/sync/S1/"), _group(runs[1], f"sliced/{other}/S1/"))
+    assert _diff(_group(runs[1], "sliced/sequential/S1/"), _group(runs[1], "sliced/operator-causal/S1/"))
 
 
 @pytest.mark.slow
 def test_search_top_k_is_identical_on_every_device_count(runs):
-    # Scored on data=1, data=2, subnet=2 x data=2 and subnet=8 evaluators (SEARCH_SPLIT).
+    # Scored on data=1, data=2, subnet=4 and subnet=2 x data=4 evaluators (SEARCH_SPLIT).
     subnets, losses = runs[1]["search/subnets"], runs[1]["search/losses"]
     assert subnets.shape[0] == 3 and np.all(np.diff(losses) >= 0)
     for n in DEVICES[1:]:

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.xdist_group("supernet_resume")
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         'data.source="synthetic"', "data.synthetic_tokens=65536", "train.global_batch=16",
         "parallel.tensor=1", "parallel.subnet=4", "parallel.data=2", "supernet.subnets_per_step=4",
-        "supernet.semantics=causal", "supernet.search_population=6",
+        "supernet.semantics=sequential", "supernet.search_population=6",
         "supernet.search_generations=2", "supernet.search_top_k=3", "optim.lr=1e-2",
         "optim.warmup_steps=0", "train.log_every=1",
         # Resuming, not slicing: masked, one program per process instead of one per shape

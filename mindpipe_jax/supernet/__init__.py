@@ -4,10 +4,11 @@
 * ``model.py``   — ``SuperGPT``, the reference supernet (the GPT with searchable blocks);
 * ``sampler.py`` — the subnets of step t as a pure function of (seed, t): uniform, sandwich;
 * ``spec.py``    — ``SupernetSpec``: the supernet's parameters as flat vectors, its loss and gradient;
-* ``plan.py``    — layout checks and each step's rounds and causal waves (host NumPy);
+* ``plan.py``    — layout checks and each step's rounds and waves (host NumPy);
 * ``optimizer.py`` — the fixed-order gradient reduction, clipping and the lazy sharded AdamW;
 * ``spara.py``   — the vectorized multi-subnet step on the ``subnet`` × ``data`` mesh, its
-  ``sync`` and ``causal`` semantics, and the sequential reference both are tested against;
+  ``sync``, ``sequential`` and ``operator-causal`` semantics, and the plain-loop reference
+  they are tested against;
   every subnet computed masked at full size (one program);
 * ``sliced.py``  — the same step with each subnet computed from slices of the weights at
   its own depth and (ladder-rounded) widths / heads: one program per shape, cached;
@@ -30,6 +31,7 @@ from mindpipe_jax.supernet.spara import (
     make_spara_step,
     plan_step,
     reference_step,
+    sequential_waves,
     supernet_spec,
 )
 from mindpipe_jax.supernet.spec import Supernet, check_supernet
@@ -40,7 +42,7 @@ __all__ = [
     "SuperGPT", "STRATEGIES", "Sampler", "sample_subnets", "SearchResult", "evolutionary_search",
     "make_evaluator", "SlicedPlan", "SlicedStep", "plan_sliced",
     "Candidate", "Gene", "SearchSpace", "prefix_mask", "select", "SEMANTICS",
-    "StepPlan", "causal_waves", "init_state", "jit_step", "make_spara_step", "plan_step",
+    "StepPlan", "causal_waves", "sequential_waves", "init_state", "jit_step", "make_spara_step", "plan_step",
     "reference_step", "supernet_spec", "SupernetResult", "search_checkpoint", "supernet_factory",
     "train_supernet",
 ]

@@ -6,12 +6,19 @@ slots (W = ``supernet.vmap_width``); ``plan_step`` lays the step's subnets into
 rounds as fixed-shape arrays (``StepPlan``), so every step runs the same compiled
 program whatever subnets it drew.
 
-``sync`` fills rounds in sampling order. ``causal`` runs in **waves**: subnet k
-goes into wave 1 + max(wave of an earlier subnet sharing a unit with it), or wave 0
-(``causal_waves``). Subnets of a wave use disjoint units, so computing them
-together at the wave's start weights and updating each unit from its one user
-equals the sequential loop; a wave takes whole rounds (its last round may be part
-padding) and ``wave_end`` marks the round after which its units are updated.
+``sync`` fills rounds in sampling order. The other two run in **waves**; a wave
+takes whole rounds (its last round may be part padding) and ``wave_end`` marks the
+round after which the wave's gradients are applied:
+
+* ``sequential``: every subnet reads the shared weights (embedding, attention,
+  norms, head), so each one depends on the update of the one before it: one wave
+  per subnet, K waves (``sequential_waves``). A supernet with no shared weight
+  would get the waves of its unit conflicts instead.
+* ``operator-causal``: subnet k goes into wave 1 + max(wave of an earlier subnet
+  sharing an operator unit with it), or wave 0 (``causal_waves``). Subnets of a wave
+  use disjoint units, so computing them together at the wave's start weights and
+  updating each unit from its one user equals the sequential loop for the units;
+  the shared weights take one averaged update at the end of the step.
 
 Separate because it is plain NumPy run before each step (no tracing, no mesh
 beyond its shape), called by the trainer on its own, and testable without devices.
@@ -23,17 +30,39 @@ import dataclasses
 
 import numpy as np
 
+from mindpipe_jax.config import SUPERNET_SEMANTICS, semantics_error
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec
 
-SEMANTICS = ("sync", "causal")
+SEMANTICS = SUPERNET_SEMANTICS  # config.py validates them without importing JAX
 AXES = ("subnet", "data")
 
 
 def check_semantics(semantics: str) -> None:
-    if semantics not in SEMANTICS:
-        raise ConfigError(f"supernet.semantics={semantics!r} is not valid; valid: "
-                          f"{', '.join(repr(s) for s in SEMANTICS)}")
+    error = semantics_error(semantics)
+    if error:
+        raise ConfigError(error)
+
+
+def updates_shared_per_wave(semantics: str) -> bool:
+    """Whether each wave's update includes the shared weights (``sequential``) or they take
+    one update from the mean at the end of the step (``sync``, ``operator-causal``)."""
+    return semantics == "sequential"
+
+
+def sequential_waves(units: np.ndarray, shares_weights: bool = True) -> np.ndarray:
+    """Waves of ``sequential``: with shared weights every subnet depends on the one before
+    (``0..K-1``); without, the waves of its unit conflicts (``causal_waves``)."""
+    return np.arange(len(units), dtype=np.int32) if shares_weights else causal_waves(units)
+
+
+def step_waves(semantics: str, units: np.ndarray, shares_weights: bool = True) -> np.ndarray:
+    """Each subnet's wave for ``semantics`` (all 0 in ``sync``)."""
+    if semantics == "sync":
+        return np.zeros(len(units), np.int32)
+    if semantics == "sequential":
+        return sequential_waves(units, shares_weights)
+    return causal_waves(units)
 
 
 def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
@@ -79,7 +108,8 @@ class StepPlan:
     ``subnets``: ``int32[K + 1, genes]`` (row K: padding, a copy of row 0);
     ``slot_subnet``: ``int32[rounds_max, R]``, the subnet of each slot of each
     round (K = padding); ``slot_valid``; ``wave_end``: after this round the
-    wave's units are updated (causal); ``n_rounds``; ``waves``: per subnet.
+    wave's gradients are applied (sequential, operator-causal); ``n_rounds``;
+    ``waves``: per subnet.
     """
 
     subnets: np.ndarray
@@ -109,7 +139,7 @@ def plan_step(spec: SupernetSpec, subnets, semantics: str, round_slots: int) -> 
         ends = [False] * len(rows)
         max_rounds = -(-k // round_slots)
     else:
-        waves = causal_waves(spec.units(subnets))
+        waves = step_waves(semantics, spec.units(subnets), spec.shares_weights)
         rows, ends = [], []
         for w in range(int(waves.max()) + 1):
             members = [int(i) for i in np.flatnonzero(waves == w)]

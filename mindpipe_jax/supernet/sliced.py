@@ -35,8 +35,9 @@ later operation is the masked step's (elementwise, or fixed-shape reductions in 
 their subnet's index). So the parameters are bitwise the same on every split of the
 devices between ``subnet`` and ``data``, as for the masked step.
 
-Semantics: ``sync`` and ``causal`` as in ``spara.py``; in ``causal`` the subnets of a
-wave are grouped by shape inside the wave (they share no unit: any order is exact).
+Semantics: ``sync``, ``sequential`` and ``operator-causal`` as in ``spara.py``; the
+subnets of an operator-causal wave are grouped by shape inside the wave (they share
+no unit: any order is exact); a sequential wave is one subnet.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.optimizer import adamw, pairwise_sum, reduce_round
-from mindpipe_jax.supernet.plan import AXES, causal_waves, check_layout, check_semantics
+from mindpipe_jax.supernet.plan import (
+    AXES,
+    check_layout,
+    check_semantics,
+    step_waves,
+    updates_shared_per_wave,
+)
 from mindpipe_jax.supernet.spec import SupernetSpec
 from mindpipe_jax.train.state import lr_schedule
 
@@ -91,7 +98,7 @@ class SlicedPlan:
     ``subnets``: ``int32[K + 1, genes]`` (row K: padding, a copy of row 0);
     ``rounds``: ``(shape, slot_subnet int32[R], slot_valid bool[R], wave_end)`` in the
     order they run (K in ``slot_subnet``: padding); ``shapes``: each subnet's shape;
-    ``waves``: each subnet's causal wave (all 0 in ``sync``).
+    ``waves``: each subnet's wave (all 0 in ``sync``).
     """
 
     subnets: np.ndarray
@@ -111,13 +118,14 @@ class SlicedPlan:
 
 def plan_sliced(spec: SupernetSpec, subnets, semantics: str, round_slots: int, levels: int) -> SlicedPlan:
     """Group the step's subnets by shape (shapes in order of first appearance, subnets
-    in sampling order) into rounds of ``round_slots``; in ``causal``, wave by wave."""
+    in sampling order) into rounds of ``round_slots``; in ``sequential`` and
+    ``operator-causal``, wave by wave."""
     check_semantics(semantics)
     subnets = spec.space.validate(subnets)
     k = len(subnets)
     shapes = tuple(spec.module.sliced_shape(s, levels) for s in subnets)
     units = spec.units(subnets)
-    waves = causal_waves(units) if semantics == "causal" else np.zeros(k, np.int32)
+    waves = step_waves(semantics, units, spec.shares_weights)
     rounds = []
     for wave in range(int(waves.max()) + 1):
         groups: dict = {}
@@ -130,7 +138,7 @@ def plan_sliced(spec: SupernetSpec, subnets, semantics: str, round_slots: int, l
                 part = members[start:start + round_slots]
                 row[:len(part)] = part
                 wave_rounds.append([shape, row, row < k, False])
-        wave_rounds[-1][3] = True  # after the wave's last round its units are updated (causal)
+        wave_rounds[-1][3] = True  # after the wave's last round its gradients are applied
         rounds += [tuple(r) for r in wave_rounds]
     return SlicedPlan(np.concatenate([subnets, subnets[:1]]).astype(np.int32), tuple(rounds), shapes, waves,
                       units.any(0))
@@ -181,8 +189,8 @@ class SlicedStep:
         """One step. ``state`` is consumed (its buffers are donated), as with ``jit_step``."""
         subnets = jnp.asarray(plan.subnets)
         carry = self._start(state)
-        # sync reads the step's starting parameters in every round; causal carries its own.
-        params = None if self.semantics == "causal" else state["params"]
+        # sync reads the step's starting parameters in every round; waves carry their own.
+        params = state["params"] if self.semantics == "sync" else None
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
             rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
             carry = self._round(shape)(carry, params, state["step"], rnd, subnets, batch)
@@ -201,7 +209,7 @@ class SlicedStep:
 
         subnets = jnp.asarray(plan.subnets)
         carry = jax.eval_shape(self._start, state)
-        params = None if self.semantics == "causal" else state["params"]
+        params = state["params"] if self.semantics == "sync" else None
         total = count(self._start.lower(state))
         # Every round of a shape runs the same program (its slots are arguments): one count each.
         per_shape: dict = {}
@@ -218,10 +226,10 @@ class SlicedStep:
     def _carry_specs(self):
         # Per device: its chunk of the parameters, of the AdamW moments and of the wave's
         # unit gradients, and its columns of the [K+1] gradient buffer; counts, losses,
-        # norms and (causal) the current parameters are the same on every device.
+        # norms and (waves) the current parameters are the same on every device.
         specs = {"p_mine": P(AXES), "mu": P(AXES), "nu": P(AXES), "count": P(),
                  "grads": P(None, AXES), "losses": P(), "norms": P()}
-        if self.semantics == "causal":
+        if self.semantics != "sync":
             specs.update(params=P(), acc=P(AXES), wave_used=P())
         return specs
 
@@ -253,7 +261,7 @@ class SlicedStep:
 
     def _start_fn(self):
         spec, chunk, k = self.spec, self.chunk, self.k
-        causal = self.semantics == "causal"
+        waves = self.semantics != "sync"
 
         def per_device(state):
             me = lax.axis_index(AXES)
@@ -262,7 +270,7 @@ class SlicedStep:
             carry = {"p_mine": p_mine, "mu": opt["mu"], "nu": opt["nu"], "count": opt["count"],
                      "grads": lax.pcast(jnp.zeros((k + 1, chunk), jnp.float32), AXES, to="varying"),
                      "losses": jnp.zeros((k + 1,), jnp.float32), "norms": jnp.zeros((k + 1,), jnp.float32)}
-            if causal:  # the parameters the next wave reads (the same values as state's)
+            if waves:  # the parameters the next wave reads (the same values as state's)
                 carry.update(params=spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying")),
                              acc=jnp.zeros_like(p_mine), wave_used=jnp.zeros(spec.unit_grid, bool))
             return carry
@@ -277,7 +285,8 @@ class SlicedStep:
     def _round_fn(self, shape, unroll: bool):
         spec, optim, w, chunk = self.spec, self.optim, self.w, self.chunk
         n_sub, n_data, r_slots = self.n_sub, self.n_data, self.round_slots
-        causal = self.semantics == "causal"
+        waves = self.semantics != "sync"
+        shared_per_wave = updates_shared_per_wave(self.semantics)
         slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape, unroll=unroll),
                               in_axes=(None, 0, None))  # W subnets of one shape, one shard
         units_of = jax.vmap(spec.module.units)
@@ -285,7 +294,7 @@ class SlicedStep:
         def per_device(carry, params, step, rnd, subnets, vbatch):
             lr = self.schedule(step)
             group, me = lax.axis_index("subnet"), lax.axis_index(AXES)
-            params = carry["params"] if causal else params
+            params = carry["params"] if waves else params
             local = jax.tree.map(lambda p: lax.pcast(p, AXES, to="varying"), params)
             ids = lax.dynamic_slice_in_dim(rnd["slot_subnet"], group * w, w)
             valid = lax.dynamic_slice_in_dim(rnd["slot_valid"], group * w, w)
@@ -312,10 +321,10 @@ class SlicedStep:
                 for i in range(r_slots):
                     buf = lax.dynamic_update_index_in_dim(buf, val[i], rnd["slot_subnet"][i], 0)
                 out[key] = buf
-            if not causal:
+            if not waves:
                 return out
-            # Causal: the wave's unit gradients (at most one nonzero term per element: exact
-            # in any order), applied after the wave's last round.
+            # Waves: the wave's gradients (at most one nonzero term per unit element: exact in
+            # any order; a sequential wave has one subnet), applied after its last round.
             acc = carry["acc"]
             for i in range(r_slots):
                 acc = acc + jnp.where(rnd["slot_valid"][i], grads[i], 0)
@@ -326,7 +335,8 @@ class SlicedStep:
 
             def end_wave(c):
                 p_mine, opt, acc, wave_used = c
-                p_mine, opt = adamw(spec, p_mine, acc, opt, wave_used, False, lr, optim, offset=me * chunk)
+                p_mine, opt = adamw(spec, p_mine, acc, opt, wave_used, shared_per_wave, lr, optim,
+                                    offset=me * chunk)
                 return p_mine, opt, jnp.zeros_like(acc), jnp.zeros_like(wave_used)
 
             p_mine, opt, acc, wave_used = lax.cond(rnd["wave_end"], end_wave, lambda c: c,
@@ -340,17 +350,21 @@ class SlicedStep:
 
     def _finish_fn(self):
         spec, optim, k, chunk = self.spec, self.optim, self.k, self.chunk
-        causal = self.semantics == "causal"
+        shared_per_wave = updates_shared_per_wave(self.semantics)
+        averaged_units = self.semantics == "sync"
 
         def per_device(step, carry, last_units):
             lr = self.schedule(step)
             me = lax.axis_index(AXES)
             opt = {"mu": carry["mu"], "nu": carry["nu"], "count": carry["count"]}
-            # sync: the units anyone used and the shared elements; causal: the waves updated
-            # the units, only the mean's shared elements apply.
-            units = jnp.zeros_like(last_units) if causal else last_units
-            mean = pairwise_sum(carry["grads"][:k]) * (1.0 / k)
-            p_mine, opt = adamw(spec, carry["p_mine"], mean, opt, units, True, lr, optim, offset=me * chunk)
+            # sync: the units anyone used and the shared elements; operator-causal: the waves
+            # updated the units, only the mean's shared elements apply; sequential: the waves
+            # applied everything.
+            p_mine = carry["p_mine"]
+            if not shared_per_wave:
+                units = last_units if averaged_units else jnp.zeros_like(last_units)
+                mean = pairwise_sum(carry["grads"][:k]) * (1.0 / k)
+                p_mine, opt = adamw(spec, p_mine, mean, opt, units, True, lr, optim, offset=me * chunk)
             params = spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying"))
             new_state = {"step": step + 1, "params": params, "opt": opt}
             return new_state, {"loss": carry["losses"][:k], "grad_norm": carry["norms"][:k], "lr": lr}

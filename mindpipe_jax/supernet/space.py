@@ -13,7 +13,7 @@ Weights of operator candidates live in :class:`Candidate` variables whose leadin
 axes are the model's **unit grid** (``[layers, candidates]`` for the reference
 supernet): one unit per (layer, candidate). A subnet *uses* a unit when its
 forward pass reads that candidate; two subnets that use no unit in common are
-independent (what the causal semantics in ``spara.py`` builds waves from).
+independent (what the operator-causal semantics in ``spara.py`` builds waves from).
 Every other ``nnx.Param`` is **shared**: read by every subnet.
 
 Everything in a subnet's forward pass is selected by data, never by shape:
@@ -200,7 +200,7 @@ class SearchSpace:
 class Candidate(nnx.Param):
     """A parameter stacked over operator candidates: its leading axes are the model's unit grid.
 
-    Only the candidates a subnet chooses receive gradient; the causal semantics
+    Only the candidates a subnet chooses receive gradient; the operator-causal semantics
     treats each (layer, candidate) slice as one unit that subnets may share.
     """
 

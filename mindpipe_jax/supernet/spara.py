@@ -37,20 +37,33 @@ Candidate parameter's unit is updated only where a subnet used it; each subnet's
 gradient is clipped on its own before it is combined; a device updates only the
 1/N of the raveled parameters it owns.
 
-Two semantics
--------------
+Three semantics
+---------------
 ``sync``
     All K subnets read the weights of the step start. Gradients (each clipped)
     are averaged over the K subnets in a fixed pairwise order; one lazy AdamW
     update (units: those any subnet used).
     *Reference*: compute each subnet's gradient one by one, combine, update.
 
-``causal``
-    The result of training the K subnets one after another, in sampling order,
-    where subnet k's **searchable** weights (operator candidates) include the
-    updates of subnets 0..k-1, while the **shared** weights are those of the
-    step start for all K and take one update at the end of the step from the
-    average of the K subnets' gradients (fixed pairwise order).
+``sequential``
+    Training the K subnets one after another, in sampling order: subnet k reads
+    the weights the updates of subnets 0..k-1 left, and takes a full lazy AdamW
+    step of its own (its clipped gradient) on every parameter it touches: the
+    units it used and the shared weights. Every subnet reads the shared weights,
+    so no two subnets of a step can run together: K waves of one subnet each
+    (the data axis still splits each subnet's batch; subnet-axis devices without
+    a subnet compute nothing). All K updates of a step use that step's learning
+    rate.
+    *Reference*: for k = 0..K-1: gradient of subnet k at the current weights,
+    clip, update its units and the shared weights.
+
+``operator-causal``
+    Sequential for the **searchable** weights (operator candidates), averaged for
+    the **shared** ones: subnet k's candidates include the updates of subnets
+    0..k-1, while the shared weights are those of the step start for all K and
+    take one update at the end of the step from the average of the K subnets'
+    gradients (fixed pairwise order). (Called ``causal`` before; renamed because
+    it is not one-after-another training of the whole subnet.)
     *Reference*: for k = 0..K-1: gradient of subnet k at the current weights,
     clip, apply a lazy AdamW update to the units it used (a full step with its
     own gradient), keep its shared gradient; then average the K shared
@@ -62,9 +75,9 @@ Two semantics
     are summed over its slots: every element has at most one nonzero term, so
     that sum is exact in any order.
 
-    Why shared layers are handled this way: every subnet reads the embedding,
+    Why the shared layers are averaged here: every subnet reads the embedding,
     attention, norms and head, so if they defined conflicts, every pair of
-    subnets would conflict and causal would mean fully sequential (NASPipe
+    subnets would conflict and the step would be ``sequential`` (NASPipe
     separates them for the same reason). Only the operator choices define
     conflicts; the shared weights follow the sync rule inside a step, and the
     steps themselves are sequential.
@@ -99,12 +112,15 @@ from mindpipe_jax.supernet.plan import (
     check_layout,
     check_semantics,
     plan_step,
+    sequential_waves,
+    updates_shared_per_wave,
 )
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec, supernet_spec
 from mindpipe_jax.train.state import lr_schedule
 
 __all__ = ["SEMANTICS", "AXES", "PARAM_CHUNKS", "SupernetSpec", "supernet_spec", "init_state", "adamw",
            "global_norm", "clip", "pairwise_sum", "reduce_round", "StepPlan", "plan_step", "causal_waves",
+           "sequential_waves",
            "check_layout", "make_spara_step", "state_shardings", "jit_step", "reference_step"]
 
 
@@ -166,6 +182,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     units_of = jax.vmap(spec.module.units)
     slot_grads = jax.vmap(spec.loss_and_grad, in_axes=(None, 0, None))  # W subnets, one shard
     no_units = jnp.zeros(spec.unit_grid, bool)
+    shared_per_wave = updates_shared_per_wave(semantics)
 
     def per_device(state, plan, vbatch):
         lr = schedule(state["step"])
@@ -191,7 +208,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), AXES, to="varying"),
                                     jax.eval_shape(compute, None))
 
-            # A device whose slots are all padding (a causal wave smaller than the round)
+            # A device whose slots are all padding (a wave smaller than the round)
             # computes nothing: only the taken branch runs. No collective inside.
             losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
             return reduce_round(losses, grads, n_sub=n_sub, n_data=n_data, virtual_shards=v,
@@ -231,8 +248,9 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 losses, norms, grads = round_grads(params, r)
                 ids, valid = plan["slot_subnet"][r], plan["slot_valid"][r]
                 # No two subnets of a wave share a unit, so each unit element has at most
-                # one nonzero term here: the sum is exact in any order. (Shared elements of
-                # acc are never applied; they come from the buffer at the end of the step.)
+                # one nonzero term here: the sum is exact in any order. (Shared elements:
+                # a sequential wave has one subnet; operator-causal never applies them
+                # here, they come from the buffer at the end of the step.)
                 # Row by row: elementwise adds; a reduce over the slot axis was the slowest
                 # part of a causal round on the CPU.
                 for i in range(r_slots):
@@ -243,7 +261,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
                 def end_wave(c):
                     p_mine, opt, acc, wave_used = c
-                    p_mine, opt = update(p_mine, acc, opt, wave_used, False)
+                    p_mine, opt = update(p_mine, acc, opt, wave_used, shared_per_wave)
                     return p_mine, opt, jnp.zeros_like(acc), jnp.zeros_like(wave_used)
 
                 p_mine, opt, acc, wave_used = lax.cond(plan["wave_end"][r], end_wave, lambda c: c,
@@ -254,8 +272,9 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
             carry = (state["params"], p_mine, opt0, jnp.zeros_like(p_mine), no_units, bufs0)
             _, p_mine, opt, _, _, bufs = lax.fori_loop(0, plan["n_rounds"], body, carry)
             last_units = no_units  # the waves updated the units: only the mean's shared elements apply
-        mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
-        p_mine, opt = update(p_mine, mean, opt, last_units, True)
+        if not shared_per_wave:  # sequential: every update happened in its wave
+            mean = pairwise_sum(bufs[0][:k]) * (1.0 / k)
+            p_mine, opt = update(p_mine, mean, opt, last_units, True)
         new_state = {"step": state["step"] + 1, "params": gather_params(p_mine), "opt": opt}
         return new_state, {"loss": bufs[1][:k], "grad_norm": bufs[2][:k], "lr": lr}
 
@@ -300,7 +319,7 @@ def _reference_fns(spec: SupernetSpec, optim: OptimConfig, total_steps: int):
 
 def reference_step(spec: SupernetSpec, state, subnets, batch, *, semantics: str, optim: OptimConfig,
                    total_steps: int):
-    """The definition of both semantics as a plain Python loop over the K subnets.
+    """The definition of the three semantics as a plain Python loop over the K subnets.
 
     No mesh, no vmap, no virtual shards: each subnet's gradient is ``jax.grad``
     of its mean loss over the whole batch, one subnet at a time, in order.
@@ -316,12 +335,12 @@ def reference_step(spec: SupernetSpec, state, subnets, batch, *, semantics: str,
     for i, subnet in enumerate(subnets):
         loss, norm, g = grad(params, subnet, batch)
         losses.append(loss), norms.append(norm), grads.append(g)
-        if semantics == "causal":  # a full step of its own on the units it used
-            params, opt = update(params, g, opt, used[i], False, step)
+        if semantics != "sync":  # a full step of its own on the units it used (and, sequential, the shared)
+            params, opt = update(params, g, opt, used[i], semantics == "sequential", step)
     mean = functools.reduce(jnp.add, grads) / len(grads)
     if semantics == "sync":  # one step on the mean: the units anyone used, and the shared params
         params, opt = update(params, mean, opt, used.any(0), True, step)
-    else:  # the shared params: one step on the mean of the K subnets' gradients
+    elif semantics == "operator-causal":  # the shared params: one step on the mean of the K gradients
         params, opt = update(params, mean, opt, none, True, step)
     return ({"step": step + 1, "params": params, "opt": opt},
             {"loss": jnp.stack(losses), "grad_norm": jnp.stack(norms)})

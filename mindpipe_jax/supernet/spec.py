@@ -63,6 +63,12 @@ class SupernetSpec:
         return len(self.unit_of)
 
     @property
+    def shares_weights(self) -> bool:
+        """Whether any parameter is shared (read by every subnet): then ``sequential``
+        orders every subnet after the one before it."""
+        return int((self.unit_of[:self.num_params] == self.num_units).sum()) > 0
+
+    @property
     def num_units(self) -> int:
         return int(np.prod(self.unit_grid))
 
