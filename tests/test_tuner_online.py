@@ -8,19 +8,23 @@ from a checkpoint, and a resumed tuned run against the uninterrupted one.
 import dataclasses
 import json
 import math
+import re
 import shutil
 
 import jax
 import numpy as np
 import optax
 import pytest
+from cli_procs import cli_env, run_train
 
 import mindpipe_jax as mp
 from mindpipe_jax.data import TokenSplits
+from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.reconfigure import build_layout, make_feed, scale_updates, switch
 from mindpipe_jax.train.state import init_train_state
+from mindpipe_jax.tuner.elastic import fit_layout, replan
 from mindpipe_jax.tuner.epara import MeasuredThroughput, OnlineTuner, candidate_of
-from mindpipe_jax.tuner.noise import efficiency, lr_gain
+from mindpipe_jax.tuner.noise import NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate
 
 TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
@@ -340,3 +344,92 @@ def test_candidate_of_reads_the_real_mesh():
     mesh = mp.make_mesh(cfg.parallel)
     cand = candidate_of(cfg, mesh)
     assert (cand.data, cand.tensor, cand.global_batch, cand.devices) == (4, 2, 16, 8)
+
+
+# --- elastic: a tuned run requeued on another number of devices --------------------------
+
+def _saved(candidate: Candidate, b_noise: float | None, b0: int = 16, lr: float = 1.0) -> dict:
+    noise = NoiseScale(ema=0.5)
+    if b_noise is not None:  # two steps of exactly known terms: |G|^2 = 1, tr(Sigma) = b_noise
+        for _ in range(2):
+            noise.update(1, 1.0 + b_noise, 16, 1.0 + b_noise / 16)
+    return {"candidate": candidate.to_dict(), "noise": noise.to_dict(), "b0": b0, "initial_batch": b0,
+            "lr_gain": lr, "decisions": 0}
+
+
+def test_elastic_layout_keeps_the_axes_that_fit_and_data_takes_the_rest():
+    c = Candidate(data=8, global_batch=16)
+    assert fit_layout(c, 4).axes == {**c.axes, "data": 4}
+    assert fit_layout(Candidate(data=4, tensor=2), 4).axes == {**c.axes, "data": 2, "tensor": 2}
+    assert fit_layout(Candidate(data=1, fsdp=8), 4).axes == {**c.axes, "data": 1, "fsdp": 4}
+    assert fit_layout(Candidate(data=1, tensor=4, pipe=2), 2).axes == {**c.axes, "data": 1, "pipe": 2}
+    assert fit_layout(Candidate(data=2, tensor=2), 8).axes == {**c.axes, "data": 4, "tensor": 2}
+
+
+def test_elastic_batch_is_chosen_by_the_saved_noise_scale():
+    cfg = mp.Config().replace(*TINY, "tuner.enabled=true", "parallel.tensor=1")
+    before = Candidate(data=8, global_batch=16)
+    # Noise-dominated gradients (huge B_noise): every batch is as efficient, so the one that
+    # amortizes the per-step overhead wins: the global batch stays (2x the rows per device).
+    kept = replan(cfg, _saved(before, 1e6), 4)
+    assert kept.after == Candidate(data=4, global_batch=16) and kept.policy == "kept the global batch"
+    assert kept.b_noise == pytest.approx(1e6) and kept.lr_gain == pytest.approx(1.0)
+    # A small B_noise: a smaller batch is statistically far more efficient, so the rows per
+    # device stay and the batch halves; AdaScale's gain follows it.
+    rows = replan(cfg, _saved(before, 2.0), 4)
+    assert rows.after == Candidate(data=4, global_batch=8) and rows.policy == "kept the rows per device"
+    assert rows.lr_gain == pytest.approx(lr_gain("adascale", 8, 16, 2.0))
+    # Growing again with noise-dominated gradients: twice the devices at the same rows per
+    # device beat the same batch at half the rows (the overhead): the batch doubles.
+    grown = replan(cfg, _saved(Candidate(data=4, global_batch=8), 1e6, b0=16), 8)
+    assert grown.after == Candidate(data=8, global_batch=16) and grown.policy == "kept the rows per device"
+    # Without a noise estimate another batch cannot be judged: the global batch is kept.
+    unknown = replan(cfg, _saved(before, None, lr=1.5), 4)
+    assert unknown.after.global_batch == 16 and unknown.b_noise is None and unknown.lr_gain == 1.5
+    assert "on 8 devices; 4 now: d4" in unknown.line() and "no noise estimate" in unknown.line()
+    # Nothing fits (2 heads cannot split over tensor=4 when 4 devices is all there is): one line.
+    with pytest.raises(ConfigError, match=r"resuming the tuned run .* on 4 devices: .* does not fit"):
+        replan(cfg, _saved(Candidate(tensor=8, global_batch=16), None), 4)
+
+
+# The default corpus (text with signal: synthetic tokens are uniform, nothing to learn and
+# no noise scale to estimate); the tuner observes every step from the first.
+ELASTIC = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+           "train.global_batch=16", "optim.lr=1e-2",
+           "train.grad_accum=2", "train.log_every=1", "train.eval_every=0", "train.progress=false",
+           "train.tensorboard=false", "optim.warmup_steps=2", "parallel.tensor=1", "tuner.enabled=true",
+           "tuner.ema=0.5", "tuner.warmup=1", "tuner.every=1", "tuner.batch_sizes=[8, 16]"]
+LOSS_LINE = re.compile(r"^step +(\d+) \| loss ([0-9.]+)", re.M)
+
+
+@pytest.mark.slow
+def test_elastic_resume_8_to_4_to_8_devices_continues_the_loss(tmp_path):
+    """A tuned run (with noise statistics) on 8 devices, requeued on 4, then on 8 again
+    (``--resume`` with another ``parallel.simulate_cpu_devices``): each resume re-plans the
+    layout (data = the devices) and batch, says so in one line, and the loss goes on from
+    where it was (no restart), lower at the end than at the start."""
+    out = tmp_path / "run"
+    env = cli_env(tmp_path / "jax_cache")
+    losses: dict[int, float] = {}
+    for devices, steps, resume in ((8, 6, []), (4, 12, ["--resume"]), (8, 18, ["--resume"])):
+        args = [*ELASTIC, f"parallel.simulate_cpu_devices={devices}", f"train.steps={steps}",
+                "train.checkpoint_every=6", f"train.out_dir={out}", *resume]
+        rc, output = run_train(args, env=env, cwd=tmp_path, timeout=300)
+        assert rc == 0, output[-3000:]
+        if resume:
+            lines = [ln for ln in output.splitlines() if ln.startswith("elastic resume:")]
+            assert len(lines) == 1, output[-3000:]
+            assert f"on {32 // devices} devices; {devices} now: d{devices} " in lines[0], lines[0]
+            assert "no noise estimate" not in lines[0]  # the saved statistics decided the batch
+            print(lines[0])
+        assert re.search(rf"^mesh .*'data': {devices}\b", output, re.M), output[-3000:]
+        losses.update({int(s): float(x) for s, x in LOSS_LINE.findall(output)})
+        meta = json.loads((out / "checkpoints" / str(steps) / "meta" / "metadata").read_text())
+        assert meta["tuner"]["candidate"]["data"] == devices
+    print(" ".join(f"{s}:{x:.3f}" for s, x in sorted(losses.items())))
+    assert sorted(losses) == list(range(1, 19))
+    for resumed_at in (6, 12):  # the first steps after a resume continue the last before it
+        before = (losses[resumed_at - 1] + losses[resumed_at]) / 2
+        after = (losses[resumed_at + 1] + losses[resumed_at + 2]) / 2
+        assert after < 1.1 * before, (resumed_at, losses)
+    assert losses[18] < 0.9 * losses[1], losses

@@ -53,7 +53,7 @@ from mindpipe_jax.train.checkpoint import (
     restore_verified,
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
-from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, switch
+from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state
@@ -127,8 +127,9 @@ class OnlineTuning(Protocol):
     does not import ``tuner/`` (imports point from tuner to train): ``mindpipe_jax.train``
     plugs it in."""
 
-    def resume(self, cfg: Config, saved: dict) -> Config:
-        """``cfg`` as the tuned run was when ``saved`` (a checkpoint's tuner state) was written."""
+    def resume(self, cfg: Config, saved: dict) -> tuple[Config, dict]:
+        """``cfg`` as the tuned run was when ``saved`` (a checkpoint's tuner state) was
+        written, and that state; on another device count both re-planned for it."""
 
     def initial_gain(self, cfg: Config) -> float:
         """The learning-rate gain a fresh tuned run starts with."""
@@ -165,8 +166,9 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     if (tuned or cfg.tuner.enabled) and tuning is None:
         raise ConfigError("tuner.enabled=true (or resuming a tuned run) needs the online tuner: call "
                           "mindpipe_jax.train, which plugs it in, not mindpipe_jax.train.loop.train")
-    if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had
-        cfg = tuning.resume(cfg, tuned)
+    if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had,
+        # re-planned when it now has another number of devices (elastic)
+        cfg, tuned = tuning.resume(cfg, tuned)
     if tuned or cfg.tuner.enabled:
         gain = tuned["lr_gain"] if tuned else tuning.initial_gain(cfg)
     else:
@@ -188,6 +190,8 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     if resume_step is not None:
         try:
             state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
+            if tuned:  # the tuner (or an elastic resume) may have changed the batch since
+                data_state = rebatched(data_state, tr.global_batch)
             feed.loader.set_state(data_state)
         except BaseException:
             feed.close()

@@ -182,6 +182,16 @@ def make_feed(splits: TokenSplits, layout: Layout, *, val_rows: int = 0, positio
     return Feed(loader, val, val_to_device)
 
 
+def rebatched(data_state: dict, global_batch: int) -> dict:
+    """A loader state saved at another global batch (a tuned run resumed on another device
+    count, tuner/elastic.py) for batches of ``global_batch``: the samples seen, rounded
+    down to whole batches, as ``switch`` continues a running job."""
+    if data_state.get("global_batch") in (None, global_batch):
+        return data_state
+    seen = int(data_state["step"]) * int(data_state["global_batch"])
+    return {**data_state, "global_batch": global_batch, "step": seen // global_batch}
+
+
 def switch(state, layout: Layout, feed: Feed, cfg: Config, lr_gain: float, *,
            factory_for: Callable[[Config], Any], splits: TokenSplits, val_rows: int = 0):
     """Move a running job to ``cfg`` (another candidate's config) with ``lr_gain``.

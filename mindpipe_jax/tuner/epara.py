@@ -350,8 +350,18 @@ def cost_model_for(cfg: Config):
 class EParaTuning:
     """EPara's online tuner as the training loop takes it (``train.loop.OnlineTuning``)."""
 
-    def resume(self, cfg: Config, saved: dict) -> Config:
-        return Candidate(**saved["candidate"]).apply(cfg)
+    def resume(self, cfg: Config, saved: dict) -> tuple[Config, dict]:
+        """The run as it was tuned; on another device count, re-planned (tuner/elastic.py)."""
+        from mindpipe_jax.tuner.elastic import replan
+
+        candidate, devices = Candidate(**saved["candidate"]), len(jax.devices())
+        if candidate.devices != devices:
+            plan = replan(cfg, saved, devices)
+            if jax.process_index() == 0:
+                print(plan.line(), flush=True)
+            candidate = plan.after
+            saved = {**saved, "candidate": candidate.to_dict(), "lr_gain": plan.lr_gain}
+        return candidate.apply(cfg), saved
 
     def initial_gain(self, cfg: Config) -> float:
         return initial_lr_gain(cfg)
