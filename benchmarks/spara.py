@@ -17,12 +17,21 @@ min(8, B) devices (rows split, one all-reduce of the gradient), clipped, and its
 lazy AdamW update (the units it used and the shared weights). K dispatches, K
 all-reduces, K optimizer updates per step.
 
+**SPara sequential, sliced**: ``SlicedStep`` with ``supernet.semantics=sequential``: the
+same algorithm as one by one (K subnets one after another, K lazy AdamW updates of
+everything each touches), so the like-for-like comparison. Every subnet reads the
+shared layers, so the K subnets run as K waves of one: no subnet parallelism is
+allowed, and it runs on the baseline's devices and layout (``subnet=1 x data=min(8,
+B)``, ``virtual_shards`` = that count). What differs from one by one: ladder shapes
+(fewer programs), the fixed-order (deterministic) reduction instead of an all-reduce,
+and AdamW split over the devices.
+
 **SPara sync, sliced**: ``SlicedStep`` on ``subnet=8 x data=1``, ``virtual_shards`` = the
 baseline's data-parallel device count: each subnet at its ladder shape (widths and
 heads rounded up to 4 levels; here the ladder holds every choice, so only the "max
 over blocks" rounding remains), the K subnets grouped by shape, one round program per
-group (a device per subnet), one averaged update. Different algorithm from one by one
-(one update per step instead of K): the semantics the issue compares.
+group (a device per subnet), one averaged update. A different algorithm from one by
+one (one update per step instead of K).
 
 **SPara sync, masked** (context): the previous SPara step, every subnet at full size,
 one program.
@@ -158,13 +167,12 @@ class OneByOne:
 
 
 class SparaSliced:
-    name = "SPara sync, sliced"
-
-    def __init__(self, spec, create, mesh, optim, batch, v):
+    def __init__(self, spec, create, mesh, optim, batch, v, semantics="sync"):
         self.spec = spec
-        self.fn = SlicedStep(spec, mesh, semantics="sync", subnets_per_step=K, vmap_width=1, virtual_shards=v,
-                             global_batch=len(batch["inputs"]), optim=optim, total_steps=TOTAL_STEPS,
-                             levels=LEVELS)
+        self.name = f"SPara {semantics}, sliced"
+        self.fn = SlicedStep(spec, mesh, semantics=semantics, subnets_per_step=K, vmap_width=1,
+                             virtual_shards=v, global_batch=len(batch["inputs"]), optim=optim,
+                             total_steps=TOTAL_STEPS, levels=LEVELS)
         self.batch = {k: jax.device_put(x, NamedSharding(mesh, P("data"))) for k, x in batch.items()}
         self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
 
@@ -277,6 +285,7 @@ def main() -> None:
         dp_mesh = make_mesh(ParallelConfig(subnet=1, data=n_dp, tensor=1), devices=jax.devices()[:n_dp])
         mesh = make_mesh(ParallelConfig(subnet=8, data=1, tensor=1))
         methods = [OneByOne(spec, create, dp_mesh, optim, batch),
+                   SparaSliced(spec, create, dp_mesh, optim, batch, n_dp, semantics="sequential"),
                    SparaSliced(spec, create, mesh, optim, batch, n_dp),
                    SparaMasked(spec, create, mesh, optim, batch, n_dp)]
         cold = {}
@@ -323,8 +332,8 @@ def main() -> None:
     say(f"# one step = all K={K} subnets on B sequences each; e2e = {steps} steps from a cold cache, "
         f"compile included; wall/CPU ms/step: warm, median [min, max] of {repeats} passes; base/this > 1: "
         f"faster than one by one")
-    say(f"# one by one runs data-parallel on min(8, B) devices ({min(8, batches[0])} at B={batches[0]}); "
-        f"SPara on subnet=8 x data=1 with virtual_shards = that count")
+    say(f"# one by one and SPara sequential run data-parallel on min(8, B) devices ({min(8, batches[0])} at "
+        f"B={batches[0]}); SPara sync on subnet=8 x data=1; virtual_shards = that count")
     for line in flops:
         say(line)
     say(f"# total {time.perf_counter() - t_start:.0f}s; load average at end "
