@@ -286,9 +286,11 @@ class ParallelConfig:
     # recomputes the forward.
     stage_remat: str | tuple[str, ...] = "none"
     # When each model chunk's data-parallel gradient sync runs: "end" after the
-    # pipeline flush (Megatron), "chunk" right after the chunk's last backward, as a
-    # ring spread over the remaining ticks (AFAPAB); "auto" = "chunk" for afapab.
-    grad_sync: Literal["auto", "end", "chunk"] = "auto"
+    # pipeline flush, "overlap" right after the chunk's last backward as one
+    # all-reduce issued before the remaining ticks (Megatron's --overlap-grad-reduce),
+    # "chunk" at the same points as a ring spread over the remaining ticks (AFAPAB);
+    # "auto" = "chunk" for afapab, else "end".
+    grad_sync: Literal["auto", "end", "chunk", "overlap"] = "auto"
     sync_bucket_mb: float = 0.0  # "chunk": ring bucket size in MB (2^20 bytes); 0 = one per chunk
     # The gradients' dtype on the wire of a pipeline's data-parallel sync ("end" and
     # "chunk"): "fp32", or "bf16" for half the bytes (sums still accumulate in fp32).

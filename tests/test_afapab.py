@@ -134,17 +134,23 @@ def test_early_chunk_sync_runs_inside_the_remaining_backward_loop():
     assert gathers, "no all-gather of the ring's pieces inside the tick loop"
 
 
-def test_megatron_style_sync_has_no_ring():
+@pytest.mark.parametrize("sync,loops", [("end", 1), ("overlap", 2)])
+def test_megatron_style_sync_has_no_ring(sync, loops):
+    """"end": one tick loop, every sync after it. "overlap" (Megatron's overlapped
+    reduction): the loop split at chunk 1's last backward, where its all-reduce is issued
+    (XLA:CPU's combiner then merges it with the later ones: tickloop._early_means).
+    Neither rings."""
     model, params = tiny_gpt(4)
     inputs, targets = microbatches(1, 8)
     mesh = make_mesh(ParallelConfig(pipe=2, tensor=1, data=4))
     run = pipeline_grads(stage_fns(model), get_schedule("afapab", 2, 8, 2), mesh, remat="full",
-                         grad_sync="end")
+                         grad_sync=sync)
     with jax.set_mesh(mesh):
         hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"], inputs,
                                  targets).compile().as_text()
-    entry = next(b for b in _computations(hlo).values() if b.startswith("ENTRY"))
-    assert sum(bool(re.search(r"\bwhile\(", ln)) for ln in entry.splitlines()) == 1
+    entry = next(b for b in _computations(hlo).values() if b.startswith("ENTRY")).splitlines()
+    loops_at = [i for i, ln in enumerate(entry) if re.search(r"\bwhile\(", ln)]
+    assert len(loops_at) == loops
     ring = {f"{{{a},{b}}}" for a, b in _data_ring_pairs(mesh)}
     assert not any("collective-permute(" in ln and any(r in ln for r in ring) for ln in hlo.splitlines()
                    if "source_target_pairs" in ln and all(r in ln for r in ring))
@@ -173,7 +179,8 @@ def _sharded_program(mesh_name, sync, dtype="fp32", m=4):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("sync,dtype", [("chunk", "fp32"), ("end", "bf16"), ("chunk", "bf16")])
+@pytest.mark.parametrize("sync,dtype", [("chunk", "fp32"), ("overlap", "fp32"), ("end", "bf16"),
+                                        ("chunk", "bf16")])
 def test_sync_of_sharded_weights_matches_unpipelined(mesh_name, sync, dtype):
     # Weights stored sharded over tensor (as training keeps them) and their specs given:
     # the chunk ring works on each device's own shards (ringsync.LocalRing). The fp32 end

@@ -64,6 +64,20 @@ def test_end_sync_is_one_all_reduce_per_leaf_after_the_last_tick():
     assert sorted(pipe) == [4.0, 20.0, 24.0]                                 # loss, embed, head over pipe
 
 
+def test_overlap_sync_all_reduces_each_chunk_at_its_sync_point():
+    # Megatron's overlapped reduction as the runtime issues it: at the chunk's sync point,
+    # one all-reduce per leaf between two loop segments (replayed blocking), no ring.
+    sched = get_schedule("afapab", 2, 4, 2)
+    ops = sync_ops(sched, [[10, 20], [30]], 4, "overlap")
+    at = {sp.chunk: sp.after_tick for sp in sync_points(sched, "overlap")}
+    assert at == {sp.chunk: sp.after_tick for sp in sync_points(sched, "chunk")}
+    assert at[1] < sched.num_ticks - 1  # chunk 1 finishes before the last tick
+    assert all(op.kind == "all-reduce" and not op.beside for op in ops)
+    for c, leaves in ((0, [10, 20]), (1, [30])):
+        mine = [op for op in ops if op.chunks == (c,)]
+        assert [op.nbytes for op in mine] == [4.0 * n for n in leaves] and {op.tick for op in mine} == {at[c]}
+
+
 def test_chunk_sync_rings_beside_the_ticks_after_the_sync_point():
     p, m, v, d = 1, 8, 2, 2
     sched = get_schedule("afapab", p, m, v)

@@ -15,7 +15,11 @@ module lists and replays exactly that:
   ``d`` pieces per bucket, one step beside each following tick. Steps that the
   ticks up to the next sync point cannot take run back to back there; a chunk
   that finishes at the last tick is all-reduced after it.
-* after the loop, in both modes: the loss (a scalar) and the embed and head
+* ``grad_sync="overlap"`` (Megatron's ``--overlap-grad-reduce``): at the same sync
+  points, one all-reduce per leaf of the chunks that finished there, issued between
+  two loop segments. Replayed as blocking, as XLA:CPU runs it (an upper bound: a GPU's
+  asynchronous all-reduce may run behind the following ticks).
+* after the loop, in every mode: the loss (a scalar) and the embed and head
   gradients (``psum`` over ``pipe``, then ``pmean`` over the batch axes).
 
 Gradients go on the wire as ``elem_bytes`` bytes per element (``parallel.grad_sync_dtype``:
@@ -184,7 +188,7 @@ def sync_ops(schedule: Schedule, chunk_elems: Sequence[int | Sequence[int]], dat
         here = tuple(sp.chunk for sp in points if sp.after_tick + 1 == end)
         if not here or d == 1:
             continue
-        if end < ticks:
+        if end < ticks and grad_sync != "overlap":
             ring = RingGeometry(sum(sum(leaves[c]) for c in here), d, bucket_bytes, elem_bytes)
             pending = (ring, 0, here)
         else:

@@ -100,6 +100,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     to come (``ringsync.py``); what the remaining ticks cannot hide, and a chunk
     that finishes at the last tick, is synced after them. Embedding and head
     gradients (small, owned by one stage each) are synced at the end.
+    ``"overlap"`` (Megatron's ``--overlap-grad-reduce``): at the same points, each
+    finished chunk's gradient is averaged at once, one collective per leaf issued
+    before the remaining ticks (an asynchronous collective runs behind them), with no
+    ring (``tickloop._early_means``).
     ``sync_bucket_bytes`` cuts a chunk's ring into buckets of at most that size
     (None: one bucket), i.e. at most bucket/d bytes per tick and device.
     ``grad_sync_dtype``: the gradients' dtype on the wire of every batch-axis sync
@@ -182,7 +186,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             mean=lambda g: on_shards(
                 lambda t: fsdp.mean_scatter(t, dims["blocks"], BATCH, offset=1, wire_dtype=wire),
                 g, auto_specs["blocks"]),
-            owned=owned_shards(dims["blocks"], auto_specs["blocks"]))
+            owned=owned_shards(dims["blocks"], auto_specs["blocks"]), ring=grad_sync != "overlap")
         # Embed/head gradients live on their owners only (zeros elsewhere): summed over
         # pipe once (reduce-scattered where they are stored split over it). Shards hold
         # equal row counts, so the global mean over the batch axes is the mean of the

@@ -89,7 +89,7 @@ def _is_spec(x) -> bool:
 
 def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes,
                         serialize_ring: bool, mean=None, specs=None, auto=None, wire_dtype=jnp.float32,
-                        owned=None):
+                        owned=None, ring: bool = True):
     """Run ticks ``[0, num_ticks)`` from ``carry``; returns ``(carry, synced)`` with
     ``synced[chunk]`` the chunk's gradient averaged over the batch axes. ``mean``: how
     a chunk's gradient tree is averaged after the ticks (default ``pmean`` over the
@@ -98,8 +98,13 @@ def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bu
     ``auto`` (``{axis: size}``), so that the ring sends each device's own shards
     (``ringsync.LocalRing``); None: the leaves whole. ``wire_dtype``: the ring's.
     ``owned``: with weights sharded over ``fsdp``, an ``OwnedShards`` that says what a
-    device keeps; the ring then averages only those shards, over ``data``."""
+    device keeps; the ring then averages only those shards, over ``data``.
+    ``ring=False`` (``grad_sync="overlap"``): at a sync point the chunk's gradient is
+    averaged at once by ``mean``, one collective per leaf issued there, before the
+    remaining ticks (see ``_early_means``)."""
     mean = mean or (lambda tree: jax.tree.map(lambda g: lax.pmean(g, BATCH), tree))
+    if not ring:
+        return _early_means(tick, carry, num_ticks, points, mean)
     ends = [sp.after_tick + 1 for sp in points]
     if owned is None and len(set(ends)) == len(ends):  # one chunk per sync point
         return _one_scan(tick, carry, num_ticks, points, n_batch=n_batch, bucket_bytes=bucket_bytes,
@@ -108,6 +113,29 @@ def run_ticks_with_sync(tick, carry, num_ticks: int, points, *, n_batch: int, bu
     return _split_scans(tick, carry, num_ticks, points, n_batch=n_batch, bucket_bytes=bucket_bytes,
                         serialize_ring=serialize_ring, mean=mean, specs=specs, auto=auto,
                         wire_dtype=wire_dtype, owned=owned or OwnedShards())
+
+
+def _early_means(tick, carry, num_ticks: int, points, mean):
+    """``grad_sync="overlap"``, Megatron's ``--overlap-grad-reduce`` as one SPMD program
+    can issue it: a ``lax.scan`` per stretch of ticks between sync points and, at each,
+    the finished chunks' gradients averaged by ``mean`` (per leaf), with no data
+    dependence on the ticks that follow. Finer than a chunk (a bucket of layers during
+    the last backward, as Megatron issues them) is not expressible: the last backward is
+    a task inside a per-device branch, and collectives stay outside branches.
+
+    Whether the all-reduce then runs behind the remaining ticks is the compiler's call:
+    XLA's all-reduce combiner merges independent all-reduces, and on XLA:CPU it merges
+    an early chunk's with the ones after the last loop (an ``optimization_barrier``
+    tying them did not survive to the combiner). ``"chunk"``'s ring, stepped inside
+    the loop, does not depend on it."""
+    t0, synced = 0, {}
+    for end in sorted({sp.after_tick + 1 for sp in points} | {num_ticks}):
+        if end > t0:
+            carry = lax.scan(tick, carry, jnp.arange(t0, end))[0]
+            t0 = end
+        synced.update({sp.chunk: mean(_take(carry[0]["blocks"], sp.chunk)) for sp in points
+                       if sp.after_tick + 1 == end})
+    return carry, synced
 
 
 def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes, serialize_ring: bool,

@@ -25,7 +25,7 @@ import dataclasses
 from mindpipe_jax.parallel.pipeline.schedules.table import Schedule
 from mindpipe_jax.parallel.pipeline.schedules.types import Kind, Task
 
-GRAD_SYNC_MODES = ("end", "chunk")
+GRAD_SYNC_MODES = ("end", "chunk", "overlap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +53,13 @@ def last_backward_ticks(schedule: Schedule) -> list[int]:
 
 
 def sync_points(schedule: Schedule, mode: str = "chunk") -> tuple[SyncPoint, ...]:
-    """The sync of each chunk in issue order: ``"chunk"`` right after the chunk's last
-    backward anywhere, ``"end"`` all after the last tick."""
+    """The sync of each chunk in issue order: ``"chunk"`` and ``"overlap"`` right after
+    the chunk's last backward anywhere, ``"end"`` all after the last tick."""
     if mode not in GRAD_SYNC_MODES:
         raise ValueError(f"grad_sync mode {mode!r} is not one of {', '.join(GRAD_SYNC_MODES)}")
     end = schedule.num_ticks - 1
     last = last_backward_ticks(schedule)
-    points = [SyncPoint(last[c] if mode == "chunk" else end, c) for c in range(len(last))]
+    points = [SyncPoint(end if mode == "end" else last[c], c) for c in range(len(last))]
     return tuple(sorted(points, key=lambda sp: (sp.after_tick, sp.chunk)))
 
 
