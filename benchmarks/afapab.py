@@ -12,12 +12,16 @@ connections and the coordinator's) crosses a 2 Gbit/s "cloud link"; the
 namespace is deleted afterwards whatever happens. Where ``ip netns`` is not
 permitted the run falls back to the plain loopback and says so in its output.
 
-Three step variants, same schedule and per-device work:
+Four step variants, same schedule and per-device work:
 
 * ``compute only``: each process runs the step on a one-device mesh (data=1) on
   its own rows: no gradient sync;
 * ``end``: ``grad_sync="end"`` — every chunk's gradient all-reduced after the last
   tick (Megatron-style);
+* ``overlap``: ``grad_sync="overlap"`` — Megatron's overlapped reduction as the SPMD
+  runtime issues it: chunk ``v-1``'s gradient all-reduced at its last backward, the
+  tick loop split there (XLA:CPU's combiner may merge that all-reduce with the later
+  ones; Gloo blocks either way);
 * ``chunk``: ``grad_sync="chunk"`` — chunk ``v-1``'s gradient reduced by a ring,
   one step beside each remaining backward tick (AFAPAB), buckets sized so the
   steps fit in the ticks that remain.
@@ -93,7 +97,8 @@ if str(ROOT) not in sys.path:
 # step (comm grows with the parameters, compute with parameters x tokens).
 FULL = dict(model="gpt", vocab=256, seq=16, d_model=512, heads=4, layers=4, rows=1, m=4, v=2)
 SMOKE = dict(model="mlp", vocab=64, seq=8, d_model=32, heads=2, layers=2, rows=2, m=2, v=2)
-VARIANTS = ("compute only", "end", "chunk")
+SYNC_VARIANTS = ("end", "overlap", "chunk")
+VARIANTS = ("compute only", *SYNC_VARIANTS)
 
 
 # ====================================================================== worker
@@ -161,7 +166,7 @@ def worker(args) -> None:
     compiled = {}
     for name in VARIANTS:
         mesh = mesh1 if name == "compute only" else mesh2
-        sync = "chunk" if name == "chunk" else "end"
+        sync = "end" if name == "compute only" else name
         run = pipeline_grads(fns, sched, mesh, remat="none", grad_sync=sync,
                              sync_bucket_bytes=bucket_bytes if name == "chunk" else None)
         weights = jax.device_put((params["embed"], params["blocks"], params["head"]),
@@ -369,19 +374,18 @@ def analyse(dims: dict, results: list[dict]) -> dict:
         measured[name] = dict(median=med(per_round), q1=q[0], q3=q[2], n=len(per_round), rounds=per_round)
     # What the sync costs, paired by round (the load of this machine drifts between rounds).
     paid = {name: med(a - b for a, b in zip(measured[name]["rounds"], measured["compute only"]["rounds"],
-                                            strict=True)) for name in ("end", "chunk")}
+                                            strict=True)) for name in SYNC_VARIANTS}
     sched = get_schedule("afapab", 1, dims["m"], dims["v"])
     costs = stage_costs(dims, measured["compute only"]["median"])
     kw = dict(data_ranks=2, dp_link=link, chunk_elems=[r0["chunk_leaves"]] * dims["v"],
               end_elems=r0["end_leaves"], bucket_bytes=r0["bucket_bytes"])
     sims = {"compute only": simulate_sync(sched, costs, **{**kw, "data_ranks": 1}),
-            "end": simulate_sync(sched, costs, grad_sync="end", **kw),
-            "chunk": simulate_sync(sched, costs, grad_sync="chunk", **kw)}
+            **{name: simulate_sync(sched, costs, grad_sync=name, **kw) for name in SYNC_VARIANTS}}
     overlapped = {name: simulate_sync(sched, costs, grad_sync=name, overlap=True, **kw)
-                  for name in ("end", "chunk")}
+                  for name in SYNC_VARIANTS}
     ov = {k: med(ts) for k, ts in r0["overlap_probe"].items()}
     ops = {name: sync_ops(sched, kw["chunk_elems"], 2, name, bucket_bytes=kw["bucket_bytes"],
-                          end_elems=kw["end_elems"]) for name in ("end", "chunk")}
+                          end_elems=kw["end_elems"]) for name in SYNC_VARIANTS}
     return dict(link=link, note=note, probe=probe, checks=checks, measured=measured, sims=sims,
                 overlapped=overlapped, sched=sched, overlap_probe=ov, ops=ops, paid=paid)
 
@@ -392,11 +396,11 @@ def describe_ops(ops, link) -> str:
 
     groups: dict[tuple, list] = {}
     for op in ops:
-        groups.setdefault((op.kind, op.beside), []).append(op)
+        groups.setdefault((op.kind, op.beside, None if op.beside else op.tick), []).append(op)
     parts = []
-    for (kind, beside), grp in groups.items():
+    for (kind, beside, tick), grp in groups.items():
         where = (f"beside ticks {min(o.tick for o in grp)}-{max(o.tick for o in grp)}" if beside
-                 else "after the loop")
+                 else f"after tick {tick}")
         size = sum(o.nbytes for o in grp) / 2**20
         parts.append(f"{len(grp)} {kind}{'s' if len(grp) > 1 else ''} {where} ({size:.1f} MiB, "
                      f"{1e3 * sum(op_time(o, 2, link) for o in grp):.0f} ms)")
@@ -447,7 +451,7 @@ def report_part1(out, args, dims, results, ns, a) -> None:
               file=out)
     print("  collectives per step (simcomm.sync_ops; one Gloo all-reduce per gradient leaf, as XLA:CPU runs "
           "a tuple all-reduce), predicted time on the fitted link:", file=out)
-    for name in ("end", "chunk"):
+    for name in SYNC_VARIANTS:
         print(f"    {name}: {describe_ops(a['ops'][name], link)}", file=out)
     print(f"\n  {'variant':<13} {'measured ms':>11} {'IQR ms':>13} {'predicted ms':>12} {'err':>7}  role",
           file=out)
@@ -457,7 +461,7 @@ def report_part1(out, args, dims, results, ns, a) -> None:
         print(f"  {name:<13} {ms(mm['median']):>11} {ms(mm['q1']) + '-' + ms(mm['q3']):>13} {ms(pred):>12} "
               f"{(pred - mm['median']) / mm['median']:>+7.1%}  {role}", file=out)
     errs = [abs(a["sims"][n].step_time - a["measured"][n]["median"]) / a["measured"][n]["median"]
-            for n in ("end", "chunk")]
+            for n in SYNC_VARIANTS]
     print(f"  predictions within +-15%: {sum(e <= 0.15 for e in errs)}/{len(errs)} "
           f"(max |err| {max(errs):.1%})", file=out)
     comp = a["sims"]["compute only"].step_time
@@ -465,10 +469,10 @@ def report_part1(out, args, dims, results, ns, a) -> None:
           "difference within a round / predicted: "
           + ", ".join(f"{n} {ms(a['paid'][n])} / {ms(a['sims'][n].step_time - comp)} ms "
                       f"({(a['sims'][n].step_time - comp - a['paid'][n]) / a['paid'][n]:+.0%})"
-                      for n in ("end", "chunk")), file=out)
+                      for n in SYNC_VARIANTS), file=out)
     print("  if the collectives ran beside compute (a communication stream; same measured costs, "
           "simulate_sync(overlap=True)): "
-          + ", ".join(f"{n} {ms(a['overlapped'][n].step_time)} ms" for n in ("end", "chunk"))
+          + ", ".join(f"{n} {ms(a['overlapped'][n].step_time)} ms" for n in SYNC_VARIANTS)
           + " — the CPU cannot show this: XLA:CPU blocks on every Gloo collective (overlap probe above)",
           file=out)
 
@@ -644,7 +648,7 @@ def compiled_bytes() -> dict:
     from mindpipe_jax.sim.program_bytes import compile_afapab_step
 
     out = {}
-    for sync in ("end", "chunk"):
+    for sync in SYNC_VARIANTS:
         for dtype in ("fp32", "bf16"):
             hlo, mesh, _ = compile_afapab_step(sync, dtype)
             ids = np.vectorize(lambda d: d.id)(mesh.devices)
@@ -675,7 +679,8 @@ def report_bytes(out) -> dict:
     print(f"  data-axis bytes: chunk / end = {data['chunk', 'fp32'] / data['end', 'fp32']:.3f} (fp32), "
           f"{data['chunk', 'bf16'] / data['end', 'bf16']:.3f} (bf16); bf16 / fp32 = "
           f"{data['end', 'bf16'] / data['end', 'fp32']:.3f} (end), "
-          f"{data['chunk', 'bf16'] / data['chunk', 'fp32']:.3f} (chunk)", file=out)
+          f"{data['chunk', 'bf16'] / data['chunk', 'fp32']:.3f} (chunk); overlap / end = "
+          f"{data['overlap', 'fp32'] / data['end', 'fp32']:.3f} (fp32)", file=out)
     return table
 
 

@@ -269,7 +269,7 @@ def _namespaces() -> set[str]:
 def test_smoke_run_prints_measured_and_predicted(tmp_path):
     before = _namespaces()
     # Hard limits: the workers (--timeout-s) and the whole script (start-up, two
-    # processes, three small compiles each, the probes and the scale table).
+    # processes, four small compiles each, the probes and the scale table).
     text = run_smoke(SCRIPT, tmp_path / "smoke.txt", worker_timeout_s=75, timeout_s=90)
     assert "rate-limited by `tc qdisc add dev lo root tbf rate 2gbit" in text or "UNTHROTTLED" in text
     assert not {n for n in _namespaces() - before if n.startswith("mpafapab")}, "namespace left behind"
@@ -277,12 +277,13 @@ def test_smoke_run_prints_measured_and_predicted(tmp_path):
     link = re.search(r"fitted link: alpha (\S+) us per message, bandwidth (\S+) Gbit/s", text)
     assert link and all(math.isfinite(float(x)) for x in link.groups()), text
     rows = {}
-    row = re.compile(r"\s+(compute only|end|chunk)\s+([\d.]+)\s+[\d.]+-[\d.]+\s+([\d.]+)\s+([+-][\d.]+)%")
+    row = re.compile(r"\s+(compute only|end|overlap|chunk)\s+([\d.]+)\s+[\d.]+-[\d.]+\s+([\d.]+)"
+                     r"\s+([+-][\d.]+)%")
     for line in text.splitlines():
         found = row.match(line)
         if found:
             rows[found.group(1)] = [float(x) for x in found.groups()[1:]]
-    assert set(rows) == {"compute only", "end", "chunk"}, text
+    assert set(rows) == {"compute only", "end", "overlap", "chunk"}, text
     for name, (measured, predicted, err) in rows.items():
         assert measured > 0 and predicted > 0 and math.isfinite(err), (name, rows)
     scale = [line for line in text.splitlines() if re.match(r"\s+GPT-3 2\.7B\s+64\s", line)]
