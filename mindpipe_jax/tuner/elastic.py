@@ -45,26 +45,24 @@ _KEPT = ("fsdp", "tensor", "expert", "pipe", "subnet")
 class Replan:
     before: Candidate
     after: Candidate
-    devices_before: int
-    devices_now: int
     b_noise: float | None
     lr_gain: float
     policy: str  # "kept the global batch" / "kept the rows per device"
 
     def line(self) -> str:
         noise = f"B_noise {self.b_noise:.1f}" if self.b_noise is not None else "no noise estimate"
-        return (f"elastic resume: the tuned run ran {self.before.label()} on {self.devices_before} devices; "
-                f"{self.devices_now} now: {self.after.label()} ({self.policy}; {noise}; "
+        return (f"elastic resume: the tuned run ran {self.before.label()} on {self.before.devices} devices; "
+                f"{self.after.devices} now: {self.after.label()} ({self.policy}; {noise}; "
                 f"lr x{self.lr_gain:.3g})")
 
 
 def fit_layout(cand: Candidate, devices: int) -> Candidate:
-    """``cand``'s mesh on ``devices``: the kept axes as they were where they divide it
-    (the first of ``_KEPT`` halved until they do), ``data`` the rest."""
+    """``cand``'s mesh on ``devices``: the kept axes as they were where their product
+    divides it; until it does, ``fsdp`` is halved, then the largest of the others (ties
+    in ``_KEPT`` order). ``data`` takes the rest."""
     kept = {a: cand.axes[a] for a in _KEPT}
     while devices % math.prod(kept.values()):
-        shrink = next((a for a in _KEPT if kept[a] > 1 and a == "fsdp"), None) or max(
-            (a for a in _KEPT if kept[a] > 1), key=lambda a: kept[a])
+        shrink = "fsdp" if kept["fsdp"] > 1 else max(_KEPT[1:], key=lambda a: kept[a])
         kept[shrink] //= 2
     return dataclasses.replace(cand, data=devices // math.prod(kept.values()), **kept)
 
@@ -107,4 +105,4 @@ def replan(cfg: Config, saved: dict, devices: int) -> Replan:
     rule = cfg.tuner.lr_scaling
     gain = saved.get("lr_gain", 1.0) if bn is None and rule == "adascale" else lr_gain(
         rule, after.global_batch, b0, bn)
-    return Replan(before, after, before.devices, devices, bn, gain, policy)
+    return Replan(before, after, bn, gain, policy)
