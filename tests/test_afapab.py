@@ -134,6 +134,53 @@ def test_early_chunk_sync_runs_inside_the_remaining_backward_loop():
     assert gathers, "no all-gather of the ring's pieces inside the tick loop"
 
 
+def test_several_rings_with_steps_left_over_match_unpipelined():
+    """v = 4: three chunks ring before the last tick, one after another, each with more
+    steps than the ticks before the next one starts (tiny buckets): the steps left over
+    run when the next ring starts, after the gather beside the tick before it."""
+    p, m, v = 2, 4, 4
+    model, params = tiny_gpt(p * v)
+    inputs, targets = microbatches(7, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=p, tensor=1, data=4))
+    run = pipeline_grads(stage_fns(model), get_schedule("afapab", p, m, v), mesh, remat="none",
+                         grad_sync="chunk", sync_bucket_bytes=2_000)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
+def _copied_shapes(comps: dict[str, str], names) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.split(",") if d) for name in names
+            for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\(", comps[name])]
+
+
+@pytest.mark.xla_default_emitters  # a property of the program XLA compiles for users
+def test_chunk_ring_tick_loop_copies_no_accumulator():
+    """The chunk ring's tick loop (its body and every branch it takes) copies no array of
+    an accumulator's shape. Before: the ring's start read the accumulators in a switch
+    before the tick updated them in place, and XLA copied every one of them every tick
+    (tickloop._one_scan)."""
+    v = 2
+    model, params = tiny_gpt(2 * v)
+    hlo, _ = _afapab_program(p=2, m=4, v=v, data=4)
+    comps = _computations(hlo)
+    chunk_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
+    acc_shapes = {(v, 1, *shape) for shape in chunk_shapes} | {(v, *shape) for shape in chunk_shapes}
+    acc_shapes |= {tuple(x.shape) for x in jax.tree.leaves((params["embed"], params["head"]))}
+    # A d_model-long vector (a norm's scale) has the shape of many small values; the
+    # accumulators that cost are the weight matrices.
+    acc_shapes = {s for s in acc_shapes if np.prod(s) >= 256}
+    entry = next(b for b in comps.values() if b.startswith("ENTRY"))
+    loops = [re.search(r"body=%?([\w.\-]+)", ln).group(1) for ln in entry.splitlines()
+             if re.search(r"\bwhile\(", ln)]
+    assert loops
+    for loop in loops:
+        inside = [c for c in _reachable(comps, loop) if not c.startswith(("fused", "wrapped"))]
+        copied = [s for s in _copied_shapes(comps, inside) if s in acc_shapes]
+        assert not copied, f"accumulator-shaped copies {copied} in the tick loop"
+
+
 @pytest.mark.parametrize("sync,loops", [("end", 1), ("overlap", 2)])
 def test_megatron_style_sync_has_no_ring(sync, loops):
     """"end": one tick loop, every sync after it. "overlap" (Megatron's overlapped

@@ -182,11 +182,11 @@ def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes
             state = ring.step(state, k)
         return state
 
-    def at_start(i):
+    def at_start(i):  # before tick starts[i]: ring i - 1's rest put aside, ring i's parts
         def run(acc, state, outs):
-            if i > 0:  # the previous ring's rest, and its result put aside
+            if i > 0:
                 outs = outs.at[i - 1].set(finish_steps(state, i - 1)["out"])
-            return ring.start(leaves_of(acc, chunks[i])), outs
+            return ring.start(leaves_of(acc, chunks[i]))["parts"], outs
         return run
     # A ring on each device's own shards runs in nested shard_maps that do not type their
     # outputs (check_vma=False, see LocalRing): the branches' outputs all become varying over
@@ -199,20 +199,29 @@ def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes
             with jax.named_scope(runs_tag(runs, num_ticks)):
                 return settle(fn(*args))
         return run
-    starts_fns = [lambda acc, state, outs: (state, outs)]
-    starts_fns += [settled(at_start(i), 1) for i in range(len(ringed))]
-    steps_fns = [lambda state, k: state, settled(ring.scatter_step, int((phase == 1).sum())),
-                 settled(ring.gather_step, int((phase == 2).sum()))]
-    event, phase, step_k = jnp.asarray(event + 1), jnp.asarray(phase), jnp.asarray(step_k)
+    start_fns = [lambda acc, state, outs: (state["parts"], outs)]
+    start_fns += [settled(at_start(i), 1) for i in range(len(ringed))]
+    scatter = settled(lambda s, k: ring.scatter_step(s, k)["parts"], int((phase == 1).sum()))
+    gather = settled(lambda s, k: ring.gather_step(s, k)["out"], int((phase == 2).sum()))
+    # The ring that starts before tick t + 1 starts at the end of tick t's iteration: it
+    # reads the accumulators after the tick's in-place update and before the next one's.
+    # (Read before the tick, they were copied every tick to keep that read safe.)
+    after = np.concatenate([event[1:], [-1]]) + 1
+    phase, step_k, after = jnp.asarray(phase), jnp.asarray(step_k), jnp.asarray(after)
+    keep = lambda s, k: s["parts"]  # noqa: E731
 
     def tick_and_ring(c, t):
         inner, state, outs = c
-        state, outs = lax.switch(event[t], starts_fns, inner[0], state, outs)
         inner, _ = tick(inner, t)
         if serialize_ring:  # the ring's collectives after the tick's, on every device
             inner, parts = lax.optimization_barrier((inner, state["parts"]))
             state = {**state, "parts": parts}
-        return (inner, lax.switch(phase[t], steps_fns, state, step_k[t]), outs), None
+        # Each of the ring's buffers in a cond whose only output it is, returned as it came
+        # or changed in place: a switch passing the whole state through copied it every tick.
+        state = {**state, "parts": lax.cond(phase[t] == 1, scatter, keep, state, step_k[t])}
+        state = {**state, "out": lax.cond(phase[t] == 2, gather, lambda s, k: s["out"], state, step_k[t])}
+        parts, outs = lax.switch(after[t], start_fns, inner[0], state, outs)
+        return (inner, {**state, "parts": parts}, outs), None
 
     carry, state, outs = lax.scan(tick_and_ring, (carry, state, outs), jnp.arange(num_ticks))[0]
     outs = outs.at[len(ringed) - 1].set(finish_steps(state, len(ringed) - 1)["out"])
