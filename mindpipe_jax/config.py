@@ -295,6 +295,12 @@ class ParallelConfig:
     # The gradients' dtype on the wire of a pipeline's data-parallel sync ("end" and
     # "chunk"): "fp32", or "bf16" for half the bytes (sums still accumulate in fp32).
     grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
+    # A pipeline's weights stored sharded over fsdp are gathered "step": once per step
+    # on each stage (the gathered stage and its whole gradient live for the step), or
+    # "chunk": for each task's use of its chunk, its gradient reduce-scattered after
+    # the task (a gathered chunk at a time and 1/fsdp of the gradient, for collectives
+    # in every tick).
+    fsdp_gather: Literal["step", "chunk"] = "step"
     # Layers per global stage (pipe x virtual_stages values, in global-stage order);
     # empty = an even split. Uneven splits balance stages that also hold embed/head.
     stage_layers: tuple[int, ...] = ()
@@ -682,6 +688,10 @@ _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], 
       "parallel.grad_sync", "parallel.grad_sync_dtype", "parallel.repartition_after", "parallel.fuse_ticks"),
      _pipe_is_one,
      "set parallel.pipe > 1"),
+    (("parallel.fsdp_gather",),
+     lambda c: _pipe_is_one(c) or ("parallel.fsdp=1" if c.parallel.fsdp == 1 else None),
+     "it says when a pipeline gathers weights sharded over fsdp: set parallel.pipe > 1 and "
+     "parallel.fsdp > 1"),
     (("parallel.sync_bucket_mb",), _chunk_sync_off,
      "it sizes the chunk-wise gradient sync of a pipeline: set parallel.grad_sync='chunk'"),
     (tuple(f"tuner.{f.name}" for f in dataclasses.fields(TunerConfig) if f.name != "enabled"),

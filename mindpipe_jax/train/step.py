@@ -316,16 +316,16 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
         if par.stage_layers else None
     sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
     # Weights stored sharded over fsdp (the embedding and head over pipe too:
-    # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step,
-    # gradients reduce-scattered; a grouped stack (period-k layers) is stacked in the
-    # step, so its blocks enter gathered.
+    # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step
+    # (or per chunk use: parallel.fsdp_gather), gradients reduce-scattered; a grouped
+    # stack (period-k layers) is stacked in the step, so its blocks enter gathered.
     e_specs, h_specs = model.ends(spec.storage)
     specs = {"embed": e_specs, "blocks": model.split(spec.storage)[1] if model.group == 1 else None,
              "head": h_specs}
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
-                         fuse_mode=par.fuse_ticks)
+                         fuse_mode=par.fuse_ticks, fsdp_gather=par.fsdp_gather)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)

@@ -22,6 +22,15 @@ same shapes, so the first and last stage cannot keep them alone; split over
 ``pipe`` each device keeps ``1 / (pipe · fsdp)`` of them and of their optimizer
 state, gathers them once per step, and their gradient (non-zero on its owners
 only) leaves reduce-scattered over ``pipe`` instead of ``psum``-ed.
+
+Per chunk use (``gather="chunk"``, MaxText's gather per pipeline iteration rather than
+``pipeline_fsdp_ag_once``): the stage's chunks stay sharded through the tick loop;
+each part of a tick (forward, backward, weight gradient) all-gathers the one chunk its
+task runs just before it and reduce-scatters that task's weight gradient just after,
+so the chunk accumulators are ``fsdp`` shards too (``ticks.py``). A device then holds
+at most a part's gathered chunk instead of its whole gathered stage, and ``1 / fsdp``
+of the stage's gradient instead of all of it, for an all-gather per part and a
+reduce-scatter per backward or weight part in every tick.
 """
 
 from __future__ import annotations
@@ -75,6 +84,42 @@ def gather(tree, dims, offset: int = 0):
     """All-gather each leaf over ``fsdp`` along its dimension (+ ``offset``)."""
     return jax.tree.map(lambda x, d: x if d < 0 else lax.all_gather(x, FSDP, axis=d + offset, tiled=True),
                         tree, dims)
+
+
+def gathered_zeros(tree, dims, offset: int = 0):
+    """Zeros shaped as ``gather(tree, dims, offset)`` returns (the whole leaves), for
+    tracing a chunk's functions before any gather runs."""
+    n = lax.axis_size(FSDP)
+
+    def one(x, d):
+        shape = list(x.shape)
+        if d >= 0:
+            shape[d + offset] *= n
+        return jnp.zeros(shape, x.dtype)
+    return jax.tree.map(one, tree, dims)
+
+
+def sum_scatter(tree, dims, offset: int = 0):
+    """Each leaf sharded over ``fsdp`` summed over it and reduce-scattered (a device keeps
+    its shard of the sum); a leaf not sharded as it is (``mean_of_scattered`` averages
+    it over every batch axis at the end)."""
+    return jax.tree.map(lambda g, d: g if d < 0 else
+                        lax.psum_scatter(g, FSDP, scatter_dimension=d + offset, tiled=True), tree, dims)
+
+
+def mean_of_scattered(tree, dims, batch, wire_dtype=jnp.float32, ring_rest: bool = False):
+    """The mean over the batch axes of what ``sum_scatter`` accumulated: a sharded leaf (a
+    shard of the sum over ``fsdp``) divided by the ``fsdp`` size and averaged over the
+    other batch axes (``ring_rest``: left for a ring to average), any other leaf averaged
+    over all of them."""
+    others = tuple(a for a in batch if a != FSDP)
+
+    def one(g, d):
+        if d < 0:
+            return ringsync.mean(g, batch, wire_dtype)
+        g = g / lax.axis_size(FSDP)
+        return g if ring_rest or not others else ringsync.mean(g, others, wire_dtype)
+    return jax.tree.map(one, tree, dims)
 
 
 def mean_scatter(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):

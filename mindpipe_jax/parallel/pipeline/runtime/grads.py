@@ -44,6 +44,7 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     BATCH,
     MANUAL,
     StageFns,
+    _take,
     _vary,
     _zeros_like,
     needs_lockstep,
@@ -56,6 +57,7 @@ from mindpipe_jax.parallel.pipeline.schedules import Schedule
 from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 
 WIRE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+FSDP_GATHERS = ("step", "chunk")
 
 
 def _is_spec(s) -> bool:
@@ -80,7 +82,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
-                   fuse_cost=None, param_specs=None):
+                   fuse_cost=None, param_specs=None, fsdp_gather: str = "step"):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -118,7 +120,12 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
     going in, is gathered once per step inside, and its gradient leaves
     reduce-scattered (``fsdp.py``). None: every weight enters gathered.
+    ``fsdp_gather``: when those weights are gathered: ``"step"``, once per step on each
+    stage (the gathered stage stays for the step); ``"chunk"``, for each task's use of
+    its chunk, the chunk's gradient reduce-scattered after each task (``fsdp.py``).
     """
+    if fsdp_gather not in FSDP_GATHERS:
+        raise ValueError(f"fsdp_gather {fsdp_gather!r} is not one of {', '.join(FSDP_GATHERS)}")
     n_batch = math.prod(mesh.shape[a] for a in BATCH)
     if grad_sync_dtype not in WIRE_DTYPES:
         raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
@@ -148,11 +155,18 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     # fixed order, so there the ring stays free to overlap the tick.
     serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
 
+    def per_chunk(dims) -> bool:  # the weights gathered per task (fsdp_gather="chunk")
+        return fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1 and \
+            any(d >= 0 for d in jax.tree.leaves(dims))
+
     def owned_shards(dims, specs):
         """What the chunk ring carries: with weights sharded over fsdp, their shards only."""
         ring = tuple(d >= 0 for d in jax.tree.leaves(dims))
         if mesh.shape[fsdp.FSDP] == 1 or not any(ring):
             return None
+        if per_chunk(dims):  # the sharded leaves summed over fsdp already (fsdp.sum_scatter)
+            first = lambda t: fsdp.mean_of_scattered(t, dims, BATCH, wire, ring_rest=True)  # noqa: E731
+            return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
         first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
         return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
 
@@ -161,14 +175,22 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         # Sharded over fsdp (the ends perhaps over pipe too) in storage: gathered once
         # per step here (fsdp.py).
         embed_p, head_p = fsdp.gather_ends(embed_p, ends["embed"]), fsdp.gather_ends(head_p, ends["head"])
-        blocks_p = fsdp.gather(blocks_p, dims["blocks"], offset=3)  # [1, v, width, *rest]
+        sharded = per_chunk(dims["blocks"])
+        if not sharded:
+            blocks_p = fsdp.gather(blocks_p, dims["blocks"], offset=3)  # [1, v, width, *rest]
         # Per-device copies: vjps w.r.t. invariant values would insert a psum inside
         # a branch (a hang) and double-count; varying values keep gradients local.
         embed_p, head_p = _vary(embed_p), _vary(head_p)
         chunks = _vary(jax.tree.map(lambda x: x[0], blocks_p))  # [v, L_chunk, ...] on this device
+        stage = {"embed": embed_p, "chunks": chunks, "head": head_p}
+        gather_scatter = None
+        if sharded:  # the chunks stay fsdp shards; each task's chunk is gathered in its tick
+            stage["chunk_example"] = _vary(fsdp.gathered_zeros(_take(chunks, 0), dims["blocks"], offset=1))
+            gather_scatter = (lambda c: fsdp.gather(_take(chunks, c), dims["blocks"], offset=1),
+                              lambda g: fsdp.sum_scatter(g, dims["blocks"], offset=1))
         inputs, targets = _vary(inputs), _vary(targets)
         fill = jnp.nan if nan_bubbles else 0.0
-        tasks = StageTasks(fns, plan, {"embed": embed_p, "chunks": chunks, "head": head_p}, (inputs, targets),
+        tasks = StageTasks(fns, plan, stage, (inputs, targets),
                            counts, width, stage_idx, lockstep=lockstep, fill=fill, num_microbatches=m)
         h = tasks.h_shape
         x_buf = _vary(jnp.full((plan.x_slots, *h.shape), fill, h.dtype))
@@ -177,15 +199,20 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                      "head": _zeros_like(head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)})
         res_buf = _vary(tasks.residual_buffers())
         stash_buf = _vary(tasks.stash_buffers())
-        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep)
+        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter)
+
+        def mean_of_chunk(sharded, grads):
+            """A chunk's gradient averaged over the batch axes, each device keeping its fsdp
+            shard. Gathered per task, it is a shard of the sum over fsdp already."""
+            if not sharded:
+                return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
+            return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
         carry = (acc, x_buf, g_buf, res_buf, stash_buf)
         # A chunk's gradient leaves are [width, *rest].
         carry, synced = run_ticks_with_sync(
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
             serialize_ring=serialize_ring, specs=auto_specs["blocks"], auto=auto, wire_dtype=wire,
-            mean=lambda g: on_shards(
-                lambda t: fsdp.mean_scatter(t, dims["blocks"], BATCH, offset=1, wire_dtype=wire),
-                g, auto_specs["blocks"]),
+            mean=lambda g: on_shards(partial(mean_of_chunk, sharded), g, auto_specs["blocks"]),
             owned=owned_shards(dims["blocks"], auto_specs["blocks"]), ring=grad_sync != "overlap")
         # Embed/head gradients live on their owners only (zeros elsewhere): summed over
         # pipe once (reduce-scattered where they are stored split over it). Shards hold

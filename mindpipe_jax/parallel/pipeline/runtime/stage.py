@@ -70,6 +70,9 @@ class StageTasks:
                  num_microbatches):
         self.fns, self.plan = fns, plan
         self.embed_p, self.chunks, self.head_p = params["embed"], params["chunks"], params["head"]
+        # One chunk's layers, whole: the shapes the branches trace with (with ``chunks``
+        # kept as fsdp shards, the tick hands each task its gathered chunk).
+        self.example = params.get("chunk_example", _take(self.chunks, 0))
         self.inputs, self.targets = data
         self.counts, self.stage_idx = counts, stage_idx
         self.run_layers = layers_runner(fns.layer, counts, width, lockstep)
@@ -85,28 +88,34 @@ class StageTasks:
         h_shape = jax.eval_shape(fns.embed, self.embed_p, self.inputs[0])
         self.zero_h = _vary(jnp.zeros(h_shape.shape, h_shape.dtype))
         self.h_shape = h_shape
-        self.stores = {r: ResidualStore(residual_fns[r], self.chunk_params(0), self.zero_h)
+        self.stores = {r: ResidualStore(residual_fns[r], self.chunk_params(0, self.example), self.zero_h)
                        for r in plan.res_slots if not r.startswith("split-")}
         # Split backwards (B, then W): one equation-level split per mode (``bwsplit``).
         layer_of = {"none": fns.layer, "dots": dots, "full": dots}
         modes = {r.removeprefix("split-") for r in plan.res_slots if r.startswith("split-")}
         modes |= {r.removeprefix("stash-") for r in plan.stash_slots}
-        self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": _take(self.chunks, 0)}, self.zero_h,
+        self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": self.example}, self.zero_h,
                                         policy="full" if mode == "full" else "none") for mode in modes}
         self.fill = fill
         self.seed = _vary(jnp.asarray(1.0 / num_microbatches, jnp.float32))
 
     # ------------------------------------------------------------------ helpers
-    def chunk_params(self, chunk):
+    def chunk_params(self, chunk, gathered=None):
+        """Chunk ``chunk``'s layer parameters: ``gathered`` (what the tick gathered for the
+        task, ``fsdp.py``'s per-chunk use) or this device's copy of the stage."""
+        w = _take(self.chunks, chunk) if gathered is None else gathered
         if self.counts is None:
-            return _take(self.chunks, chunk)
-        return {"w": _take(self.chunks, chunk), "n": self.counts[self.stage_idx, chunk]}
+            return w
+        return {"w": w, "n": self.counts[self.stage_idx, chunk]}
+
+    def _params(self, op):
+        return self.chunk_params(op["task"]["chunk"], op.get("params"))
 
     def weights(self, d_c):  # drop the (float0) cotangent of the layer count
         return d_c if self.counts is None else d_c["w"]
 
     def zero_grads(self):
-        return {"chunk": _zeros_like(_take(self.chunks, 0), jnp.float32),
+        return {"chunk": _zeros_like(self.example, jnp.float32),
                 "embed": _zeros_like(self.embed_p, jnp.float32),
                 "head": _zeros_like(self.head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)}
 
@@ -142,7 +151,7 @@ class StageTasks:
                 task, x, res = op["task"], op["x"], op["res"]
                 if pos == LAST:  # the last stage's forward runs inside its backward
                     return idle(op)
-                c_params = self.chunk_params(task["chunk"])
+                c_params = self._params(op)
                 tokens = _take(self.inputs, task["microbatch"])
                 if policy.startswith("split-") and policy != "split-full":
                     h = self.fns.embed(self.embed_p, tokens) if pos == FIRST else x
@@ -175,7 +184,7 @@ class StageTasks:
 
                 def both(op):
                     out = b(op)
-                    d_c = w({"task": op["task"], "stash": out["stash"]})["grads"]["chunk"]
+                    d_c = w({**op, "stash": out["stash"]})["grads"]["chunk"]
                     return {**out, "grads": {**out["grads"], "chunk": d_c}, "stash": op["stash"]}
                 return both
             run = self._backward(pos, policy, kind)
@@ -202,7 +211,7 @@ class StageTasks:
 
         def run(op):
             task, x, dy, res = op["task"], op["x"], op["dy"], op["res"]
-            c_params = {"layers": self.chunk_params(task["chunk"])}
+            c_params = {"layers": self._params(op)}
             tokens = _take(self.inputs, task["microbatch"])
             grads = self.zero_grads()
             if pos == LAST:  # the stage's forward runs here: its layers, then the head's loss
@@ -234,8 +243,7 @@ class StageTasks:
         n_kept = 0 if mode == "full" else sum(reads)
 
         def run(op):
-            task = op["task"]
-            c_params = {"layers": self.chunk_params(task["chunk"])}
+            c_params = {"layers": self._params(op)}
             stash = op["stash"][name]
             it = iter(stash[:n_kept])
             kept = [None] * len(reads) if mode == "full" else [next(it) if r else None for r in reads]
@@ -258,7 +266,7 @@ class StageTasks:
 
         def run(op):
             task, x, dy, res = op["task"], op["x"], op["dy"], op["res"]
-            c_params = self.chunk_params(task["chunk"])
+            c_params = self._params(op)
             tokens = _take(self.inputs, task["microbatch"])
             grads = self.zero_grads()
             if pos == LAST:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mindpipe_jax.parallel.collectives import runs_tag
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, _add_at, _put, _take
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
@@ -64,7 +65,7 @@ _ADDS_TO = {"chunk": lambda kind, pos, mode: kind in (Kind.BW, Kind.W),
             "loss": lambda kind, pos, mode: kind in (Kind.BW, Kind.B) and pos == LAST}
 
 
-def _gates(plan: Plan) -> dict[tuple[int, str], jax.Array]:
+def _gates(plan: Plan) -> dict[tuple[int, str], np.ndarray]:
     """``[ticks, p]`` bool per (part, accumulator): does this device's task add to it?
     Pairs no task of the schedule adds to are left out."""
     gates = {}
@@ -72,8 +73,16 @@ def _gates(plan: Plan) -> dict[tuple[int, str], jax.Array]:
         for name, adds in _ADDS_TO.items():
             hit = np.asarray([False] + [adds(kind, pos, mode) for kind, pos, mode in part.keys])
             if hit.any():
-                gates[(i, name)] = jnp.asarray(hit[part.branch])
+                gates[(i, name)] = hit[part.branch]
     return gates
+
+
+def _needs_params(part, i: int):
+    """``[ticks, p]`` bool: does this device's task in part ``i`` run a chunk's layers?
+    (Not an idle cell, nor the last stage's forward, which runs inside its backward.)
+    None where no task of the part does."""
+    runs = np.asarray([False] + [not (i == 0 and pos == LAST) for _, pos, _ in part.keys])
+    return runs[part.branch] if runs.any() else None
 
 
 def _rows(buf, slots):
@@ -81,18 +90,57 @@ def _rows(buf, slots):
     return jnp.take(buf, jnp.stack(slots), axis=0)
 
 
-def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
-    """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``."""
+def _after(x, before):
+    """``x``, issued after ``before`` is computed (``before`` None: as it is)."""
+    return x if before is None else lax.optimization_barrier((x, before))[0]
+
+
+def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None):
+    """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``.
+
+    ``per_chunk``: the stage's layers kept as ``fsdp`` shards through the loop (``fsdp.py``),
+    a pair ``(gather, scatter)``: ``gather(c)`` all-gathers chunk ``c``'s layers whole,
+    ``scatter(grads)`` reduce-scatters a chunk's weight gradient to this device's shard.
+    Each part then runs on the chunk gathered for its task just before it, and its
+    weight gradient enters the (sharded) accumulator scattered. The collectives are
+    outside the branches, chained (each after the previous one's inputs are computed),
+    so every device issues them in one order; a part no task of the schedule uses
+    gathers nothing."""
     p = plan.fused.num_stages
     tables = [part.arrays() for part in plan.parts]
     actives = [jnp.asarray(part.active()) for part in plan.parts]
     branch_fns = [tasks.forward_branches(), tasks.backward_branches(), tasks.weight_branches()]
-    gates = _gates(plan)
+    gate_tables = _gates(plan)
+    gates = {k: jnp.asarray(g) for k, g in gate_tables.items()}
     send = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.send.items()}
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
+    v = plan.fused.schedule.virtual_stages
+    if per_chunk is not None:
+        gather, scatter = per_chunk
+        need_tables = [_needs_params(part, i) for i, part in enumerate(plan.parts)]
+        needs = [None if n is None else jnp.asarray(n) for n in need_tables]
+        gathered = tasks.example  # what an idle part is handed instead (never read)
+
+        def tagged(fn, table):
+            """``fn`` named for ``parallel.collectives``: its collectives run in as many
+            ticks as the busiest stage has ``table`` set (an upper bound for the others)."""
+            runs = int(table.sum(axis=0).max())
+
+            def run(x):
+                with jax.named_scope(runs_tag(runs, plan.num_ticks)):
+                    return fn(x)
+            return run
+
     def run_part(i, t, operand, after):
         task = operand["task"]
+        if per_chunk is not None and needs[i] is not None:
+            # Gathered only where this stage's task runs the chunk: the predicate is the same
+            # on every device of the fsdp group (one stage), which alone takes part in it.
+            chunk = _after(jnp.clip(task["chunk"], 0, v - 1), after)
+            params = lax.cond(needs[i][t, stage_idx], tagged(gather, need_tables[i]),
+                              lambda c: gathered, chunk)
+            operand = {**operand, "params": params}
         if lockstep:
             return _lockstep(branch_fns[i], task["branch"], actives[i][t], operand, after)
         return lax.switch(task["branch"], branch_fns[i], operand)
@@ -118,17 +166,26 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool):
             ops[i]["stash"] = {r: [leaf[i - 1] for leaf in stashed[r]] for r in stashed}
         f_op, b_op, w_op = ops
         res_at, stash_at = res_at[0], stash_at[0]
+        ordered = lockstep or per_chunk is not None  # collectives between the parts
         f_out = run_part(0, t, f_op, None)
-        b_out = run_part(1, t, b_op, f_out if lockstep else None)
-        w_out = run_part(2, t, w_op, b_out if lockstep else None)
+        b_out = run_part(1, t, b_op, f_out if ordered else None)
+        w_out = run_part(2, t, w_op, b_out if ordered else None)
+        made = {(i, name): (b_out, w_out)[i - 1]["grads"][name] for (i, name) in gates}
+        if per_chunk is not None:  # each part's chunk gradient to this device's shard, in order
+            last = w_out
+            for key in sorted(k for k in made if k[1] == "chunk"):
+                shard = jax.tree.map(jnp.zeros_like, _take(acc["blocks"], 0))
+                made[key] = last = lax.cond(gates[key][t, stage_idx], tagged(scatter, gate_tables[key]),
+                                            lambda g, z=shard: z, _after(made[key], last))
+            f_out, b_out = _after((f_out, b_out), last)  # the transfers after them
 
         acc = dict(acc)
         for (i, name), gate in gates.items():
-            made = (b_out, w_out)[i - 1]["grads"][name]
+            made_here = made[(i, name)]
             if name == "chunk":
-                add = lambda a, g=made, c=cells[i]["chunk"]: _add_at(a, c, g)  # noqa: E731
+                add = lambda a, g=made_here, c=cells[i]["chunk"]: _add_at(a, c, g)  # noqa: E731
             else:
-                add = lambda a, g=made: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)  # noqa: E731
+                add = lambda a, g=made_here: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)  # noqa: E731
             key = "blocks" if name == "chunk" else name
             acc[key] = lax.cond(gate[t, stage_idx], add, lambda a: a, acc[key])
 
