@@ -1,0 +1,339 @@
+"""The whole ``Config`` and how one is built: a TOML file, ``key=value`` overrides,
+``dacite`` (strict) turning the merged dictionary into the sections, and the checks
+across keys that run on the result.
+
+A ``data.path`` set without ``data.source`` selects the source; a key set away from
+its default that has no effect under the other settings is refused
+(``check_no_effect``), and ``mindpipe train`` refuses the keys only other commands
+read (``check_train_keys``). Unknown keys and wrong types become one-line
+``ConfigError`` messages naming the key, the value and what is valid.
+
+``Config`` lives here rather than with its sections because ``Config.replace`` is a
+load (overrides, then the checks) and loading builds a ``Config``: one module keeps
+the imports one way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import dacite
+
+from mindpipe_jax.config_sections import (
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    source_for_path,
+)
+from mindpipe_jax.config_supernet_tuner import SupernetConfig, TunerConfig, semantics_error
+from mindpipe_jax.config_values import _shown
+from mindpipe_jax.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    supernet: SupernetConfig = field(default_factory=SupernetConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, *overrides: str, **sections: Any) -> Config:
+        """A copy with ``key=value`` overrides and/or whole sections replaced.
+
+        The keys set here are checked against the result: one that has no effect
+        under the other settings is refused (``check_no_effect``)."""
+        merged = self.to_dict()
+        explicit: dict[str, int] = {}
+        for name, section in sections.items():
+            merged[name] = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+            explicit.update(_set_keys({name: merged[name]}, layer=1))
+        return _build(_apply_overrides(merged, overrides, explicit), explicit)
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML literal (``2``, ``true``, ``"x"``, ``[1, 2]``), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str],
+                     explicit: dict[str, int] | None = None) -> dict[str, Any]:
+    """Set each ``key=value`` in ``tree``; record the keys set in ``explicit`` (layer 1)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        parts = key.split(".")
+        node = tree
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                if depth == 0 and part in _SECTIONS:  # a config file set it to a value
+                    raise ConfigError(_not_a_table(part, child))
+                if part in node:
+                    raise ConfigError(f"config key {where!r} is a value, not a section; set it as "
+                                      f"{where}=VALUE")
+                raise ConfigError(f"unknown config section {where!r}; valid: {', '.join(sorted(node))}")
+            node = child
+        if parts[-1] not in node and len(parts) > 1:
+            raise ConfigError(f"unknown config key {key!r}; valid keys in {'.'.join(parts[:-1])!r}: "
+                              f"{', '.join(sorted(node))}")
+        node[parts[-1]] = _parse_value(raw.strip())
+        if explicit is not None:
+            explicit.update(_set_keys({key: node[parts[-1]]}, layer=1))
+    return tree
+
+
+def _set_keys(update: dict[str, Any], layer: int, prefix: str = "") -> dict[str, int]:
+    """The dotted keys a TOML table or an override sets (a table: each key in it), with the
+    layer that set them: 0 the config file, 1 the overrides."""
+    out: dict[str, int] = {}
+    for name, value in update.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            out.update(_set_keys(value, layer, key + "."))
+        else:
+            out[key] = layer
+    return out
+
+
+def _not_a_table(section: str, value: Any) -> str:
+    return (f"config section {section!r} must be a table of keys ([{section}] in a TOML file, "
+            f"{section}.KEY=VALUE on the command line), got {section} = {_shown(value)}")
+
+
+def _build(tree: dict[str, Any], explicit: dict[str, int]) -> Config:
+    """The validated ``Config`` of a merged tree whose keys in ``explicit`` the user set."""
+    _select_data_source(tree, explicit)
+    cfg = from_dict(tree)
+    check_no_effect(cfg, explicit)
+    return cfg
+
+
+def _select_data_source(tree: dict[str, Any], explicit: dict[str, int]) -> None:
+    """A ``data.path`` set without ``data.source`` selects the source from the path
+    (``source_for_path``). A source set as late as the path (both on the command line,
+    or both in the file) is the user's choice and stays, except the default "stdlib"
+    in a file (``mindpipe config > my.toml`` lists every key); a synthetic source
+    stays too (and refuses the path)."""
+    data = tree.get("data")
+    if not isinstance(data, dict) or "data.path" not in explicit:
+        return
+    path, source = data.get("path"), data.get("source")
+    if not isinstance(path, str) or not path or source == "synthetic":
+        return
+    chosen = explicit.get("data.source", -1)
+    if chosen == 0 and source == DataConfig.source:
+        chosen = -1
+    if chosen < explicit["data.path"]:
+        data["source"] = source_for_path(path)
+
+
+def check_train_keys(cfg: Config) -> None:
+    """What ``mindpipe train`` reads no matter the rest, refused when set away from its
+    default: the supernet section (``mindpipe supernet`` and ``mindpipe search`` read
+    it) and ``train.virtual_shards`` without ``train.deterministic`` (a supernet run
+    always uses it, so ``check_no_effect`` cannot refuse it for every command)."""
+    default = Config()
+    for f in dataclasses.fields(SupernetConfig):
+        value = getattr(cfg.supernet, f.name)
+        if value != getattr(default.supernet, f.name):
+            raise ConfigError(f"supernet.{f.name}={_shown(value)} has no effect on `mindpipe train`; the "
+                              f"supernet section is for `mindpipe supernet` and `mindpipe search`: drop it")
+    if cfg.train.virtual_shards != default.train.virtual_shards and not cfg.train.deterministic:
+        raise ConfigError(f"train.virtual_shards={cfg.train.virtual_shards} has no effect with "
+                          f"train.deterministic=false; set train.deterministic=true, or drop "
+                          f"train.virtual_shards")
+
+
+def _pipe_is_one(cfg: Config) -> str | None:
+    return "parallel.pipe=1" if cfg.parallel.pipe == 1 else None
+
+
+def _chunk_sync_off(cfg: Config) -> str | None:
+    par = cfg.parallel
+    if par.pipe == 1:
+        return "parallel.pipe=1"
+    sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+    if sync == "chunk":
+        return None
+    return f"parallel.grad_sync={par.grad_sync!r}, parallel.schedule={par.schedule!r} (one sync at the end)"
+
+
+# (keys, what makes them inert -> a description or None, how to make them count). Only
+# keys that no command reads under those settings; what one command ignores (the
+# supernet section in `mindpipe train`) its command refuses.
+_NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], str], ...] = (
+    (("model.top_k", "model.capacity_factor", "model.moe_aux_weight"),
+     lambda c: "model.n_experts=0 (the dense GPT)" if c.model.n_experts == 0 else None,
+     "set model.n_experts > 0"),
+    (("model.collective_matmul",), lambda c: "parallel.tensor=1" if c.parallel.tensor == 1 else None,
+     "set parallel.tensor > 1 (or 0, auto)"),
+    (("parallel.schedule", "parallel.virtual_stages", "parallel.stage_remat", "parallel.stage_layers",
+      "parallel.grad_sync", "parallel.grad_sync_dtype", "parallel.repartition_after", "parallel.fuse_ticks"),
+     _pipe_is_one,
+     "set parallel.pipe > 1"),
+    (("parallel.fsdp_gather",),
+     lambda c: _pipe_is_one(c) or ("parallel.fsdp=1" if c.parallel.fsdp == 1 else None),
+     "it says when a pipeline gathers weights sharded over fsdp: set parallel.pipe > 1 and "
+     "parallel.fsdp > 1"),
+    (("parallel.sync_bucket_mb",), _chunk_sync_off,
+     "it sizes the chunk-wise gradient sync of a pipeline: set parallel.grad_sync='chunk'"),
+    (tuple(f"tuner.{f.name}" for f in dataclasses.fields(TunerConfig) if f.name != "enabled"),
+     lambda c: None if c.tuner.enabled else "tuner.enabled=false", "set tuner.enabled=true"),
+)
+
+
+def check_no_effect(cfg: Config, explicit: typing.Iterable[str]) -> None:
+    """Refuse a key in ``explicit`` (dotted names the user set) whose value differs from
+    its default but has no effect under the rest of ``cfg``. Values equal to their
+    default pass, so a full config file (``mindpipe config > my.toml``) loads."""
+    explicit = set(explicit)
+    default = Config()
+    for keys, inert, fix in _NO_EFFECT:
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            if key not in explicit or value == getattr(getattr(default, section), name):
+                continue
+            why = inert(cfg)
+            if why is not None:
+                raise ConfigError(f"{key}={_shown(value)} has no effect with {why}; {fix}, or drop {key}")
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_DACITE = dacite.Config(strict=True, cast=[tuple])
+
+
+def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
+    if isinstance(err, dacite.UnexpectedDataError):
+        keys = ", ".join(sorted(err.keys))
+        section = _find_section_with(data, err.keys)
+        where = f"{section}." if section else ""
+        valid = _valid_keys(section)
+        return f"unknown config key {where}{keys}; valid keys{(' in ' + section) if section else ''}: {valid}"
+    if isinstance(err, dacite.WrongTypeError):
+        if err.field_path == "supernet.semantics" and semantics_error(err.value):
+            return semantics_error(err.value)  # names a renamed value's new name
+        if typing.get_origin(err.field_type) is Literal or _is_bool_or_literal(err.field_type):
+            valid = ", ".join(str(v).lower() if isinstance(v, bool) else repr(v)
+                              for v in _flat_choices(err.field_type))
+            return f"config key {err.field_path}={err.value!r} is not valid; valid: {valid}"
+        expected = getattr(err.field_type, "__name__", None) or str(err.field_type).replace("typing.", "")
+        return f"config key {err.field_path}={err.value!r} has the wrong type; expected {expected}"
+    if isinstance(err, dacite.MissingValueError):
+        return f"config key {err.field_path} is missing"
+    return str(err)
+
+
+def _is_bool_or_literal(tp) -> bool:
+    args = typing.get_args(tp)
+    return bool(args) and all(a is bool or typing.get_origin(a) is Literal for a in args)
+
+
+def _flat_choices(tp) -> list:
+    """The values a ``Literal`` or ``bool | Literal[...]`` field takes."""
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    return [v for a in typing.get_args(tp) for v in ((True, False) if a is bool else typing.get_args(a))]
+
+
+def _find_section_with(data: dict[str, Any], keys) -> str:
+    for name, cls in _SECTIONS.items():
+        section = data.get(name)
+        if isinstance(section, dict) and set(keys) <= set(section) and not set(keys) <= _field_names(cls):
+            return name
+    return ""
+
+
+def _valid_keys(section: str) -> str:
+    cls = _SECTIONS.get(section, Config)
+    return ", ".join(sorted(_field_names(cls)))
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+_SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a validated ``Config`` from a nested dictionary (strict: no unknown keys)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a table of sections, got {type(data).__name__}")
+    for name, value in data.items():
+        if name in _SECTIONS and not isinstance(value, dict):
+            raise ConfigError(_not_a_table(name, value))
+    try:
+        return dacite.from_dict(Config, data, config=_DACITE)
+    except dacite.DaciteError as err:
+        raise ConfigError(_explain_dacite(err, data)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``key=value`` overrides, validate."""
+    tree: dict[str, Any] = Config().to_dict()
+    explicit: dict[str, int] = {}
+    if path is not None:
+        path = Path(path)
+        shown = str(path)
+        if not path.is_file():
+            kind = path_kind(path)
+            raise ConfigError(f"config file {shown!r} does not exist" if kind is None else
+                              f"config file {shown!r} is {kind}, not a TOML file")
+        try:
+            update = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {shown!r} is not valid TOML: {err}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {shown!r} is not UTF-8 text") from None
+        except OSError as err:
+            raise ConfigError(f"config file {shown!r} cannot be read: {err.strerror or err}") from None
+        explicit.update(_set_keys(update, layer=0))
+        tree = _deep_merge(tree, update)
+    return _build(_apply_overrides(tree, overrides, explicit), explicit)
+
+
+def path_kind(path: str | Path) -> str | None:
+    """What is at ``path`` in words ("a directory", "a FIFO (named pipe)", ...); None if nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # a parent that is a file, a loop of links, no permission
+        return f"not reachable ({err.strerror or err})"
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
