@@ -1,6 +1,6 @@
 """Collective matmul (model.collective_matmul): same loss and gradients as the plain
 tensor-parallel path and the unsharded model, in the plain step and nested in a
-shard_map like the pipeline's (the pipeline itself is refused), and a compiled
+shard_map like the pipeline's and inside the pipeline itself, and a compiled
 program that really is ppermute rings beside partial matmuls."""
 
 import re
@@ -268,12 +268,39 @@ def test_train_steps_on_equal_off(tmp_path):
     np.testing.assert_allclose(metrics[True], metrics[False], rtol=RTOL, atol=ATOL)
 
 
-def test_pipeline_with_collective_matmul_is_refused(tmp_path):
-    # Stages run inside per-device conditionals, where XLA:CPU cannot match the rings'
-    # ppermutes (overlap.refuse_in_pipeline); without the refusal 1F1B computed
-    # losses 1e-3 to 2e-2 off and stage_remat="full" hung.
-    with pytest.raises(ConfigError, match=r"model\.collective_matmul=true .*parallel\.pipe=2"):
-        _train(tmp_path, "pipe", "model.collective_matmul=true", "parallel.pipe=2", "parallel.tensor=2",
-               "parallel.data=2", "parallel.microbatches=2", "parallel.schedule=1f1b")
-    # Refused before anything is written.
-    assert not any(tmp_path.rglob("config.json"))
+@pytest.mark.parametrize("schedule,remat,extra", [
+    ("1f1b", "full", ()),             # a forward re-run in the backward: it hung in per-device branches
+    ("zb-h1", "dots", ()),            # split B/W: each forms the whole vjp (split_backward=False)
+    ("interleaved", "none", ("parallel.virtual_stages=2", "model.n_layers=4"))])
+def test_pipeline_with_collective_matmul_equals_without(tmp_path, schedule, remat, extra):
+    """pipe2 x tensor2 x data2: the stages run in lockstep (every device runs every task
+    of a tick under conds with one predicate everywhere), so every device issues the
+    rings' ppermutes at the same place. Two train steps' losses and gradient norms
+    equal the same pipeline with the option off (the option was refused in pipelines:
+    in per-device branches 1F1B came out 1e-3 to 2e-2 off, and remat "full" hung)."""
+    runs = {on: _train(tmp_path, f"pipe-{on}", f"model.collective_matmul={str(on).lower()}",
+                       "parallel.pipe=2", "parallel.tensor=2", "parallel.data=2", "parallel.microbatches=2",
+                       f"parallel.schedule={schedule}", f"parallel.stage_remat={remat}", *extra)
+            for on in (False, True)}
+    metrics = {on: [(h["loss"], h["grad_norm"]) for h in r.history if "loss" in h] for on, r in runs.items()}
+    assert len(metrics[True]) == 2
+    np.testing.assert_allclose(metrics[True], metrics[False], rtol=RTOL, atol=ATOL)
+
+
+def test_collective_matmul_in_per_device_branches_is_refused():
+    """A pipeline told to run its stages in per-device branches (lockstep=False) cannot
+    hold the rings: refused in one line naming the way out, before anything runs."""
+    from flax import nnx
+
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.contract import stage_fns
+    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+
+    model = GPT(_cfg(True, n_layers=2), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    mesh = make_mesh(ParallelConfig(pipe=2, tensor=2, data=2))
+    run = pipeline_grads(stage_fns(model), get_schedule("1f1b", 2, 2), mesh, remat="none", lockstep=False)
+    tokens = np.zeros((2, 4, 16), np.int32)
+    with jax.set_mesh(mesh), pytest.raises(ConfigError, match=r"collective_matmul=true needs the pipeline's "
+                                                                r"stages run in lockstep.*lockstep=None"):
+        jax.jit(run).lower(params["embed"], params["blocks"], params["head"], tokens, tokens)

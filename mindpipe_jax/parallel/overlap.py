@@ -46,12 +46,20 @@ this option deliberately does not make: with it off or on the blocks take and
 return the same layout, so it composes with the scan over layers and remat
 unchanged.
 
-Not with the pipeline (``parallel.pipe > 1``): the primitives nest in its
-``shard_map`` and differentiate there under every remat policy, but the runtime
-runs each stage inside a per-device ``lax.switch``, and a ``collective-permute``
-inside a conditional that only some devices take cannot be matched on XLA:CPU
-(``refuse_in_pipeline``). The runtime's own ppermutes sit outside its branches
-for the same reason.
+Inside the pipeline (``parallel.pipe > 1``): the primitives nest in its
+``shard_map`` and differentiate there under every remat policy. A
+``collective-permute`` inside a conditional that only some devices take cannot be
+matched on XLA:CPU (with stages on different branches the rings paired up wrongly
+or hung), so the rings run only where the runtime runs its stages in lockstep
+(``spmd.needs_lockstep``: always with ``tensor`` > 1): every device then runs every
+task kind of a tick under ``cond``s whose predicate is the same on all devices, in
+one fixed order, and keeps its own task's outputs, so every device issues every
+ring step at the same place in the tick. The runtime says so while it traces its
+stages (``stages_in_lockstep``); a stage traced in per-device branches refuses the
+option (``refuse_in_pipeline``). The equation-level B/W split cannot replay the
+rings' retyping of values inside their nested ``shard_map``s, so the train step
+runs split-backward schedules (ZB-H1, ZB-V, DualPipeV) with B and W each forming the
+whole vjp there (``pipeline_grads(split_backward=False)``).
 
 Why ``custom_vjp`` around each ``shard_map``, and ``check_vma=False``. The
 primitives run in the plain data x tensor step (``tensor`` automatic in a
@@ -78,6 +86,9 @@ and saves the norms and adds that every device otherwise repeats on all rows.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -86,7 +97,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.rules import RULES
 
-__all__ = ["TENSOR", "tensor_size", "refuse_in_pipeline", "tensor_spec", "rows_spec",
+__all__ = ["TENSOR", "tensor_size", "refuse_in_pipeline", "stages_in_lockstep", "tensor_spec", "rows_spec",
            "scatter_rows", "gather_rows", "all_gather_matmul", "matmul_reduce_scatter"]
 
 TENSOR = "tensor"
@@ -115,22 +126,31 @@ def tensor_spec(names) -> P:
     return P(*(TENSOR if n is not None and TENSOR in RULES[n][1] else None for n in names))
 
 
+_LOCKSTEP = contextvars.ContextVar("pipeline_stages_in_lockstep", default=False)
+
+
+@contextlib.contextmanager
+def stages_in_lockstep(on: bool):
+    """While the pipeline runtime traces its stages: whether every device runs every
+    task of a tick in one order (the rings may live there) or per-device branches."""
+    token = _LOCKSTEP.set(on)
+    try:
+        yield
+    finally:
+        _LOCKSTEP.reset(token)
+
+
 def refuse_in_pipeline() -> None:
-    """The pipeline runtime runs every stage inside ``lax.switch`` branches chosen per
-    device. On XLA:CPU a ``collective-permute`` inside a branch rendezvouses with
-    *all* devices of the program, and every ring step carries the same channel id:
-    with stages on different branches the ppermutes hang, or pair up with another
-    stage's and compute wrong values (seen with 1F1B: losses off by 1e-3 to 2e-2;
-    with stage_remat="full": a hang). The primitives themselves nest in a
-    ``shard_map`` like the pipeline's (tests check that); the conditional is what
-    they cannot live in, so the combination is refused."""
+    """Refuse a collective matmul in a pipeline stage that runs in per-device branches
+    (see the module docstring): its ring steps could not be matched across devices."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and "pipe" in getattr(mesh, "manual_axes", ()) and mesh.shape["pipe"] > 1:
+    if not mesh.empty and "pipe" in getattr(mesh, "manual_axes", ()) and mesh.shape["pipe"] > 1 \
+            and not _LOCKSTEP.get():
         raise ConfigError(
-            f"model.collective_matmul=true does not compose with parallel.pipe={mesh.shape['pipe']}: "
-            f"pipeline stages run inside per-device conditionals, where the collective matmul's "
-            f"ppermutes cannot be matched across devices; set model.collective_matmul=false or "
-            f"parallel.pipe=1")
+            f"model.collective_matmul=true needs the pipeline's stages run in lockstep "
+            f"(parallel.pipe={mesh.shape['pipe']}): in per-device conditionals the collective matmul's "
+            f"ppermutes cannot be matched across devices; leave pipeline_grads(lockstep=None) or set "
+            f"model.collective_matmul=false")
 
 
 def rows_spec(ndim: int) -> P:

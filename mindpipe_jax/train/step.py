@@ -196,13 +196,6 @@ def check_step_config(cfg: Config, mesh) -> None:
     if layers and (len(layers) != stages or min(layers) < 0):
         raise ConfigError(
             f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages)")
-    if cfg.model.collective_matmul and mesh.shape["pipe"] > 1 and mesh.shape["tensor"] > 1:
-        # The rings' collective-permutes would sit inside the pipeline's per-device
-        # branches, where XLA:CPU pairs them across all devices (wrong sums or a hang).
-        raise ConfigError(f"model.collective_matmul=true does not compose with a pipeline "
-                          f"(parallel.pipe={mesh.shape['pipe']} with "
-                          f"parallel.tensor={mesh.shape['tensor']}); "
-                          f"set model.collective_matmul=false or parallel.pipe=1")
     remat = cfg.parallel.stage_remat
     if not isinstance(remat, str) and len(remat) != stages:
         raise ConfigError(f"parallel.stage_remat={list(remat)} must list {stages} policies (pipe x "
@@ -325,7 +318,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
-                         fuse_mode=par.fuse_ticks, fsdp_gather=par.fsdp_gather)
+                         fuse_mode=par.fuse_ticks, fsdp_gather=par.fsdp_gather,
+                         split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1))
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)

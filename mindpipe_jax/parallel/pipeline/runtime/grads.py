@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel import overlap
 from mindpipe_jax.parallel.pipeline.runtime import fsdp, ringsync
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.runtime.spmd import (
@@ -78,11 +79,20 @@ def _auto_spec(spec, auto: dict[str, int], stacked: bool) -> P:
     return P(*keep)
 
 
+def _in_lockstep(body, lockstep: bool):
+    """``body``, telling the stage code it traces whether the stages run in lockstep
+    (``overlap.stages_in_lockstep``: a collective matmul needs it)."""
+    def run(*args):
+        with overlap.stages_in_lockstep(lockstep):
+            return body(*args)
+    return run
+
+
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
-                   fuse_cost=None, param_specs=None, fsdp_gather: str = "step"):
+                   fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -123,6 +133,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``fsdp_gather``: when those weights are gathered: ``"step"``, once per step on each
     stage (the gathered stage stays for the step); ``"chunk"``, for each task's use of
     its chunk, the chunk's gradient reduce-scattered after each task (``fsdp.py``).
+    ``split_backward=False``: B and W tasks each form the whole vjp and keep their half,
+    instead of splitting the backward's equations (``bwsplit``), for stage code whose
+    split jaxprs cannot be replayed: the collective matmul's rings (``parallel/overlap.py``)
+    retype their values inside nested ``shard_map``s in ways a re-evaluated jaxpr does not
+    reproduce. Uneven stages fall back the same way.
     """
     if fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"fsdp_gather {fsdp_gather!r} is not one of {', '.join(FSDP_GATHERS)}")
@@ -138,7 +153,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         return fn(tree) if wire == jnp.float32 else ringsync.on_shards(fn, tree, specs, auto)
     # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
     # uneven stages form the whole vjp in B and in W instead.
-    plan = make_plan(schedule, remat, fuse_mode, split_backward=layout is None or layout.uniform,
+    plan = make_plan(schedule, remat, fuse_mode,
+                     split_backward=split_backward and (layout is None or layout.uniform),
                      fuse_cost=fuse_cost)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
@@ -247,7 +263,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         auto_specs = {name: None if param_specs is None else jax.tree.map(
             lambda s, stacked=name == "blocks": _auto_spec(s, auto, stacked), param_specs[name],
             is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
-        fn = jax.shard_map(partial(body, dims, ends, auto_specs), mesh=mesh, axis_names=set(MANUAL),
+        fn = jax.shard_map(_in_lockstep(partial(body, dims, ends, auto_specs), lockstep), mesh=mesh,
+                           axis_names=set(MANUAL),
                            in_specs=(spec_e, spec_b, spec_h, rows, rows),
                            out_specs=(P(), spec_e, spec_b, spec_h))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
