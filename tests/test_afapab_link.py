@@ -121,6 +121,32 @@ def test_blocking_replay_adds_every_collective_and_overlap_hides_the_ring():
     assert overlap.step_time < simulate_sync(sched, costs, grad_sync="end", overlap=True, **kw).step_time
 
 
+def test_overlap_replay_runs_the_early_all_reduce_behind_the_remaining_ticks():
+    """"overlap" with a communication stream: chunk 1's all-reduces, issued at its sync
+    point between two loop segments, run behind the remaining ticks; the step then ends
+    with chunk 0's (after the loop). Blocking, every all-reduce adds to the step."""
+    sched = get_schedule("afapab", 1, 8, 2)
+    link = Link(1e-4, 1e8)
+    costs = {"F": 0.01, "BW": 0.02}
+    kw = dict(data_ranks=2, dp_link=link, chunk_elems=[200_000, 200_000])
+    compute = simulate_sync(sched, costs, **{**kw, "data_ranks": 1}).step_time
+    ops = sync_ops(sched, kw["chunk_elems"], 2, "overlap")
+    total = sum(collective_time(op.kind, op.nbytes, 2, link) for op in ops)
+    assert simulate_sync(sched, costs, grad_sync="overlap", **kw).step_time == pytest.approx(compute + total)
+    early = collective_time("all-reduce", 800_000, 2, link)   # chunk 1's, 16 ms: behind 8 backward ticks
+    overlapped = simulate_sync(sched, costs, grad_sync="overlap", overlap=True, **kw)
+    assert overlapped.step_time == pytest.approx(compute + total - early)
+    end = simulate_sync(sched, costs, grad_sync="end", overlap=True, **kw)
+    assert overlapped.step_time < end.step_time == pytest.approx(compute + total)
+    # The stream is one lane: an early all-reduce longer than the ticks left delays the end's.
+    slow = dict(kw, dp_link=Link(1e-4, 2e6))
+    t_slow = simulate_sync(sched, costs, grad_sync="overlap", overlap=True, **slow).step_time
+    left = 8 * 0.02   # chunk 0's backwards after chunk 1's sync point
+    early_slow = collective_time("all-reduce", 800_000, 2, slow["dp_link"])
+    tail = sum(collective_time(op.kind, op.nbytes, 2, slow["dp_link"]) for op in ops) - early_slow
+    assert t_slow == pytest.approx(compute - left + early_slow + tail)
+
+
 @pytest.mark.parametrize("kind", ["ring-step", "all-gather", "all-reduce"])
 def test_fit_collective_recovers_the_link(kind):
     link = Link(250e-6, 1.5e8)

@@ -17,8 +17,8 @@ module lists and replays exactly that:
   that finishes at the last tick is all-reduced after it.
 * ``grad_sync="overlap"`` (Megatron's ``--overlap-grad-reduce``): at the same sync
   points, one all-reduce per leaf of the chunks that finished there, issued between
-  two loop segments. Replayed as blocking, as XLA:CPU runs it (an upper bound: a GPU's
-  asynchronous all-reduce may run behind the following ticks).
+  two loop segments (blocking with ``overlap=False``, as XLA:CPU runs it; behind the
+  following ticks with ``overlap=True``).
 * after the loop, in every mode: the loss (a scalar) and the embed and head
   gradients (``psum`` over ``pipe``, then ``pmean`` over the batch axes).
 
@@ -39,8 +39,13 @@ of two ways:
 * ``overlap=True``: a ring step beside tick ``t`` runs on the device's
   communication stream from the start of the tick (its input, the previous
   step's result, is ready by then) and the tick lasts until both its compute and
-  the step are done — the loop body waits for everything in it. Collectives
-  between loop segments and after the loop still block.
+  the step are done — the loop body waits for everything in it. A collective
+  issued between loop segments (``"overlap"``'s all-reduces at a sync point before
+  the last tick) starts on that stream once its device reaches the sync point and
+  the stream is free, and the device goes on with the following ticks: nothing
+  later in the loop reads its result, so only the step's end waits for it (an
+  asynchronous all-reduce, as a GPU with the latency-hiding scheduler issues it).
+  Collectives after the loop queue on the same stream and block the step's end.
 
 Cost of a collective over ``r`` ranks on a ``Link`` (α, bw), as
 ``network.Collective``: a ring step (``ppermute`` of ``n`` bytes) ``α + n/bw``;
@@ -236,6 +241,8 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
     def cost(op: CommOp) -> float:
         return op_time(op, data_ranks, dp_link) if op.axis == "data" else op_time(op, p, pipe_link)
 
+    last = schedule.num_ticks - 1
+    between = grad_sync == "overlap"  # its sync points split the loop (a ring's leftovers stay inside)
     crossing = _crossing_bytes(schedule, cc)
     buffer = max(crossing, default=0.0)
     occ = pipe_link.occupancy(buffer)
@@ -271,13 +278,15 @@ def simulate_sync(schedule: Schedule, costs=None, *, data_ranks: int, dp_link: L
             for op in after.get(t, ()):
                 dur = cost(op)
                 at = max(ready[s], lane[s])
-                lane[s] = ready[s] = at + dur
+                lane[s] = at + dur
+                if not (overlap and between and t < last):  # between loop segments: behind the next ticks
+                    ready[s] = at + dur
                 net[s] += dur
                 events.append(Event(s, "network", "sync", at, at + dur, t, chunk=op.chunks[0] if op.chunks
                                     else None, nbytes=op.nbytes))
         clock = ready
     mode = "tick-overlap" if overlap else "tick-blocking"
-    return trace.result(mode, max(clock, default=0.0), compute_end, net)
+    return trace.result(mode, max(*clock, *lane, 0.0), compute_end, net)
 
 
 def fit_collective(kind: str, ranks: int, sizes_bytes: Sequence[float], times_s: Sequence[float]) -> Link:
