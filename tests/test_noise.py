@@ -216,7 +216,7 @@ def test_train_step_returns_microbatch_statistics(overrides, micro):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     params = jax.device_get(state["params"])  # before the step donates the state
     # An optimizer with history (count 99): the preconditioned statistics count only once
-    # Adam's v_hat is more than the step's own gradient (train/step.py PRECOND_SETTLED_SHARE).
+    # Adam's v_hat is more than the step's own gradient (train/noise_stats.py PRECOND_SETTLED_SHARE).
     clip, (adam, *rest) = state["opt"]
     state["opt"] = (clip, (adam._replace(count=jax.device_put(jnp.int32(99), adam.count.sharding)), *rest))
     step, _ = layout.compile()

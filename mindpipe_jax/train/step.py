@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
+from mindpipe_jax.train.noise_stats import abs_sq, adam_preconditioner, noise_statistics  # noqa: F401 (re-exported)
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
 
 # The batch splits over these (the rules table's "batch"): expert devices run the
@@ -82,65 +83,13 @@ def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bo
         loss, grads = grad_fn(params, mb, jax.random.fold_in(key, j))
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         if stats:
-            sq_sum = jax.tree.map(lambda a, g: a + _abs_sq(g.astype(jnp.float32)), sq_sum, grads)
+            sq_sum = jax.tree.map(lambda a, g: a + abs_sq(g.astype(jnp.float32)), sq_sum, grads)
         return (loss_sum + loss, grad_sum, sq_sum), None
 
     init = (jnp.zeros((), jnp.float32), zeros, zeros if stats else None)
     (loss, grads, sq), _ = lax.scan(body, init, (micro, jnp.arange(accum)))
     grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
     return loss / accum, grads, (jax.tree.map(lambda x: x / accum, sq) if stats else None)
-
-
-def _weighted_sum(tree, weights=None):
-    """sum over all elements of ``tree`` (x ``weights`` squared), in fp32."""
-    if weights is None:
-        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree))
-    return sum(jnp.sum(x.astype(jnp.float32) * jnp.square(w.astype(jnp.float32)))
-               for x, w in zip(jax.tree.leaves(tree), jax.tree.leaves(weights), strict=True))
-
-
-def adam_preconditioner(opt_state, b2: float, eps: float):
-    """The diagonal preconditioner 1/(sqrt(v_hat) + eps) an Adam-family optimizer
-    (optax ``scale_by_adam``: adam, adamw, nadam, lamb's moments) divides its update by,
-    from the optimizer state after its update (so v_hat includes this step's gradient,
-    exactly what this step's update used); a tree like the parameters. ``b2``/``eps``
-    are the optimizer's (the state does not hold them). None when ``opt_state`` has no
-    ``ScaleByAdamState`` (SGD-like: no preconditioner) or more than one (ambiguous)."""
-    found = optax.tree_utils.tree_get_all_with_path(opt_state, "ScaleByAdamState")
-    if len(found) != 1:
-        return None
-    adam = found[0][1]
-    # optax stores the incremented count: the bias correction this update used.
-    correction = 1 - jnp.asarray(b2, jnp.float32) ** adam.count.astype(jnp.float32)
-    return jax.tree.map(lambda v: 1 / (jnp.sqrt(v.astype(jnp.float32) / correction) + eps), adam.nu)
-
-
-# The preconditioned statistics count once this step's gradient is at most this share
-# of Adam's v_hat ((1 - b2) / (1 - b2^count); about 1/count while b2^count ~ 1, so ~10
-# steps for any b2 near 1). Earlier, v_hat is mostly this very gradient (all of it at
-# count 1: P G_B = ±1 per element, and P g_b blows up wherever the microbatches nearly
-# cancel), so P is not the fixed matrix the estimator assumes: seen on the tiny GPT,
-# step 1 gave |P G|^2 = -2e9 against ~5e4 once settled.
-PRECOND_SETTLED_SHARE = 0.1
-
-
-def noise_statistics(micro_sq, grads, opt_state, optim) -> dict:
-    """The step's inputs to the gradient noise scale (tuner/noise.py):
-    ``micro_grad_sq`` = mean over microbatches of |g_b|^2 (from the elementwise
-    ``micro_sq``) and, when the optimizer is Adam-family, the same two norms of the
-    preconditioned gradients P g (Pollux's noise scale for adaptive optimizers):
-    ``precond_micro_grad_sq`` = mean |P g_b|^2 and ``precond_grad_sq`` = |P G_B|^2,
-    NaN until v_hat has settled (``PRECOND_SETTLED_SHARE``)."""
-    out = {"micro_grad_sq": _weighted_sum(micro_sq)}
-    precond = adam_preconditioner(opt_state, optim.b2, optim.eps)
-    if precond is not None:
-        count = optax.tree_utils.tree_get(opt_state, "ScaleByAdamState").count.astype(jnp.float32)
-        share = (1 - optim.b2) / (1 - jnp.asarray(optim.b2, jnp.float32) ** count)
-        settled = share <= PRECOND_SETTLED_SHARE
-        out["precond_micro_grad_sq"] = jnp.where(settled, _weighted_sum(micro_sq, precond), jnp.nan)
-        out["precond_grad_sq"] = jnp.where(
-            settled, _weighted_sum(jax.tree.map(_abs_sq, grads), precond), jnp.nan)
-    return out
 
 
 def _pairwise_sum(stacked):
@@ -175,7 +124,7 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, 
         loss, total = _pairwise_sum(gathered)
         out = (loss / shards, jax.tree.map(lambda g: g / shards, total))
         if stats:  # elementwise mean over shards of each shard gradient squared
-            out = (*out, jax.tree.map(lambda g: jnp.mean(_abs_sq(g.astype(jnp.float32)), axis=0),
+            out = (*out, jax.tree.map(lambda g: jnp.mean(abs_sq(g.astype(jnp.float32)), axis=0),
                                       gathered[1]))
         return out
 
@@ -338,14 +287,10 @@ def _norm_and_first_nonfinite(grads):
     holding a NaN/Inf, or large enough to overflow the norm, is what makes the
     norm non-finite, so this costs no extra pass over the gradients.
     """
-    sums = [jnp.sum(_abs_sq(g)) for g in jax.tree.leaves(grads)]
+    sums = [jnp.sum(abs_sq(g)) for g in jax.tree.leaves(grads)]
     bad = ~jnp.isfinite(jnp.stack(sums))
     first = jnp.where(bad.any(), jnp.argmax(bad), -1).astype(jnp.int32)
     return jnp.sqrt(sum(sums)), first  # summed in leaf order, as optax.global_norm does
-
-
-def _abs_sq(x):
-    return (x.conj() * x).real if jnp.iscomplexobj(x) else x * x
 
 
 def nonfinite_leaf_names(abstract_params) -> list[str]:

@@ -27,7 +27,7 @@ so the noise that matters is that of P g, and
 
 from |P G_b|² and |P G_B|² by the same two formulas (P is one fixed matrix for a
 step's microbatches and batch, so both are still unbiased). The train step returns
-both kinds (train/step.py ``noise_statistics``, P read from the optimizer's
+both kinds (train/noise_stats.py ``noise_statistics``, P read from the optimizer's
 ``ScaleByAdamState`` after its update, i.e. what that update divided by, and only
 once v̂ is more than this one step's gradient); ``NoiseScale.update_from_metrics``
 takes the preconditioned pair when it is there, so efficiency and the AdaScale gain

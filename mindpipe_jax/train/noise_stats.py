@@ -1,0 +1,66 @@
+"""What the train step measures for the gradient noise scale (``tuner/noise.py``):
+the squared norms of the microbatch and step gradients, plain and, for an
+Adam-family optimizer, preconditioned by Adam's ``1/(sqrt(v_hat) + eps)`` (Pollux's
+noise scale for adaptive optimizers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def abs_sq(x):
+    return (x.conj() * x).real if jnp.iscomplexobj(x) else x * x
+
+
+def _weighted_sum(tree, weights=None):
+    """sum over all elements of ``tree`` (x ``weights`` squared), in fp32."""
+    if weights is None:
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree))
+    return sum(jnp.sum(x.astype(jnp.float32) * jnp.square(w.astype(jnp.float32)))
+               for x, w in zip(jax.tree.leaves(tree), jax.tree.leaves(weights), strict=True))
+
+
+def adam_preconditioner(opt_state, b2: float, eps: float):
+    """The diagonal preconditioner 1/(sqrt(v_hat) + eps) an Adam-family optimizer
+    (optax ``scale_by_adam``: adam, adamw, nadam, lamb's moments) divides its update by,
+    from the optimizer state after its update (so v_hat includes this step's gradient,
+    exactly what this step's update used); a tree like the parameters. ``b2``/``eps``
+    are the optimizer's (the state does not hold them). None when ``opt_state`` has no
+    ``ScaleByAdamState`` (SGD-like: no preconditioner) or more than one (ambiguous)."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "ScaleByAdamState")
+    if len(found) != 1:
+        return None
+    adam = found[0][1]
+    # optax stores the incremented count: the bias correction this update used.
+    correction = 1 - jnp.asarray(b2, jnp.float32) ** adam.count.astype(jnp.float32)
+    return jax.tree.map(lambda v: 1 / (jnp.sqrt(v.astype(jnp.float32) / correction) + eps), adam.nu)
+
+
+# The preconditioned statistics count once this step's gradient is at most this share
+# of Adam's v_hat ((1 - b2) / (1 - b2^count); about 1/count while b2^count ~ 1, so ~10
+# steps for any b2 near 1). Earlier, v_hat is mostly this very gradient (all of it at
+# count 1: P G_B = ±1 per element, and P g_b blows up wherever the microbatches nearly
+# cancel), so P is not the fixed matrix the estimator assumes: seen on the tiny GPT,
+# step 1 gave |P G|^2 = -2e9 against ~5e4 once settled.
+PRECOND_SETTLED_SHARE = 0.1
+
+
+def noise_statistics(micro_sq, grads, opt_state, optim) -> dict:
+    """The step's inputs to the gradient noise scale (tuner/noise.py):
+    ``micro_grad_sq`` = mean over microbatches of |g_b|^2 (from the elementwise
+    ``micro_sq``) and, when the optimizer is Adam-family, the same two norms of the
+    preconditioned gradients P g (Pollux's noise scale for adaptive optimizers):
+    ``precond_micro_grad_sq`` = mean |P g_b|^2 and ``precond_grad_sq`` = |P G_B|^2,
+    NaN until v_hat has settled (``PRECOND_SETTLED_SHARE``)."""
+    out = {"micro_grad_sq": _weighted_sum(micro_sq)}
+    precond = adam_preconditioner(opt_state, optim.b2, optim.eps)
+    if precond is not None:
+        count = optax.tree_utils.tree_get(opt_state, "ScaleByAdamState").count.astype(jnp.float32)
+        share = (1 - optim.b2) / (1 - jnp.asarray(optim.b2, jnp.float32) ** count)
+        settled = share <= PRECOND_SETTLED_SHARE
+        out["precond_micro_grad_sq"] = jnp.where(settled, _weighted_sum(micro_sq, precond), jnp.nan)
+        out["precond_grad_sq"] = jnp.where(
+            settled, _weighted_sum(jax.tree.map(abs_sq, grads), precond), jnp.nan)
+    return out
