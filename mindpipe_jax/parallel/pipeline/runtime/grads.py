@@ -182,8 +182,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             return None
         if per_chunk(dims):  # the sharded leaves summed over fsdp already (fsdp.sum_scatter)
             first = lambda t: fsdp.mean_of_scattered(t, dims, BATCH, wire, ring_rest=True)  # noqa: E731
-            return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
-        first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
+        else:
+            first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
         return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
 
     def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
@@ -217,18 +217,18 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         stash_buf = _vary(tasks.stash_buffers())
         tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter)
 
-        def mean_of_chunk(sharded, grads):
+        def mean_of_chunk(grads):
             """A chunk's gradient averaged over the batch axes, each device keeping its fsdp
             shard. Gathered per task, it is a shard of the sum over fsdp already."""
-            if not sharded:
-                return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
-            return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
+            if sharded:
+                return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
+            return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
         carry = (acc, x_buf, g_buf, res_buf, stash_buf)
         # A chunk's gradient leaves are [width, *rest].
         carry, synced = run_ticks_with_sync(
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
             serialize_ring=serialize_ring, specs=auto_specs["blocks"], auto=auto, wire_dtype=wire,
-            mean=lambda g: on_shards(partial(mean_of_chunk, sharded), g, auto_specs["blocks"]),
+            mean=lambda g: on_shards(mean_of_chunk, g, auto_specs["blocks"]),
             owned=owned_shards(dims["blocks"], auto_specs["blocks"]), ring=grad_sync != "overlap")
         # Embed/head gradients live on their owners only (zeros elsewhere): summed over
         # pipe once (reduce-scattered where they are stored split over it). Shards hold

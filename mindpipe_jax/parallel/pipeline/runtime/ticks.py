@@ -103,9 +103,12 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     ``scatter(grads)`` reduce-scatters a chunk's weight gradient to this device's shard.
     Each part then runs on the chunk gathered for its task just before it, and its
     weight gradient enters the (sharded) accumulator scattered. The collectives are
-    outside the branches, chained (each after the previous one's inputs are computed),
-    so every device issues them in one order; a part no task of the schedule uses
-    gathers nothing."""
+    outside the task branches, chained (each after the previous one's inputs are
+    computed) so every device issues them in one order, each under a ``cond`` on this
+    stage's cell of the table: the same on every device of the stage's fsdp group, the
+    only devices in the collective, so a tick whose task does not run a chunk (or adds
+    no weight gradient) moves nothing; a part no task of the schedule uses gathers
+    nothing."""
     p = plan.fused.num_stages
     tables = [part.arrays() for part in plan.parts]
     actives = [jnp.asarray(part.active()) for part in plan.parts]
