@@ -23,14 +23,15 @@ same shapes, so the first and last stage cannot keep them alone; split over
 state, gathers them once per step, and their gradient (non-zero on its owners
 only) leaves reduce-scattered over ``pipe`` instead of ``psum``-ed.
 
-Per chunk use (``gather="chunk"``, MaxText's gather per pipeline iteration rather than
-``pipeline_fsdp_ag_once``): the stage's chunks stay sharded through the tick loop;
-each part of a tick (forward, backward, weight gradient) all-gathers the one chunk its
-task runs just before it and reduce-scatters that task's weight gradient just after,
-so the chunk accumulators are ``fsdp`` shards too (``ticks.py``). A device then holds
-at most a part's gathered chunk instead of its whole gathered stage, and ``1 / fsdp``
-of the stage's gradient instead of all of it, for an all-gather per part and a
-reduce-scatter per backward or weight part in every tick.
+Per chunk use (``pipeline_grads(fsdp_gather="chunk")``, MaxText's gather per pipeline
+iteration rather than ``pipeline_fsdp_ag_once``): the stage's chunks stay sharded
+through the tick loop; each part of a tick (forward, backward, weight gradient)
+all-gathers the one chunk its task runs just before it and reduce-scatters (in fp32)
+that task's weight gradient just after, so the chunk accumulators are ``fsdp`` shards
+too (``ticks.py``). A device then holds a part's gathered chunk or two instead of its
+whole gathered stage, and ``1 / fsdp`` of the stage's gradient instead of all of it,
+for an all-gather per task that runs a chunk and a reduce-scatter per task that makes
+a weight gradient (``benchmarks/fsdp_gather.py`` measures both).
 """
 
 from __future__ import annotations
