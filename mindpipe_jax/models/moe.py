@@ -246,6 +246,16 @@ class MoEGPT(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.head = Head(cfg, rngs)
 
+    def pipeline_parts(self):
+        """The pipeline contract (``parallel/pipeline/contract.py``): each block returns
+        (hidden, its load-balancing loss), which the loss weighs by ``moe_aux_weight``.
+        In a pipeline the routing statistics are those of each microbatch's rows on
+        each batch device (one microbatch at a time, as the stages see them)."""
+        from mindpipe_jax.parallel.pipeline.contract import PipelineParts
+
+        return PipelineParts("blocks", lambda m, tokens: m.embed(tokens), lambda m, h, t: m.head.loss(h, t),
+                             aux_weight=self.config.moe_aux_weight)
+
     def run_blocks(self, h, key=None):
         """(hidden states after the blocks, load-balancing loss averaged over layers)."""
         h, aux = scan_blocks(self.blocks, h, key, self.config)

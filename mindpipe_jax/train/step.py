@@ -195,8 +195,8 @@ def check_step_config(cfg: Config, mesh) -> None:
 
 
 def _check_moe(cfg: Config, mesh) -> None:
-    """The expert axis needs an MoE model whose experts it divides; MoE models do not
-    go through the pipeline runtime (its stage contract has no place for the aux loss)."""
+    """The expert axis needs an MoE model whose experts it divides; in a pipeline the
+    experts stay on their stage's devices (no expert axis)."""
     experts, ep = cfg.model.n_experts, mesh.shape["expert"]
     if ep > 1 and experts == 0:
         raise ConfigError(f"parallel.expert={ep} splits the experts of a Mixture-of-Experts model, but "
@@ -204,9 +204,10 @@ def _check_moe(cfg: Config, mesh) -> None:
                           f"or parallel.expert=1")
     if experts and experts % ep:
         raise ConfigError(f"model.n_experts={experts} must be divisible by parallel.expert={ep}")
-    if experts and mesh.shape["pipe"] > 1:
-        raise ConfigError(f"model.n_experts={experts}: the pipeline runtime does not run MoE models "
-                          f"yet; set parallel.pipe=1")
+    if experts and mesh.shape["pipe"] > 1 and ep > 1:
+        raise ConfigError(f"model.n_experts={experts} with parallel.pipe={mesh.shape['pipe']}: a pipeline "
+                          f"stage keeps all its experts on each of its devices (expert parallelism "
+                          f"inside a stage is not built); set parallel.expert=1 or parallel.pipe=1")
     if experts and cfg.model.collective_matmul and mesh.shape["tensor"] > 1:
         raise ConfigError(f"model.collective_matmul=true is not built for MoE blocks "
                           f"(model.n_experts={experts}); set model.collective_matmul=false")

@@ -49,6 +49,9 @@ class PipelineParts:
     stack: str  # attribute path of the layer stack, dots between names: "decoder.layers"
     prologue: Callable[[Any, jax.Array], jax.Array]  # (model, tokens) -> hidden
     epilogue: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, hidden, targets) -> loss
+    # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
+    # balancing): the model's loss adds aux_weight x their mean over the units.
+    aux_weight: float | None = None
 
 
 def _how_to(name: str) -> str:
@@ -208,6 +211,32 @@ def _period(layers) -> int:
     return n
 
 
+def _carrying_aux(fns: StageFns, weight: float, units: int) -> StageFns:
+    """``fns`` whose hidden state carries the units' auxiliary losses to the epilogue.
+
+    A stage passes its neighbour one array, and only the last stage computes the loss,
+    so the running sum of the units' aux losses rides along as one more feature of the
+    hidden state (``[..., d + 1]``; every position holds the same sum). The epilogue
+    adds ``weight`` x the mean over the units to the loss, so the loss and every
+    gradient are the model's own, aux included, through the runtime unchanged: the
+    backward of the epilogue's read of that feature is what reaches each unit's aux
+    (Megatron injects it with a custom backward instead; here autodiff does it).
+    """
+    def embed(p, tokens):
+        h = fns.embed(p, tokens)
+        return jnp.concatenate([h, jnp.zeros((*h.shape[:-1], 1), h.dtype)], axis=-1)
+
+    def layer(unit, h):
+        out, aux = fns.layer(unit, h[..., :-1])
+        return jnp.concatenate([out, h[..., -1:] + aux.astype(h.dtype)], axis=-1)
+
+    def head_loss(p, h, targets):
+        total = h[..., -1].reshape(-1)[0].astype(jnp.float32)
+        return fns.head_loss(p, h[..., :-1], targets) + weight * total / units
+
+    return StageFns(embed=embed, layer=layer, head_loss=head_loss)
+
+
 class PipelineModel:
     """A model as the runtime executes it. ``merge(params) -> model`` rebuilds a
     model from a pure parameter dict; ``params`` is that dict (arrays or shapes);
@@ -239,6 +268,8 @@ class PipelineModel:
             embed = self._used(prologue, example)
             head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))
             self.fns = StageFns(embed=prologue, layer=layer, head_loss=epilogue)
+            if parts.aux_weight is not None:
+                self.fns = _carrying_aux(self.fns, parts.aux_weight, self.num_units)
         self._embed_names, self._head_names = tuple(sorted(embed)), tuple(sorted(head))
 
     # -- finding the stack ------------------------------------------------------------
