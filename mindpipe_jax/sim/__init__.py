@@ -139,11 +139,13 @@ function) and a float ``transfer`` reproduces ``timeline`` start/end/makespan/bu
 exactly (``SimResult.to_timeline()``), the one difference being that a lockstep
 replay with p = 1 pays no per-tick transfer here (there is no neighbour).
 
-The code lives in three modules, all re-exported here: ``costs`` (``StageCosts``,
+The code lives in these modules, all re-exported here: ``costs`` (``StageCosts``,
 ``LayerCost``), ``network`` (``Link``, ``Collective``, ``DPSync``,
-``fit_alpha_beta``) and ``engine`` (``simulate`` and its three modes, ``Event``,
-``SimResult``; neighbour mode replays ``schedules.fused`` ticks);
-``predict_utilization`` and ``even_assignment`` are defined here.
+``fit_alpha_beta``), ``engine`` (``simulate``: its arguments checked, the replay of
+its mode run), ``modes`` (the three replays; neighbour mode replays
+``schedules.fused`` ticks), ``lanes`` (the network lanes and the syncs queued on
+them) and ``result`` (``Event``, ``SimResult``); ``predict_utilization`` and
+``even_assignment`` are defined here.
 """
 
 from __future__ import annotations
