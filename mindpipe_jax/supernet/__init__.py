@@ -14,7 +14,11 @@
   its own depth and (ladder-rounded) widths / heads: one program per shape, cached;
 * ``search.py``  — validation scores with inherited weights and the evolutionary search;
 * ``trainer.py`` — ``train_supernet(config=...)``: the whole run from a config (checkpoints
-  with ``checkpoint=True``); ``search_checkpoint(run_dir)``: the search of a saved run.
+  with ``checkpoint=True``); re-exports the two modules below;
+* ``run_setup.py`` — a run's supernet and data from its config, a checkpoint's kind and
+  fingerprint, the ``train.out_dir`` checks;
+* ``run_search.py`` — the search at the end of training; ``search_checkpoint(run_dir)``: the
+  search of a saved run.
 """
 
 from mindpipe_jax.supernet.model import SuperGPT

@@ -1,0 +1,161 @@
+"""The search of a supernet run: ``search_subnets`` (the evolutionary search on the
+validation split, run at the end of training) and ``search_checkpoint`` (``mindpipe
+search``: a saved run's config read back, its checkpoint restored onto the current
+mesh bit for bit, and the same search run there). Re-exported by ``trainer.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mindpipe_jax.config import Config, from_dict
+from mindpipe_jax.data import TokenSplits, eval_batches
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.supernet.run_setup import (
+    KIND,
+    _abstract_state,
+    _resolve_data,
+    fingerprint,
+    supernet_factory,
+)
+from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
+from mindpipe_jax.supernet.spara import AXES, supernet_spec
+from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore, verify_checksums
+
+
+def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> SearchResult:
+    """Evolutionary search of ``cfg.supernet`` on the validation split, scores bitwise stable."""
+    sn, tr = cfg.supernet, cfg.train
+    val = eval_batches(splits.val, seq_len=cfg.model.seq_len, batch_size=tr.global_batch,
+                       num_batches=sn.search_eval_batches)
+    batches = {k: np.stack([b[k] for b in val]) for k in ("inputs", "targets")}
+    evaluate = make_evaluator(spec, mesh, vmap_width=sn.vmap_width, virtual_shards=tr.virtual_shards,
+                              pad_to=sn.search_population)
+    module = spec.module
+    return evolutionary_search(
+        spec.space, lambda subs: evaluate(params, subs, batches), module.active_params,
+        population=sn.search_population, generations=sn.search_generations, top_k=sn.search_top_k,
+        max_cost=sn.search_max_params, seed=tr.seed)
+
+
+# --- searching a saved run ------------------------------------------------------------------------
+
+
+# What the supernet is: fixed by a checkpoint (the rest of a config only says how to
+# train or evaluate it, and may differ in a search).
+_ARCH_KEYS = ("supernet.ops", "supernet.ffn_ratios", "supernet.heads", "supernet.min_depth")
+
+
+def _run_config(run_dir: Path, overrides) -> Config:
+    """The run's config (``config.json``, plain JSON: read before JAX starts) with the
+    search's overrides; refuses overrides that would change the supernet."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} has no config.json: not the train.out_dir of a "
+                          f"`mindpipe supernet` run")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{str(path)!r} does not hold a config table")
+    tree = Config().to_dict()
+    for section, values in saved.items():
+        if isinstance(values, dict) and isinstance(tree.get(section), dict):
+            tree[section].update(values)
+        else:
+            tree[section] = values  # from_dict names what is wrong
+    base = from_dict(tree)
+    cfg = base.replace(*overrides) if overrides else base
+    fixed = [f"model.{k}" for k in dataclasses.asdict(cfg.model)] + list(_ARCH_KEYS)
+    for key in fixed:
+        section, name = key.split(".")
+        ours, theirs = getattr(getattr(cfg, section), name), getattr(getattr(base, section), name)
+        if ours != theirs:
+            raise ConfigError(f"{key}={_show(ours)}: the supernet in {str(run_dir)!r} was trained with "
+                              f"{key}={_show(theirs)}; a search can change supernet.search_*, "
+                              f"supernet.vmap_width, train.seed, train.global_batch, "
+                              f"train.virtual_shards, data.* and parallel.*, not the supernet")
+    return cfg
+
+
+def _show(value) -> str:
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,
+                      log=None) -> tuple[SearchResult, Config, int]:
+    """The evolutionary search on a saved supernet: ``(result, config, step)``.
+
+    ``run_dir``: the ``train.out_dir`` of ``train_supernet(..., checkpoint=True)`` /
+    ``mindpipe supernet``; ``step``: which committed checkpoint (default: the newest).
+    ``overrides`` change how the search runs (``supernet.search_*``, ``parallel.*``, the
+    validation data, ...), never the supernet itself. ``model``: the factory of a
+    custom supernet (default: the reference ``SuperGPT`` of the saved config); ``data``
+    as in ``train_supernet`` (default: the saved ``data`` section). ConfigError, one
+    line, for a missing or foreign directory, a dense run, a checkpoint of another
+    supernet, a damaged checkpoint or a bad override.
+    """
+    run_dir = Path(run_dir).absolute()
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
+                          else f"{str(run_dir)!r} is not a directory")
+    cfg = _run_config(run_dir, overrides)
+    if cfg.parallel.tensor == 0:
+        cfg = cfg.replace("parallel.tensor=1")
+    setup_runtime(cfg.parallel, cfg.distributed)
+    ckpt_dir = run_dir / "checkpoints"
+    found = read_meta(ckpt_dir)
+    if found is None:
+        raise ConfigError(f"{str(run_dir)!r} holds no committed checkpoint (checkpoints/<step>/); "
+                          f"train with `mindpipe supernet train.out_dir=...` first")
+    newest, meta = found
+    if meta.get("kind") != KIND:
+        raise ConfigError(f"{str(run_dir)!r} holds the checkpoint of a dense model (`mindpipe train`), "
+                          f"not of a supernet; search a run of `mindpipe supernet`")
+    steps = committed_steps(ckpt_dir)
+    if step is None:
+        step = newest
+    elif step not in steps:
+        raise ConfigError(f"--step {step}: {str(ckpt_dir)!r} has committed checkpoints at steps "
+                          f"{', '.join(map(str, steps))}")
+    mesh = make_mesh(cfg.parallel)
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    if others:
+        raise ConfigError(f"the search splits devices over parallel.subnet and parallel.data only; got "
+                          f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    v, d = cfg.train.virtual_shards, mesh.shape["data"]
+    if v % d or cfg.train.global_batch % v:
+        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.data={d}, and "
+                          f"train.global_batch={cfg.train.global_batch} (validation rows) by it")
+    factory = model if model is not None else supernet_factory(cfg)
+    spec, create = supernet_spec(factory, cfg.train.seed)
+    if meta.get("fingerprint") != fingerprint(spec):
+        raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
+                          f"{type(spec.module).__name__} of its config (parameter shapes or genes differ); "
+                          f"pass the model that wrote it")
+    target = _abstract_state(spec, create, mesh)
+    where = str(ckpt_dir / str(step))
+    try:
+        state, _, saved_meta = restore(ckpt_dir, step, target)
+    except Exception as err:  # truncated or missing array files, garbled metadata
+        detail = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: {detail}); "
+                          f"it is damaged") from None
+    if (leaf := verify_checksums(state, saved_meta)) is not None:
+        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
+                          f"match the checksum saved with them")
+    splits = _resolve_data(data, cfg)
+    say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
+    sn = cfg.supernet
+    say(f"search of {run_dir} at step {step}: {spec.space.num_architectures:,} architectures | population "
+        f"{sn.search_population}, {sn.search_generations} generations, top {sn.search_top_k}"
+        + (f", at most {sn.search_max_params:,} parameters" if sn.search_max_params else "")
+        + f" | mesh subnet={mesh.shape['subnet']} x data={mesh.shape['data']}")
+    return search_subnets(spec, state["params"], splits, cfg, mesh), cfg, step

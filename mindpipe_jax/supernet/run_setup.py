@@ -1,0 +1,86 @@
+"""What a supernet run is set up from, shared by training (``trainer.py``) and by
+searching a saved run (``run_search.py``): the reference supernet and the data of a
+config, and the checkpoint plumbing: the kind and fingerprint a checkpoint must
+match, the checks of ``train.out_dir`` before anything is written, and the state's
+shapes a checkpoint restores onto. ``trainer.py`` describes the checkpoints in its
+docstring and re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from mindpipe_jax.config import Config, DataConfig
+from mindpipe_jax.data import TokenSplits, load_tokens
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet.model import SuperGPT
+from mindpipe_jax.supernet.spara import SupernetSpec, init_state, state_shardings
+from mindpipe_jax.train.checkpoint import prepare_out_dir, read_meta
+
+KIND = "supernet"  # meta["kind"] of a supernet checkpoint (dense runs have none)
+
+
+def supernet_factory(cfg: Config):
+    """``rngs -> SuperGPT`` from the ``model`` and ``supernet`` sections."""
+    sn, m = cfg.supernet, cfg.model
+    widths = sorted({max(1, round(r * m.ff_dim)) for r in sn.ffn_ratios})
+    if sn.min_depth > m.n_layers:
+        raise ConfigError(f"supernet.min_depth={sn.min_depth} must be <= model.n_layers={m.n_layers}")
+    depths = tuple(range(sn.min_depth, m.n_layers + 1))
+    return lambda rngs: SuperGPT(m, ops=sn.ops, ffn_widths=widths, heads=sn.heads, depths=depths, rngs=rngs)
+
+
+def _resolve_data(data, cfg: Config) -> TokenSplits:
+    if data is None:
+        return load_tokens(cfg.data, cfg.model.vocab_size)
+    if isinstance(data, TokenSplits):
+        return data
+    if isinstance(data, DataConfig):
+        return load_tokens(data, cfg.model.vocab_size)
+    if isinstance(data, (str, Path)):
+        source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
+        return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)), cfg.model.vocab_size)
+    raise ConfigError(f"data must be None, a path, a DataConfig or TokenSplits, got {type(data).__name__}")
+
+
+def fingerprint(spec: SupernetSpec) -> dict:
+    """Parameter paths and shapes, and the genes of the space: what a checkpoint must match.
+
+    (Widths, head counts and depths do not change any shape, so the genes are part of it.)
+    """
+    flat = jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
+    return {"params": {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat},
+            "genes": {g.name: list(g.choices) for g in spec.space.genes}}
+
+
+def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int | None, dict]:
+    """(out_dir, checkpoint dir, step to resume from or None, its meta), before anything is written.
+
+    The dense loop's rules (a file, a foreign directory, another model, a run without
+    ``train.resume``, nothing to resume, a finished run), after two of a supernet's
+    own: a dense run's checkpoint, or one of another supernet class, is refused by name.
+    """
+    found = read_meta(Path(cfg.train.out_dir).absolute() / "checkpoints")  # foreign/unreadable: ConfigError
+    if found is not None:
+        step, meta = found
+        where = f"train.out_dir {str(Path(cfg.train.out_dir).absolute())!r}"
+        if meta.get("kind") != KIND:
+            raise ConfigError(f"{where} holds the checkpoint of a dense model (`mindpipe train`, step "
+                              f"{step}), not of a supernet; choose another train.out_dir")
+        ours = type(spec.module).__name__
+        if meta.get("model", ours) != ours:
+            raise ConfigError(f"{where} holds a checkpoint of the supernet {meta['model']}, not of {ours}; "
+                              f"pass the model that wrote it or choose another train.out_dir")
+    return prepare_out_dir(cfg, fingerprint(spec))
+
+
+def _abstract_state(spec: SupernetSpec, create, mesh):
+    """The train state's shapes on ``mesh``'s shardings: what a checkpoint restores onto."""
+    abstract = jax.eval_shape(lambda: init_state(spec, create()))
+    return jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
+        state_shardings(mesh), abstract)
