@@ -220,14 +220,21 @@ def _carrying_aux(fns: StageFns, weight: float, units: int) -> StageFns:
     adds ``weight`` x the mean over the units to the loss, so the loss and every
     gradient are the model's own, aux included, through the runtime unchanged: the
     backward of the epilogue's read of that feature is what reaches each unit's aux
-    (Megatron injects it with a custom backward instead; here autodiff does it).
+    (Megatron injects it with a custom backward instead; here autodiff does it). The
+    sum is kept in the hidden state's dtype: with bf16 activations the loss *value*
+    rounds its aux term, while the gradient each unit's aux receives (a constant) does
+    not.
     """
     def embed(p, tokens):
         h = fns.embed(p, tokens)
         return jnp.concatenate([h, jnp.zeros((*h.shape[:-1], 1), h.dtype)], axis=-1)
 
     def layer(unit, h):
-        out, aux = fns.layer(unit, h[..., :-1])
+        out = fns.layer(unit, h[..., :-1])
+        if not (isinstance(out, tuple) and len(out) == 2 and jnp.ndim(out[1]) == 0):
+            raise ConfigError(f"PipelineParts(aux_weight={weight}) needs each unit to return (hidden, "
+                              f"a scalar aux loss); a unit returned {jax.tree.structure(out)}")
+        out, aux = out
         return jnp.concatenate([out, h[..., -1:] + aux.astype(h.dtype)], axis=-1)
 
     def head_loss(p, h, targets):
