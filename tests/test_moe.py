@@ -281,3 +281,27 @@ def test_train_moe_through_a_pipeline(tmp_path):
     assert result.mesh.shape["pipe"] == 2
     losses = [h["loss"] for h in result.history if "loss" in h]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses
+
+
+class _AuxUndeclared(MoEGPT):
+    """An MoE model whose pipeline contract forgets ``aux_weight``: its blocks still return
+    (hidden, aux)."""
+
+    def pipeline_parts(self):
+        return dataclasses.replace(super().pipeline_parts(), aux_weight=None)
+
+
+def test_units_returning_aux_without_aux_weight_are_refused_in_one_line(tmp_path):
+    cfg = mp.Config().replace(
+        "model.n_experts=4", "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
+        "parallel.microbatches=2", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+        "model.seq_len=32", "train.global_batch=16",
+        "train.steps=1", "train.progress=false", "train.tensorboard=false", "parallel.simulate_cpu_devices=0",
+        f"train.out_dir={tmp_path / 'run'}")
+    model = _AuxUndeclared(cfg.model, rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError) as err:
+        mp.train(model, None, cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "_AuxUndeclared.blocks: a unit returned tuple" in msg, msg
+    assert "needs PipelineParts(aux_weight=...)" in msg, msg
+    assert not (tmp_path / "run").exists()  # refused before anything was written

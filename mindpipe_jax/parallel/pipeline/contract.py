@@ -244,6 +244,25 @@ def _carrying_aux(fns: StageFns, weight: float, units: int) -> StageFns:
     return StageFns(embed=embed, layer=layer, head_loss=head_loss)
 
 
+def _returning_hidden(fns: StageFns, where: str) -> StageFns:
+    """``fns`` whose units are checked, when traced, to return one array shaped like their
+    input: the pipeline hands that array to the next unit (and stage). A unit returning
+    anything else (e.g. ``(hidden, aux)`` of an MoE block without ``aux_weight``) is
+    refused here in one line rather than failing inside the runtime's transfers."""
+    def layer(unit, h):
+        out = fns.layer(unit, h)
+        if not (hasattr(out, "shape") and hasattr(out, "dtype")) or tuple(out.shape) != tuple(h.shape):
+            what = f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else \
+                f"{type(out).__name__} {jax.tree.structure(out)}"
+            extra = (" (a unit that also returns an auxiliary loss, (hidden, scalar), needs "
+                     "PipelineParts(aux_weight=...))" if isinstance(out, tuple) and len(out) == 2 else "")
+            raise ConfigError(f"{where}: a unit returned {what}; the pipeline passes one hidden array of "
+                              f"shape {tuple(h.shape)} from unit to unit{extra}")
+        return out
+
+    return StageFns(embed=fns.embed, layer=layer, head_loss=fns.head_loss)
+
+
 class PipelineModel:
     """A model as the runtime executes it. ``merge(params) -> model`` rebuilds a
     model from a pure parameter dict; ``params`` is that dict (arrays or shapes);
@@ -277,7 +296,14 @@ class PipelineModel:
             self.fns = StageFns(embed=prologue, layer=layer, head_loss=epilogue)
             if parts.aux_weight is not None:
                 self.fns = _carrying_aux(self.fns, parts.aux_weight, self.num_units)
+            else:
+                self.fns = _returning_hidden(self.fns, f"{self.name}.{parts.stack}")
         self._embed_names, self._head_names = tuple(sorted(embed)), tuple(sorted(head))
+        if parts is not None:  # trace one unit now: a contract mistake is refused before a run starts
+            stack = jax.eval_shape(lambda p: self.split(p)[1], params)
+            unit = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+            jax.eval_shape(self.fns.layer, unit, jax.eval_shape(self.fns.embed, self._outer_abstract(),
+                                                                example))
 
     # -- finding the stack ------------------------------------------------------------
 
