@@ -174,7 +174,7 @@ class SparaSliced:
                              virtual_shards=v, global_batch=len(batch["inputs"]), optim=optim,
                              total_steps=TOTAL_STEPS, levels=LEVELS)
         self.batch = {k: jax.device_put(x, NamedSharding(mesh, P("data"))) for k, x in batch.items()}
-        self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
+        self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
 
     @property
     def programs(self) -> int:
@@ -192,9 +192,9 @@ class SparaMasked:
         self.spec = spec
         self.fn = jit_step(make_spara_step(spec, mesh, semantics="sync", subnets_per_step=K, vmap_width=1,
                                            virtual_shards=v, global_batch=len(batch["inputs"]), optim=optim,
-                                           total_steps=TOTAL_STEPS), mesh)
+                                           total_steps=TOTAL_STEPS), mesh, spec)
         self.batch = {k: jax.device_put(x, NamedSharding(mesh, P("data"))) for k, x in batch.items()}
-        self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
+        self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
         self.programs = 1
 
     def step(self, subnets):

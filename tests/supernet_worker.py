@@ -64,6 +64,12 @@ SEARCH_SPLIT = {1: 1, 2: 1, 4: 4, 8: 2}
 # masked step is unchanged by slicing and was checked on every split before it came;
 # test_supernet checks both of its semantics against the sequential reference.)
 MASKED_SPLIT = {"sync": {1: 1, 8: 4}}
+# Layouts with fsdp and tensor (devices -> [(name, subnet, fsdp, tensor)], sync, sliced),
+# stored under "layout/<name>/": fsdp splits the batch as data does (the bits of subnet x
+# data); tensor splits the matmuls (bits of their own, the same on every split of the
+# other devices for one tensor size).
+LAYOUTS = {1: [], 2: [("T2", 1, 1, 2)], 4: [("F2", 1, 2, 1), ("S2T2", 2, 1, 2)],
+           8: [("S2F2", 2, 2, 1), ("S2F2T2", 2, 2, 2)]}
 LADDER = 1  # sizes per ladder: the widths 16 and 32 both run at 32
 SHAPE = ((32, 1), (32, 1))  # what every subnet runs at: (FFN width, heads) per block
 K = 8  # subnets per step: divisible by every subnet axis size up to 8 (vmap_width 1)
@@ -108,13 +114,15 @@ def _count(name, _secs, **_):
         _compiles[0] += 1
 
 
-def run(arrays, key, n, semantics, s, *extra, search=False):
+def run(arrays, key, n, semantics, s, *extra, search=False, fsdp=1, tensor=1):
     """Train one configuration; its params go under ``key/``."""
     lines, before, cpu = [], _compiles[0], _cpu_s()
-    cfg = config(semantics, s, n // s, *extra)
+    data = n // (s * fsdp * tensor)
+    cfg = config(semantics, s, data, f"parallel.fsdp={fsdp}", f"parallel.tensor={tensor}", *extra)
     result = train_supernet(factory(cfg.model), config=cfg, search=search, log=lines.append)
-    if dict(result.mesh.shape)["subnet"] != s or dict(result.mesh.shape)["data"] != n // s:
-        raise SystemExit(f"mesh {dict(result.mesh.shape)} is not subnet={s} x data={n // s}")
+    want = {"subnet": s, "fsdp": fsdp, "data": data, "tensor": tensor}
+    if any(dict(result.mesh.shape)[a] != size for a, size in want.items()):
+        raise SystemExit(f"mesh {dict(result.mesh.shape)} is not {want}")
     arrays.update({f"{key}/{k}": v for k, v in host_params(result.state).items()})
     header = lines[0]  # "supernet: ... | sliced (...)" or "... | masked, compiled in ..."
     arrays[f"path/{key}"] = np.asarray("sliced" if "| sliced (" in header else
@@ -142,6 +150,8 @@ def main() -> None:
         if n in MASKED_SPLIT.get(semantics, {}):
             s = MASKED_SPLIT[semantics][n]
             run(arrays, f"masked/{semantics}/S{s}", n, semantics, s, "supernet.ladder_levels=0")
+    for name, s, fsdp, tensor in LAYOUTS[n]:
+        run(arrays, f"layout/{name}", n, "sync", s, fsdp=fsdp, tensor=tensor)
     if n == 1:
         run(arrays, "control/vmap2", 1, "sync", 1, "supernet.vmap_width=2")
     space = result.spec.space

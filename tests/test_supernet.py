@@ -336,7 +336,7 @@ def test_step_equals_the_sequential_reference(spec_create, semantics):
     mesh = make_mesh(ParallelConfig(subnet=2, data=4, tensor=1))
     step = make_spara_step(spec, mesh, semantics=semantics, subnets_per_step=4, vmap_width=2,
                            virtual_shards=8, global_batch=16, optim=optim, total_steps=10)
-    jitted = jit_step(step, mesh)
+    jitted = jit_step(step, mesh, spec)
     plan = plan_step(spec, SUBNETS, semantics, 4)
     assert plan.waves.tolist() == {"sync": [0] * 4, "sequential": [0, 1, 2, 3],
                                    "operator-causal": [0, 1, 0, 1]}[semantics]
@@ -402,10 +402,15 @@ def test_layout_errors_name_the_sizes(spec_create):
     with pytest.raises(ConfigError, match=r"subnets_per_step=4 must be divisible by parallel.subnet x "
                                           r"supernet.vmap_width = 8 x 1 = 8"):
         check_layout(mesh, subnets_per_step=4, vmap_width=1, virtual_shards=8, global_batch=16)
-    with pytest.raises(ConfigError, match=r"tensor=2"):
-        check_layout(make_mesh(ParallelConfig(subnet=1, data=4, tensor=2)), subnets_per_step=4,
+    with pytest.raises(ConfigError, match=r"over parallel.subnet, fsdp, data and tensor only; got pipe=2"):
+        check_layout(make_mesh(ParallelConfig(subnet=1, data=2, pipe=2, tensor=2)), subnets_per_step=4,
                      vmap_width=1, virtual_shards=8, global_batch=16)
-    with pytest.raises(ConfigError, match=r"train.virtual_shards=4 must be divisible by parallel.data=8"):
+    with pytest.raises(ConfigError, match=r"train.virtual_shards=4 must be divisible by parallel.fsdp x "
+                                          r"data = 8"):
+        check_layout(make_mesh(ParallelConfig(subnet=1, fsdp=2, data=4, tensor=1)), subnets_per_step=4,
+                     vmap_width=1, virtual_shards=4, global_batch=16)
+    with pytest.raises(ConfigError, match=r"train.virtual_shards=4 must be divisible by parallel.fsdp x "
+                                          r"data = 8"):
         check_layout(make_mesh(ParallelConfig(subnet=1, data=8, tensor=1)), subnets_per_step=4,
                      vmap_width=1, virtual_shards=4, global_batch=16)
     with pytest.raises(ConfigError, match=r"supernet.semantics='eventual'"):

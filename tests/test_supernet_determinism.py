@@ -1,5 +1,6 @@
 """SPara's guarantee: the same supernet, bit for bit, on 1, 2, 4 and 8 devices and on
-splits of them between the ``subnet`` and ``data`` axes, in all three semantics, on the
+splits of them between the ``subnet``, ``fsdp`` and ``data`` axes (for a fixed ``tensor``
+size, on every split of the others), in all three semantics, on the
 sliced path (the default): sync on subnet axes 1, 2, 4, 8 and data axes 1, 2, 4, 8,
 sequential and operator-causal each on pure subnet, pure data and mixed splits
 (``supernet_worker.SPLITS``); the masked path (``supernet.ladder_levels=0``, sync) on 1
@@ -135,11 +136,28 @@ def test_masked_params_are_bitwise_equal_on_its_device_counts(runs, semantics):
 
 
 @pytest.mark.slow
+def test_fsdp_keeps_the_bits_and_tensor_keeps_its_own_on_every_split(runs):
+    """fsdp is a data-parallel axis whose devices also split the stored parameters: the
+    bits of 1 device. A tensor split rounds its matmuls' partial sums its own way, the
+    same way on every split of the other devices (supernet_worker.LAYOUTS)."""
+    one = _group(runs[1], "sliced/sync/S1/")
+    for n, name in ((4, "F2"), (8, "S2F2")):
+        diff = _diff(one, _group(runs[n], f"layout/{name}/"))
+        assert not diff, f"sync {name} on {n} devices differs from 1 device:\n" + "\n".join(diff)
+    tensor2 = _group(runs[2], "layout/T2/")
+    for n, name in ((4, "S2T2"), (8, "S2F2T2")):
+        diff = _diff(tensor2, _group(runs[n], f"layout/{name}/"))
+        assert not diff, f"sync {name} on {n} devices differs from tensor=2 on 2:\n" + "\n".join(diff)
+    print("tensor=2 vs 1 device:", _diff(one, tensor2) or "bitwise equal")
+
+
+@pytest.mark.slow
 def test_every_run_took_the_path_it_is_filed_under(runs):
     # The trainer's own report: sliced is the default, ladder_levels=0 is masked.
     for n in DEVICES:
         paths = {k[len("path/"):]: str(v) for k, v in runs[n].items() if k.startswith("path/")}
-        assert paths and all(path == key.split("/")[0] or key.startswith("control/") and path == "sliced"
+        elsewhere = ("control/", "layout/")  # runs filed by what they control, all sliced
+        assert paths and all(path == key.split("/")[0] or key.startswith(elsewhere) and path == "sliced"
                              for key, path in paths.items()), (n, paths)
     # Every subnet at the one shape, below the supernet's size in depth (2 of 3 blocks),
     # FFN width (32 of 128) and heads (1 of 2): the runs are sliced in every dimension.

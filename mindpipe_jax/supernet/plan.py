@@ -1,7 +1,9 @@
 """How a SPara step cuts its work, decided on the host: layout checks, rounds and waves.
 
-The mesh axes are ``AXES`` = (``subnet``, ``data``): S device groups share the K
-subnets of a step, D devices per group split the batch. A *round* holds R = S·W
+The mesh axes are ``AXES`` = (``subnet``, ``fsdp``, ``data``): S device groups share
+the K subnets of a step, the D = fsdp × data devices of a group split the batch
+(``DATA_AXES``; ``fsdp`` also keeps the stored parameters split, see ``spara.py``),
+and ``tensor``, when > 1, splits each subnet's matmuls inside every device group. A *round* holds R = S·W
 slots (W = ``supernet.vmap_width``); ``plan_step`` lays the step's subnets into
 rounds as fixed-shape arrays (``StepPlan``), so every step runs the same compiled
 program whatever subnets it drew.
@@ -35,7 +37,34 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec
 
 SEMANTICS = SUPERNET_SEMANTICS  # config.py validates them without importing JAX
-AXES = ("subnet", "data")
+AXES = ("subnet", "fsdp", "data")  # manual in the step's shard_map; device index subnet-major
+DATA_AXES = ("fsdp", "data")  # split the batch: one data-parallel group of fsdp x data devices
+COMPUTE_AXES = ("tensor",)  # left to the compiler inside the step (the model's Megatron split)
+
+
+def data_devices(mesh) -> int:
+    """D: the devices of a subnet group that split the batch (fsdp x data)."""
+    return mesh.shape["fsdp"] * mesh.shape["data"]
+
+
+def skips_padding(mesh) -> bool:
+    """Whether a device whose slots of a round are all padding may skip the round's
+    compute (a per-device ``cond``): only when the compute holds no collective.
+
+    With ``tensor`` > 1 the partitioner puts the model's collectives inside the compute,
+    wherever it likes; a resharding collective-permute is one instruction over every
+    device of the mesh, so a device group that skips it strands the others (XLA:CPU
+    aborts; seen on subnet=2 x tensor=2 with rounds padded by shape). Then every device
+    computes every round, padding slots included (their results are never read).
+    """
+    return all(mesh.shape[a] == 1 for a in COMPUTE_AXES)
+
+
+def mesh_label(mesh) -> str:
+    """``subnet=2 x data=4``, with ``fsdp`` and ``tensor`` when they are > 1: for log lines."""
+    axes = ["subnet"] + [a for a in ("fsdp",) if mesh.shape[a] > 1] + ["data"] + \
+        [a for a in COMPUTE_AXES if mesh.shape[a] > 1]
+    return " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
 
 
 def check_semantics(semantics: str) -> None:
@@ -68,21 +97,22 @@ def step_waves(semantics: str, units: np.ndarray, shares_weights: bool = True) -
 def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
                  global_batch: int) -> None:
     """The mesh and sizes the SPara step supports; ConfigError naming the value otherwise."""
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
     if others:
-        raise ConfigError(f"supernet training splits devices over parallel.subnet and parallel.data only; "
-                          f"got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
-    s, d = mesh.shape["subnet"], mesh.shape["data"]
+        raise ConfigError(f"supernet training splits devices over parallel.subnet, fsdp, data and tensor "
+                          f"only; got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    s, d = mesh.shape["subnet"], data_devices(mesh)
     if PARAM_CHUNKS % (s * d):
-        raise ConfigError(f"parallel.subnet x parallel.data = {s} x {d} = {s * d} devices must divide "
-                          f"{PARAM_CHUNKS} (SPara splits the optimizer into {PARAM_CHUNKS} equal chunks)")
+        raise ConfigError(f"parallel.subnet x fsdp x data = {s} x {mesh.shape['fsdp']} x "
+                          f"{mesh.shape['data']} = {s * d} devices must divide {PARAM_CHUNKS} (SPara splits "
+                          f"the optimizer into {PARAM_CHUNKS} equal chunks)")
     if subnets_per_step % (s * vmap_width):
         raise ConfigError(
             f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
             f"supernet.vmap_width = {s} x {vmap_width} = {s * vmap_width}")
     if virtual_shards % d or global_batch % virtual_shards:
         raise ConfigError(
-            f"train.virtual_shards={virtual_shards} must be divisible by parallel.data={d}, and "
+            f"train.virtual_shards={virtual_shards} must be divisible by parallel.fsdp x data = {d}, and "
             f"train.global_batch={global_batch} by train.virtual_shards")
 
 

@@ -17,6 +17,7 @@ from mindpipe_jax.config import Config, from_dict
 from mindpipe_jax.data import TokenSplits, eval_batches
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.supernet.plan import AXES, COMPUTE_AXES, data_devices, mesh_label
 from mindpipe_jax.supernet.run_setup import (
     KIND,
     _abstract_state,
@@ -25,7 +26,7 @@ from mindpipe_jax.supernet.run_setup import (
     supernet_factory,
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
-from mindpipe_jax.supernet.spara import AXES, supernet_spec
+from mindpipe_jax.supernet.spara import supernet_spec
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore, verify_checksums
 
 
@@ -126,13 +127,13 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         raise ConfigError(f"--step {step}: {str(ckpt_dir)!r} has committed checkpoints at steps "
                           f"{', '.join(map(str, steps))}")
     mesh = make_mesh(cfg.parallel)
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES and n > 1}
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
     if others:
-        raise ConfigError(f"the search splits devices over parallel.subnet and parallel.data only; got "
+        raise ConfigError(f"the search splits devices over parallel.subnet, fsdp, data and tensor only; got "
                           f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
-    v, d = cfg.train.virtual_shards, mesh.shape["data"]
+    v, d = cfg.train.virtual_shards, data_devices(mesh)
     if v % d or cfg.train.global_batch % v:
-        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.data={d}, and "
+        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.fsdp x data = {d}, and "
                           f"train.global_batch={cfg.train.global_batch} (validation rows) by it")
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, cfg.train.seed)
@@ -157,5 +158,5 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     say(f"search of {run_dir} at step {step}: {spec.space.num_architectures:,} architectures | population "
         f"{sn.search_population}, {sn.search_generations} generations, top {sn.search_top_k}"
         + (f", at most {sn.search_max_params:,} parameters" if sn.search_max_params else "")
-        + f" | mesh subnet={mesh.shape['subnet']} x data={mesh.shape['data']}")
+        + f" | mesh {mesh_label(mesh)}")
     return search_subnets(spec, state["params"], splits, cfg, mesh), cfg, step

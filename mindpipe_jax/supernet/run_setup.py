@@ -83,4 +83,4 @@ def _abstract_state(spec: SupernetSpec, create, mesh):
     return jax.tree.map(
         lambda sharding, sub: jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
-        state_shardings(mesh), abstract)
+        state_shardings(mesh, spec), abstract)

@@ -29,9 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet.layout import param_shardings
+from mindpipe_jax.supernet.plan import AXES, DATA_AXES, data_devices
 from mindpipe_jax.supernet.sampler import rng_for
 from mindpipe_jax.supernet.space import SearchSpace
-from mindpipe_jax.supernet.spara import AXES, SupernetSpec, pairwise_sum
+from mindpipe_jax.supernet.spara import SupernetSpec, pairwise_sum
 
 _SEARCH_TAG = 0x5EA4
 
@@ -42,14 +44,14 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
     """``evaluate(params, subnets, batches) -> float32[N]``: each subnet's mean validation loss.
 
     ``batches``: ``{"inputs", "targets"}`` of ``int32[n_batches, rows, T]`` (rows divisible
-    by ``virtual_shards``, which must be divisible by ``parallel.data``). Any N: the
+    by ``virtual_shards``, which must be divisible by ``parallel.fsdp x data``). Any N: the
     subnets are padded to a multiple of ``pad_to`` rounded up to whole rounds of
     ``subnet × vmap_width`` (one compiled program for every call up to that size).
     """
-    s, d = mesh.shape["subnet"], mesh.shape["data"]
+    s, d = mesh.shape["subnet"], data_devices(mesh)
     w, v = vmap_width, virtual_shards
     if v % d:
-        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.data={d}")
+        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.fsdp x data = {d}")
     round_slots = s * w
     bucket = -(-max(pad_to, 1) // round_slots) * round_slots
 
@@ -68,16 +70,18 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
             return losses.reshape(nb, -1, w)
 
         losses = lax.map(one_round, subnets[:, 0])  # [rounds, n_batches, V/D, W]
-        losses = lax.all_gather(losses, "data", axis=2, tiled=True, to="invarying")
+        losses = lax.all_gather(losses, DATA_AXES, axis=2, tiled=True, to="invarying")
         # Sums only, then one scale: no product for the compiler to fuse into an FMA.
         losses = pairwise_sum(jnp.moveaxis(losses, 2, 0))  # [rounds, n_batches, W]
         losses = pairwise_sum(jnp.moveaxis(losses, 1, 0)) * (1.0 / (v * nb))  # [rounds, W]
         return lax.all_gather(losses[:, None], "subnet", axis=1, tiled=True, to="invarying")
 
+    # The parameters come as stored (split over fsdp/tensor): gathered over fsdp going in,
+    # left split over tensor for the partitioner.
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
-                               in_specs=(P(), P(None, "subnet"), P(None, "data")), out_specs=P()),
-                 in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "subnet")),
-                               NamedSharding(mesh, P(None, "data"))))
+                               in_specs=(P(), P(None, "subnet"), P(None, DATA_AXES)), out_specs=P()),
+                 in_shardings=(param_shardings(mesh, spec), NamedSharding(mesh, P(None, "subnet")),
+                               NamedSharding(mesh, P(None, DATA_AXES))))
 
     def evaluate(params, subnets, batches) -> np.ndarray:
         subnets = spec.space.validate(subnets)

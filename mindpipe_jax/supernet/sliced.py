@@ -49,15 +49,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet.layout import STATE_SPECS, state_shardings, tensor_split
 from mindpipe_jax.supernet.optimizer import adamw, pairwise_sum, reduce_round
 from mindpipe_jax.supernet.plan import (
     AXES,
+    DATA_AXES,
     check_layout,
     check_semantics,
+    data_devices,
+    skips_padding,
     step_waves,
     updates_shared_per_wave,
 )
@@ -148,7 +153,7 @@ class SlicedStep:
     """``step(state, plan, batch) -> (state, metrics)``: the SPara step on the sliced path.
 
     The same arguments and results as ``make_spara_step`` + ``jit_step`` (state sharded
-    by ``spara.state_shardings``, batch split over ``data``), except that ``plan`` is a
+    by ``spara.state_shardings``, batch split over ``DATA_AXES``), except that ``plan`` is a
     ``SlicedPlan`` (``self.plan(subnets)``). Programs are compiled on first use of a
     shape and cached (``programs``: how many so far; ``max_programs``: the bound).
     """
@@ -166,7 +171,7 @@ class SlicedStep:
             raise ConfigError(f"supernet.ladder_levels={levels}: the sliced path needs >= 1 level")
         self.spec, self.mesh, self.semantics, self.levels = spec, mesh, semantics, levels
         self.k, self.w, self.v, self.optim = subnets_per_step, vmap_width, virtual_shards, optim
-        self.n_sub, self.n_data = mesh.shape["subnet"], mesh.shape["data"]
+        self.n_sub, self.n_data = mesh.shape["subnet"], data_devices(mesh)
         self.round_slots = self.n_sub * vmap_width
         self.chunk = spec.padded_size // (self.n_sub * self.n_data)
         self.schedule = lr_schedule(optim, total_steps)
@@ -188,12 +193,10 @@ class SlicedStep:
     def __call__(self, state, plan: SlicedPlan, batch):
         """One step. ``state`` is consumed (its buffers are donated), as with ``jit_step``."""
         subnets = jnp.asarray(plan.subnets)
-        carry = self._start(state)
-        # sync reads the step's starting parameters in every round; waves carry their own.
-        params = state["params"] if self.semantics == "sync" else None
+        carry = self._start(state)  # holds the parameters the rounds read (gathered once)
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
             rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
-            carry = self._round(shape)(carry, params, state["step"], rnd, subnets, batch)
+            carry = self._round(shape)(carry, state["step"], rnd, subnets, batch)
         return self._finish(state["step"], carry, plan.used)
 
     def flops(self, state, plan: SlicedPlan, batch) -> float:
@@ -203,21 +206,25 @@ class SlicedStep:
         never run). On one device with ``virtual_shards=1`` it is the step's whole work (a
         conditional counts at its larger branch). ``state`` and ``batch`` may be abstract."""
         def count(lowered):
-            cost = lowered.compile().cost_analysis()
+            compiled = lowered.compile() if hasattr(lowered, "compile") else lowered
+            cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
             return float(cost.get("flops", 0.0))
 
         subnets = jnp.asarray(plan.subnets)
-        carry = jax.eval_shape(self._start, state)
-        params = state["params"] if self.semantics == "sync" else None
-        total = count(self._start.lower(state))
+        start = self._start.lower(state).compile()
+        # The carry as the start program lays it out (eval_shape alone drops the shardings,
+        # and a round compiled for replicated parameters would not split over tensor).
+        carry = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                             jax.eval_shape(self._start, state), start.output_shardings)
+        total = count(start)
         # Every round of a shape runs the same program (its slots are arguments): one count each.
         per_shape: dict = {}
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
             if shape not in per_shape:
                 rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
                 counting = self._jit_round(shape, unroll=True)
-                per_shape[shape] = count(counting.lower(carry, params, state["step"], rnd, subnets, batch))
+                per_shape[shape] = count(counting.lower(carry, state["step"], rnd, subnets, batch))
             total += per_shape[shape]
         return total + count(self._finish.lower(state["step"], carry, plan.used))
 
@@ -226,41 +233,40 @@ class SlicedStep:
     def _carry_specs(self):
         # Per device: its chunk of the parameters, of the AdamW moments and of the wave's
         # unit gradients, and its columns of the [K+1] gradient buffer; counts, losses,
-        # norms and (waves) the current parameters are the same on every device.
+        # norms and the parameters the rounds read are the same on every device.
         specs = {"p_mine": P(AXES), "mu": P(AXES), "nu": P(AXES), "count": P(),
-                 "grads": P(None, AXES), "losses": P(), "norms": P()}
+                 "grads": P(None, AXES), "losses": P(), "norms": P(), "params": P()}
         if self.semantics != "sync":
-            specs.update(params=P(), acc=P(AXES), wave_used=P())
+            specs.update(acc=P(AXES), wave_used=P())
         return specs
 
     def _jit_start(self):
-        from mindpipe_jax.supernet.spara import STATE_SPECS  # spara imports this module
-
         fn = jax.shard_map(self._start_fn(), mesh=self.mesh, axis_names=set(AXES), in_specs=(STATE_SPECS,),
                            out_specs=self._carry_specs())
         return jax.jit(fn)
 
     def _jit_finish(self):
-        from mindpipe_jax.supernet.spara import STATE_SPECS
-
         fn = jax.shard_map(self._finish_fn(), mesh=self.mesh, axis_names=set(AXES),
                            in_specs=(P(), self._carry_specs(), P()), out_specs=(STATE_SPECS, P()))
-        return jax.jit(fn)  # nothing of the carry can hold the new state (other shapes)
+        # The new state leaves as stored (parameters split over fsdp/tensor). Nothing of the
+        # carry can hold it (other shapes), so nothing is donated.
+        shardings = (state_shardings(self.mesh, self.spec), NamedSharding(self.mesh, P()))
+        return jax.jit(fn, out_shardings=shardings)
 
     def _jit_round(self, shape, unroll: bool = False):
         v = self.v
         fn = jax.shard_map(self._round_fn(shape, unroll), mesh=self.mesh, axis_names=set(AXES),
-                           in_specs=(self._carry_specs(), P(), P(), P(), P(), P("data")),
+                           in_specs=(self._carry_specs(), P(), P(), P(), P(DATA_AXES)),
                            out_specs=self._carry_specs())
 
-        def outer(carry, params, step, rnd, subnets, batch):
+        def outer(carry, step, rnd, subnets, batch):
             vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
-            return fn(carry, params, step, rnd, subnets, vbatch)
+            return fn(carry, step, rnd, subnets, vbatch)
 
         return jax.jit(outer, donate_argnums=(0,))
 
     def _start_fn(self):
-        spec, chunk, k = self.spec, self.chunk, self.k
+        spec, chunk, k, mesh = self.spec, self.chunk, self.k, self.mesh
         waves = self.semantics != "sync"
 
         def per_device(state):
@@ -269,10 +275,11 @@ class SlicedStep:
             opt = state["opt"]
             carry = {"p_mine": p_mine, "mu": opt["mu"], "nu": opt["nu"], "count": opt["count"],
                      "grads": lax.pcast(jnp.zeros((k + 1, chunk), jnp.float32), AXES, to="varying"),
-                     "losses": jnp.zeros((k + 1,), jnp.float32), "norms": jnp.zeros((k + 1,), jnp.float32)}
-            if waves:  # the parameters the next wave reads (the same values as state's)
-                carry.update(params=spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying")),
-                             acc=jnp.zeros_like(p_mine), wave_used=jnp.zeros(spec.unit_grid, bool))
+                     "losses": jnp.zeros((k + 1,), jnp.float32), "norms": jnp.zeros((k + 1,), jnp.float32),
+                     # What the rounds read: the step's input (its fsdp shards gathered going in).
+                     "params": tensor_split(state["params"], mesh, spec)}
+            if waves:
+                carry.update(acc=jnp.zeros_like(p_mine), wave_used=jnp.zeros(spec.unit_grid, bool))
             return carry
 
         return per_device
@@ -290,11 +297,12 @@ class SlicedStep:
         slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape, unroll=unroll),
                               in_axes=(None, 0, None))  # W subnets of one shape, one shard
         units_of = jax.vmap(spec.module.units)
+        skip = skips_padding(self.mesh)
 
-        def per_device(carry, params, step, rnd, subnets, vbatch):
+        def per_device(carry, step, rnd, subnets, vbatch):
             lr = self.schedule(step)
             group, me = lax.axis_index("subnet"), lax.axis_index(AXES)
-            params = carry["params"] if waves else params
+            params = carry["params"]
             local = jax.tree.map(lambda p: lax.pcast(p, AXES, to="varying"), params)
             ids = lax.dynamic_slice_in_dim(rnd["slot_subnet"], group * w, w)
             valid = lax.dynamic_slice_in_dim(rnd["slot_valid"], group * w, w)
@@ -310,8 +318,12 @@ class SlicedStep:
                 zeros = (jnp.zeros((w,), jnp.float32), jnp.zeros((w, spec.padded_size), jnp.float32))
                 return jax.tree.map(lambda a: lax.pcast(a, AXES, to="varying"), zeros)
 
-            # A device whose slots are all padding computes nothing (no collective inside).
-            losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
+            # A device whose slots are all padding computes nothing, when no collective is
+            # inside the compute (plan.skips_padding).
+            if skip:
+                losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
+            else:
+                losses, grads = lax.optimization_barrier(compute(None))
             losses, norms, grads = reduce_round(losses, grads, n_sub=n_sub, n_data=n_data,
                                                 virtual_shards=self.v, clip_norm=optim.clip_norm)
             out = dict(carry)
@@ -342,7 +354,8 @@ class SlicedStep:
             p_mine, opt, acc, wave_used = lax.cond(rnd["wave_end"], end_wave, lambda c: c,
                                                    (carry["p_mine"], opt, acc, wave_used))
             # Every device gathers (a collective never sits in one branch).
-            params = spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying"))
+            params = tensor_split(spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying")),
+                                  self.mesh, spec)
             out.update(params=params, p_mine=p_mine, acc=acc, wave_used=wave_used, **opt)
             return out
 

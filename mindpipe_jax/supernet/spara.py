@@ -3,8 +3,9 @@
 The step
 --------
 A step trains K subnets (``int32[K, genes]``, from ``sampler.py``) on one global
-batch. Two mesh axes split the work: ``subnet`` (S device groups, each takes its
-share of the K subnets) and ``data`` (D devices per group split the batch). The
+batch. Mesh axes split the work: ``subnet`` (S device groups, each takes its
+share of the K subnets) and ``fsdp`` × ``data`` (the D devices of a group split the
+batch; ``plan.DATA_AXES``), manual in the step's ``shard_map``. The
 work is cut into fixed **cells**: (subnet, virtual data shard), with
 ``train.virtual_shards`` = V shards of the batch. A device computes, per
 *round*, ``vmap_width`` = W subnets (``jax.vmap``, parameters shared, not
@@ -27,6 +28,28 @@ same values or a fixed-shape reduction, so the parameters after N steps are
 bitwise identical for every split of the devices between ``subnet`` and
 ``data``. The cost is memory: a device holds the unreduced gradients of its
 cells, ``[V/D, W, P]``, before the exchange.
+
+With ``fsdp`` and ``tensor``
+----------------------------
+``fsdp`` = F is a data-parallel axis whose devices also keep the stored
+parameters split (``param_shardings``: the rules table's storage layout, ``embed``
+over ``fsdp``). The step takes them whole, so they are all-gathered once per step
+going in (MaxText's gather-once), and the new parameters leave whole and are cut
+back to their shards (no communication); gradients already leave the exchange
+split over every device and the AdamW moments are split over all N (ZeRO-1), so
+between steps a device holds 1/F of the parameters and 1/N of the moments.
+Subnet S × fsdp F × data D runs the program of S × (F·D) data devices: the same
+bits.
+
+``tensor`` = T is left to the compiler inside each device group: the
+parameters enter split over ``tensor`` as stored (``mlp``, ``heads``, ``vocab``),
+and the partitioner splits each subnet's matmuls Megatron-style from them. The
+raveled gradient is whole on every tensor rank (raveling gathers the split
+leaves), so each tensor rank repeats its group's exchange and optimizer chunk:
+the optimizer's work and the gradient bytes are T× those of an exchange that
+sends only what each rank owns (not done). For a fixed T the parameters are
+the same bits on every split of the other devices; against T = 1 they differ
+by the rounding of the split matmuls' partial sums.
 
 Selecting a subnet never scatters: candidate weights are chosen by a one-hot
 contraction and widths/depth by masks (``space.py``), so each candidate's
@@ -103,25 +126,29 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
+from mindpipe_jax.supernet.layout import STATE_SPECS, param_shardings, state_shardings, tensor_split
 from mindpipe_jax.supernet.optimizer import adamw, clip, global_norm, pairwise_sum, reduce_round
 from mindpipe_jax.supernet.plan import (
     AXES,
+    DATA_AXES,
     SEMANTICS,
     StepPlan,
     causal_waves,
     check_layout,
     check_semantics,
+    data_devices,
     plan_step,
     sequential_waves,
+    skips_padding,
     updates_shared_per_wave,
 )
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec, supernet_spec
 from mindpipe_jax.train.state import lr_schedule
 
-__all__ = ["SEMANTICS", "AXES", "PARAM_CHUNKS", "SupernetSpec", "supernet_spec", "init_state", "adamw",
-           "global_norm", "clip", "pairwise_sum", "reduce_round", "StepPlan", "plan_step", "causal_waves",
-           "sequential_waves",
-           "check_layout", "make_spara_step", "state_shardings", "jit_step", "reference_step"]
+__all__ = ["SEMANTICS", "AXES", "DATA_AXES", "PARAM_CHUNKS", "SupernetSpec", "supernet_spec", "init_state",
+           "adamw", "global_norm", "clip", "pairwise_sum", "reduce_round", "StepPlan", "plan_step",
+           "causal_waves", "sequential_waves", "check_layout", "make_spara_step", "state_shardings",
+           "param_shardings", "jit_step", "reference_step"]
 
 
 # --- the optimizer state --------------------------------------------------------------------------
@@ -139,16 +166,6 @@ def init_state(spec: SupernetSpec, params) -> dict:
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt": {"mu": zeros, "nu": jnp.zeros_like(zeros),
                     "count": jnp.zeros((spec.num_units + 1,), jnp.int32)}}
-
-
-# Parameters, step and counts replicated; AdamW moments split over every device.
-STATE_SPECS = {"step": P(), "params": P(), "opt": {"mu": P(AXES), "nu": P(AXES), "count": P()}}
-
-
-def state_shardings(mesh) -> dict:
-    """``STATE_SPECS`` on ``mesh``: parameters, step and counts replicated, AdamW moments split."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), STATE_SPECS,
-                        is_leaf=lambda x: isinstance(x, P))
 
 
 # --- the step -------------------------------------------------------------------------------------
@@ -175,7 +192,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     check_layout(mesh, subnets_per_step=subnets_per_step, vmap_width=vmap_width,
                  virtual_shards=virtual_shards, global_batch=global_batch)
     k, w, v = subnets_per_step, vmap_width, virtual_shards
-    n_sub, n_data = mesh.shape["subnet"], mesh.shape["data"]
+    n_sub, n_data = mesh.shape["subnet"], data_devices(mesh)
     r_slots = n_sub * w
     chunk = spec.padded_size // (n_sub * n_data)  # this device's share of the raveled parameters
     schedule = lr_schedule(optim, total_steps)
@@ -183,6 +200,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     slot_grads = jax.vmap(spec.loss_and_grad, in_axes=(None, 0, None))  # W subnets, one shard
     no_units = jnp.zeros(spec.unit_grid, bool)
     shared_per_wave = updates_shared_per_wave(semantics)
+    skip = skips_padding(mesh)
 
     def per_device(state, plan, vbatch):
         lr = schedule(state["step"])
@@ -209,8 +227,11 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                                     jax.eval_shape(compute, None))
 
             # A device whose slots are all padding (a wave smaller than the round)
-            # computes nothing: only the taken branch runs. No collective inside.
-            losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
+            # computes nothing: only the taken branch runs (when no collective is inside).
+            if skip:
+                losses, grads = lax.optimization_barrier(lax.cond(jnp.any(valid), compute, padding, None))
+            else:
+                losses, grads = lax.optimization_barrier(compute(None))
             return reduce_round(losses, grads, n_sub=n_sub, n_data=n_data, virtual_shards=v,
                                 clip_norm=optim.clip_norm)
 
@@ -225,7 +246,9 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
             return out
 
         def gather_params(p_mine):
-            return spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying"))
+            # The next wave's subnets compute in the tensor split, as the step's input does.
+            return tensor_split(spec.unravel(lax.all_gather(p_mine, AXES, tiled=True, to="invarying")),
+                                mesh, spec)
 
         p_mine = lax.dynamic_slice_in_dim(spec.ravel(state["params"]), me * chunk, chunk)
         opt0 = state["opt"]  # mu, nu: this device's chunk; count: whole
@@ -281,17 +304,18 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     def step(state, plan, batch):
         vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
         fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
-                           in_specs=(STATE_SPECS, P(), P("data")), out_specs=(STATE_SPECS, P()))
+                           in_specs=(STATE_SPECS, P(), P(DATA_AXES)), out_specs=(STATE_SPECS, P()))
         return fn(state, plan, vbatch)
 
     return step
 
 
-def jit_step(step, mesh, donate: bool = True):
-    """The step jitted with its state shardings, the plan replicated, the batch split over ``data``."""
+def jit_step(step, mesh, spec: SupernetSpec, donate: bool = True):
+    """The step jitted with its state shardings (``state_shardings``), the plan replicated,
+    the batch split over ``DATA_AXES``."""
     rep = NamedSharding(mesh, P())
-    batch = NamedSharding(mesh, P("data"))
-    shardings = state_shardings(mesh)
+    batch = NamedSharding(mesh, P(DATA_AXES))
+    shardings = state_shardings(mesh, spec)
     return jax.jit(step, in_shardings=(shardings, rep, batch), out_shardings=(shardings, rep),
                    donate_argnums=(0,) if donate else ())
 

@@ -47,6 +47,9 @@ class SupernetSpec:
     # unit_of as runs, in order: (per_unit, n) is a Candidate leaf of n elements, per_unit for
     # each unit of the grid in turn; (0, n) is n consecutive shared elements.
     segments: tuple[tuple[int, int], ...] = ()
+    # The parameters as an abstract nnx State, with their logical axis names: the rules
+    # table turns them into storage shardings (fsdp, tensor) for the step's state.
+    abstract_state: Any = None
 
     @property
     def space(self):
@@ -232,5 +235,5 @@ def supernet_spec(model_or_factory, seed: int = 0):
         elif n:
             runs.append((per_unit, n))
     spec = SupernetSpec(graphdef, module, abstract, searchable, decay, units_batch,
-                        np.concatenate(unit_of), np.concatenate(decay_flat), tuple(runs))
+                        np.concatenate(unit_of), np.concatenate(decay_flat), tuple(runs), abstract_state)
     return spec, create

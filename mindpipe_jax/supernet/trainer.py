@@ -52,6 +52,7 @@ from mindpipe_jax.data import Loader
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
+from mindpipe_jax.supernet.plan import DATA_AXES, mesh_label
 from mindpipe_jax.supernet.run_search import _show, search_checkpoint, search_subnets
 from mindpipe_jax.supernet.run_setup import (
     KIND,
@@ -174,9 +175,9 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
         if changed and log is not None and jax.process_index() == 0:
             log(f"resuming step {resume_step} with a changed config: {', '.join(changed)}")
-    rows = NamedSharding(mesh, P("data"))
+    rows = NamedSharding(mesh, P(DATA_AXES))
     if resume_step is None:
-        state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh))()
+        state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     start = int(np.asarray(jax.device_get(state["step"].addressable_data(0))))
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     round_slots = mesh.shape["subnet"] * sn.vmap_width
@@ -197,7 +198,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
 
         # Ahead-of-time compile, so that step times are step times.
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-        masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh).lower(
+        masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh, spec).lower(
             state, make_plan(sampler(0)).arrays(), {"inputs": tokens, "targets": tokens}).compile()
 
         def step_fn(state, plan, batch):
@@ -205,8 +206,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
 
         compiled = f"masked, compiled in {time.perf_counter() - t0:.1f}s"
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
-        f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh subnet="
-        f"{mesh.shape['subnet']} x data={mesh.shape['data']} | {compiled}"
+        f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh {mesh_label(mesh)} | "
+        f"{compiled}"
         + (f" | resuming at step {start}" if start else ""))
     history: list[dict] = []
     t_last, waves_sum, since = time.perf_counter(), 0, 0
