@@ -29,13 +29,23 @@ DESCRIPTION = textwrap.dedent("""\
 
     Efficiency needs the gradient noise scale B_noise: with several --batches it
     is estimated by a short probe run on the configured data (--b-noise auto) or
-    given (--b-noise 200).""")
+    given (--b-noise 200).
+
+    With --supernet it tunes a supernet job (`mindpipe supernet`, SPara) instead:
+    every parallel.subnet x parallel.data split of the devices with each
+    supernet.subnets_per_step K (--subnets-per-step), supernet.vmap_width
+    (--vmap-widths) and global batch (--batches), rejected with the reason the run
+    would give; the --measure most promising are trained for --trial-steps real
+    steps from the same start and ranked by progress of the search per second: the
+    drop of the search-validation loss (mean validation loss of a fixed panel of
+    subnets) over the trial, divided by its training time.""")
 
 EPILOG = textwrap.dedent("""\
     examples:
       mindpipe tune model.n_layers=4 --batches 16,32,64
       mindpipe tune --config my.toml --budget-mb 4096 --measure 5 --out landscape.png
       mindpipe tune --axes data,tensor --microbatches 1,2 --b-noise 150 --json tune.json
+      mindpipe tune --supernet supernet.ladder_levels=0 --subnets-per-step 2,4,8 --json sn.json
 
     The chosen configuration's overrides are printed last; pass them to mindpipe train.
     pictures need matplotlib: pip install 'mindpipe-jax[plots]'.""")
@@ -62,8 +72,9 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
                    help="candidates to compile for the memory check, best predicted first (default: 8)")
     p.add_argument("--measure", metavar="N", default="3",
                    help="feasible candidates to run for real, best predicted first (default: 3)")
-    p.add_argument("--trial-steps", metavar="N", default="5",
-                   help="timed steps per trial; the median counts (default: 5)")
+    p.add_argument("--trial-steps", metavar="N", default=None,
+                   help="timed steps per trial; the median counts (default: 5; with --supernet: "
+                        "steps trained per trial, 40, of which the first 5 are not timed)")
     p.add_argument("--b-noise", metavar="auto|X", default="auto",
                    help="gradient noise scale: 'auto' = a probe run when several batches are "
                         "considered, or a number > 0 (default: auto)")
@@ -77,6 +88,13 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="MODULE:NAME", default=None,
                    help="tune your own model (a factory rngs -> nnx.Module, e.g. my_models:make_llama): "
                         "its measured costs, parameters and compiled memory instead of model.*")
+    p.add_argument("--supernet", action="store_true",
+                   help="tune a supernet job (mindpipe supernet): parallel.subnet x parallel.data, "
+                        "supernet.subnets_per_step and vmap_width, ranked by search progress per second")
+    p.add_argument("--subnets-per-step", metavar="LIST", default=None,
+                   help="with --supernet: K choices (default: K/2, K, 2K of supernet.subnets_per_step)")
+    p.add_argument("--vmap-widths", metavar="LIST", default=None,
+                   help="with --supernet: supernet.vmap_width choices (default: 1, 2 and the config's)")
     p.set_defaults(func=run)
     return p
 
@@ -119,11 +137,23 @@ def _writable(path: str, option: str) -> Path:
     return out
 
 
+# Dense-only options and their defaults: given with --supernet they are refused, not ignored.
+_DENSE_ONLY = {"axes": None, "microbatches": "1,2,4", "schedules": "1f1b,interleaved", "remat": "none,full",
+               "budget_mb": None, "max_compile": "8", "b_noise": "auto", "probe_steps": "30", "out": None,
+               "cache": None, "model": None}
+_SUPERNET_ONLY = ("subnets_per_step", "vmap_widths")
+
+
 def run(args: argparse.Namespace) -> int:
     from mindpipe_jax import viz
 
     # Every check before JAX starts or anything is written.
     cfg = load_config(args.config, args.overrides)
+    if args.supernet:
+        return run_supernet(args, cfg)
+    given = [k for k in _SUPERNET_ONLY if getattr(args, k) is not None]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} applies to supernet jobs only; add --supernet")
     batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
     axes = _names(args.axes, "--axes", MESH_AXES) if args.axes else None
     micro = _ints(args.microbatches, "--microbatches")
@@ -139,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--budget-mb must be a number > 0 (MB per device), got {args.budget_mb!r}")
     max_compile = _count(args.max_compile, "--max-compile", 1)
     measure = _count(args.measure, "--measure", 0)
-    trial_steps = _count(args.trial_steps, "--trial-steps", 1)
+    trial_steps = _count(args.trial_steps or "5", "--trial-steps", 1)
     probe_steps = _count(args.probe_steps, "--probe-steps", 2)
     b_noise: float | None | str = "auto"
     if args.b_noise != "auto":
@@ -192,4 +222,39 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {json_out}", flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_landscape(result, args.out)}", flush=True)
+    return 0
+
+
+SUPERNET_WARMUP = 5  # untimed steps of a supernet trial: the compile and the first shapes
+
+
+def run_supernet(args: argparse.Namespace, cfg) -> int:
+    """``mindpipe tune --supernet``: the table of SPara candidates and the pick's overrides."""
+    for key, default in _DENSE_ONLY.items():
+        if getattr(args, key) != default:
+            raise ConfigError(f"--{key.replace('_', '-')} applies to dense jobs only, not with --supernet")
+    ks = _ints(args.subnets_per_step, "--subnets-per-step") if args.subnets_per_step else None
+    widths = _ints(args.vmap_widths, "--vmap-widths") if args.vmap_widths else None
+    batches = _ints(args.batches, "--batches") if args.batches else None
+    measure = _count(args.measure, "--measure", 1)
+    trial_steps = _count(args.trial_steps or "40", "--trial-steps", SUPERNET_WARMUP + 1)
+    json_out = _writable(args.json, "--json") if args.json else None
+
+    from mindpipe_jax.parallel.mesh import setup_runtime
+
+    setup_runtime(cfg.parallel, cfg.distributed)
+    import jax
+
+    from mindpipe_jax.tuner.supernet import make_measure, tune_supernet
+
+    result = tune_supernet(cfg, jax.device_count(), measure=measure, ks=ks, widths=widths, batches=batches,
+                           measure_fn=make_measure(cfg, trial_steps=trial_steps, warmup=SUPERNET_WARMUP),
+                           log=lambda line: print(line, flush=True))
+    print(result.table(), flush=True)
+    best = result.best
+    print(f"best: {best.candidate.label()} ({best.measurement.progress_per_s:.4f} search-validation loss "
+          f"per second) -> {' '.join(best.candidate.overrides())}", flush=True)
+    if json_out is not None:
+        json_out.write_text(result.to_json())
+        print(f"wrote {json_out}", flush=True)
     return 0

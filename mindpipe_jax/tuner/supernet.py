@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import types
 from collections.abc import Callable, Sequence
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.supernet.plan import check_layout
+from mindpipe_jax.supernet.plan import AXES, check_layout
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -127,14 +128,19 @@ def default_choices(cfg: Config) -> tuple[tuple[int, ...], tuple[int, ...], tupl
 def enumerate_supernet_space(cfg: Config, num_devices: int, *, ks: Sequence[int] | None = None,
                              widths: Sequence[int] | None = None, batches: Sequence[int] | None = None
                              ) -> tuple[list[SupernetCandidate], list[tuple[SupernetCandidate, str]]]:
-    """Every (S, D, K, W, batch) with S·D = ``num_devices``: (valid, [(rejected, reason)])."""
+    """Every (S, D, K, W, batch) with S·D = ``num_devices`` (over the config's other axes):
+    (valid, [(rejected, reason)])."""
     dk, dw, db = default_choices(cfg)
+    # Axes SPara does not use, as the config sets them, keep their devices, so that such a
+    # config is refused for what SPara needs rather than for a product of axes.
+    others = math.prod(n for a, n in cfg.parallel.axis_sizes().items() if a not in AXES and n > 1)
+    groups = num_devices // others if num_devices % others == 0 else num_devices
     valid, rejected = [], []
-    for s in _divisors(num_devices):
+    for s in _divisors(groups):
         for k in ks or dk:
             for w in widths or dw:
                 for b in batches or db:
-                    cand = SupernetCandidate(s, num_devices // s, k, w, b)
+                    cand = SupernetCandidate(s, groups // s, k, w, b)
                     why = check_supernet_candidate(cfg, cand, num_devices)
                     (valid.append(cand) if why is None else rejected.append((cand, why)))
     return valid, rejected

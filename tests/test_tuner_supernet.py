@@ -1,0 +1,165 @@
+"""EPara for supernet jobs (tuner/supernet.py): the space and its rejections, the choice under
+the objective, real trials, and ``mindpipe tune --supernet``."""
+
+import json
+
+import pytest
+
+import mindpipe_jax as mp
+from mindpipe_jax.cli import main
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.supernet import train_supernet
+from mindpipe_jax.tuner.supernet import (
+    Measurement,
+    SupernetCandidate,
+    enumerate_supernet_space,
+    measurement_order,
+    tune_supernet,
+)
+
+TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+        'data.source="synthetic"', "data.synthetic_tokens=65536", "train.steps=100", "train.global_batch=16",
+        "parallel.subnet=1", "parallel.data=8", "parallel.simulate_cpu_devices=0",
+        "supernet.subnets_per_step=4", "supernet.ladder_levels=0")
+
+
+def tiny(*more: str) -> mp.Config:
+    return mp.Config().replace(*TINY, *more)
+
+
+# --- the space --------------------------------------------------------------------------------------
+
+
+def test_rejections_are_the_errors_the_real_run_raises():
+    cfg = tiny()
+    valid, rejected = enumerate_supernet_space(cfg, 8, ks=(1, 2, 4, 8), widths=(1, 2), batches=(16, 12))
+    assert len(valid) + len(rejected) == 4 * 4 * 2 * 2  # subnet in 1, 2, 4, 8
+    reasons = {why for _, why in rejected}
+    # Each kind of rule that a candidate can break is met, and no valid candidate breaks one.
+    assert any("the sandwich strategy needs >= 2" in r for r in reasons)  # Config validation
+    assert any("must be divisible by parallel.subnet x supernet.vmap_width" in r for r in reasons)
+    assert any("train.global_batch=12 by train.virtual_shards" in r for r in reasons)
+    assert all(c.global_batch == 16 and c.subnets_per_step % (c.subnet * c.vmap_width) == 0 for c in valid)
+    # The reason is what train_supernet itself raises for that candidate (it fails before any
+    # compile: the layout is checked first).
+    for cand, why in rejected[::5]:
+        with pytest.raises(ConfigError) as err:
+            train_supernet(config=cand.apply(cfg), search=False, log=None)
+        assert str(err.value) == why, cand
+
+
+def test_axes_spara_does_not_use_reject_every_layout_with_that_reason():
+    valid, rejected = enumerate_supernet_space(tiny("parallel.fsdp=2"), 8, ks=(4,), widths=(1,))
+    assert not valid
+    assert {why for _, why in rejected} == {
+        "supernet training splits devices over parallel.subnet and parallel.data only; got fsdp=2; "
+        "set them to 1"}
+    assert sorted(c.devices for c, _ in rejected) == [4] * 3  # fsdp keeps half the devices
+    with pytest.raises(ConfigError, match="no candidate layout runs this supernet job; e.g. s1 d4"):
+        tune_supernet(tiny("parallel.fsdp=2"), 8, measure_fn=_never, ks=(4,), widths=(1,))
+
+
+def _never(cand):
+    raise AssertionError(f"measured {cand}")
+
+
+def test_measurement_order_starts_with_the_config_and_alternates_statistics():
+    valid, _ = enumerate_supernet_space(tiny(), 8, ks=(2, 4, 8), widths=(1,))
+    current = SupernetCandidate(1, 8, 4, 1, 16)
+    order = measurement_order(valid, current)
+    assert order[0] == current and sorted(order) == sorted(valid)
+    # After the config's own: the other classes (K 2, 8) before a second layout of K=4.
+    assert {c.subnets_per_step for c in order[1:3]} == {2, 8}
+    # Within a class, fewest rounds per step first.
+    k8 = [c for c in order if c.subnets_per_step == 8]
+    assert [c.rounds for c in k8] == sorted(c.rounds for c in k8)
+
+
+# --- the choice --------------------------------------------------------------------------------------
+
+
+def test_objective_is_loss_drop_per_second_of_training():
+    m = Measurement(step_s=0.05, loss_start=5.0, loss_end=4.0, steps=40)
+    assert m.progress_per_s == pytest.approx(1.0 / (40 * 0.05))
+
+
+def test_the_pick_is_the_best_measured_under_the_objective_not_the_fastest():
+    cfg = tiny()
+    seen = []
+
+    def fake(cand: SupernetCandidate) -> Measurement:
+        # Fewer rounds and more data devices are faster; a larger K drops the loss further
+        # per step. K=2 is the fastest but learns too little; the best is in the middle.
+        seen.append(cand)
+        step_s = 0.01 * cand.rounds + 0.002 * cand.subnets_per_step + 0.001 * cand.subnet
+        drop = {2: 0.2, 4: 1.0, 8: 1.3}[cand.subnets_per_step]
+        return Measurement(step_s, 5.0, 5.0 - drop, 10)
+
+    result = tune_supernet(cfg, 8, measure_fn=fake, measure=6, ks=(1, 2, 4, 8), widths=(1, 2))
+    assert len(seen) == 6 and seen[0] == SupernetCandidate(1, 8, 4, 1, 16)  # the config's own first
+    measured = [r for r in result.rows if r.measurement is not None]
+    assert [r.candidate for r in measured] == sorted(seen, key=lambda c: -fake_rate(c, fake))
+    best = result.best
+    assert best.measurement.progress_per_s == max(r.measurement.progress_per_s for r in measured)
+    fastest = min(measured, key=lambda r: r.measurement.step_s)
+    assert best.candidate != fastest.candidate and best.candidate.subnets_per_step == 4
+    # Not measured (valid), then rejected with reasons, in that order.
+    tail = result.rows[len(measured):]
+    kinds = [r.reason is not None for r in tail]
+    assert kinds == sorted(kinds) and any(kinds) and not all(kinds)
+    table = result.table()
+    assert "the config's own" in table and "rejected: supernet.subnets_per_step=1" in table
+    assert json.loads(result.to_json())["rows"][0]["overrides"] == best.candidate.overrides()
+
+
+def fake_rate(cand, fake):
+    return fake(cand).progress_per_s
+
+
+# --- real trials and the command line ----------------------------------------------------------------
+
+
+def test_mindpipe_tune_supernet_measures_real_steps_and_writes_the_pick(tmp_path, capsys):
+    out = tmp_path / "sn.json"
+    # Learnable text (the synthetic tokens are random) and a short warm-up, so that 8 steps
+    # lower the search-validation loss.
+    learnable = [o for o in TINY if not o.startswith("data.")] + ["optim.warmup_steps=2"]
+    code = main(["tune", "--supernet", *learnable, "--subnets-per-step", "4", "--vmap-widths", "1",
+                 "--measure", "2", "--trial-steps", "8", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "progress/s" in text and "rejected: " in text and "best: " in text
+    data = json.loads(out.read_text())
+    rows = [r for r in data["rows"] if r["measurement"] is not None]
+    assert len(rows) == 2 and data["current"] == {"subnet": 1, "data": 8, "subnets_per_step": 4,
+                                                  "vmap_width": 1, "global_batch": 16}
+    for r in rows:
+        m = r["measurement"]
+        assert m["step_s"] > 0 and m["steps"] == 8 and m["loss_end"] < m["loss_start"]
+    # Both are K=4 on another split of the devices: SPara trains the same bits, so the
+    # search-validation loss after the trial is equal and only the time decides.
+    assert rows[0]["measurement"]["loss_end"] == rows[1]["measurement"]["loss_end"]
+    assert rows[0]["measurement"]["step_s"] <= rows[1]["measurement"]["step_s"]
+    best = " ".join(rows[0]["overrides"])
+    assert text.strip().splitlines()[-2].endswith(best) and f"wrote {out}" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--supernet", "--axes", "data"], "--axes applies to dense jobs only, not with --supernet"),
+    (["--supernet", "--b-noise", "20"], "--b-noise applies to dense jobs only"),
+    (["--vmap-widths", "1,2"], "--vmap-widths applies to supernet jobs only; add --supernet"),
+    (["--supernet", "--subnets-per-step", "0,4"], "--subnets-per-step must be a comma-separated list"),
+    (["--supernet", "--measure", "0"], "--measure must be an integer >= 1"),
+    (["--supernet", "--trial-steps", "3"], "--trial-steps must be an integer >= 6"),
+    (["--supernet", "--json", "/nonexistent/dir/x.json"], "--json '/nonexistent/dir/x.json': directory"),
+    (["--supernet", "parallel.fsdp=2", "parallel.data=4"],
+     "no candidate layout runs this supernet job; e.g. s1 d4 | K2 W1 | B16: supernet training splits"),
+    (["--supernet", "supernet.subnets_per_step=0"], "supernet.subnets_per_step"),
+])
+def test_mindpipe_tune_supernet_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["tune", *TINY, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not any(tmp_path.iterdir())
