@@ -116,6 +116,38 @@ def fake_rate(cand, fake):
     return fake(cand).progress_per_s
 
 
+class Retimed:
+    """A fake trial whose first timing was taken under load: K=2 looks slow until re-timed."""
+
+    def __init__(self):
+        self.calls, self.closed = [], False
+
+    def __call__(self, cand):
+        self.calls.append(("trial", cand))
+        slow = 0.5 if cand.subnets_per_step == 2 else 0.0
+        times = (0.1 + slow, 0.1 + slow, 0.1 + slow)
+        return Measurement(0.1 + slow, 5.0, 4.0, 10, times)
+
+    def retime(self, cand):
+        self.calls.append(("retime", cand))
+        return [0.05] * 4 if cand.subnets_per_step == 2 else [0.1] * 4
+
+    def close(self):
+        self.closed = True
+
+
+def test_retiming_passes_come_after_every_trial_and_enter_the_median():
+    fake = Retimed()
+    result = tune_supernet(tiny(), 8, measure_fn=fake, measure=2, ks=(2, 4), widths=(1,), rounds=3)
+    kinds = [kind for kind, _ in fake.calls]
+    assert kinds == ["trial", "trial", "retime", "retime", "retime", "retime"] and fake.closed
+    best = result.best
+    assert best.candidate.subnets_per_step == 2  # only after re-timing: 0.6 s at first
+    assert len(best.measurement.step_times) == 3 + 2 * 4 and best.measurement.step_s == 0.05
+    once = tune_supernet(tiny(), 8, measure_fn=Retimed(), measure=2, ks=(2, 4), widths=(1,), rounds=1)
+    assert once.best.candidate.subnets_per_step == 4
+
+
 # --- real trials and the command line ----------------------------------------------------------------
 
 
@@ -136,6 +168,7 @@ def test_mindpipe_tune_supernet_measures_real_steps_and_writes_the_pick(tmp_path
     for r in rows:
         m = r["measurement"]
         assert m["step_s"] > 0 and m["steps"] == 8 and m["loss_end"] < m["loss_start"]
+        assert len(m["step_times"]) == 2 * (8 - 5)  # the trial's timed steps, then one re-timing pass
     # Both are K=4 on another split of the devices: SPara trains the same bits, so the
     # search-validation loss after the trial is equal and only the time decides.
     assert rows[0]["measurement"]["loss_end"] == rows[1]["measurement"]["loss_end"]

@@ -35,7 +35,10 @@ Which candidates are measured (``measure`` of them; each costs a compile): the c
 own first (the table then shows the pick against it), then one candidate per statistical
 class (K, B) in turn, each class's layouts by fewest sequential rounds per step K/(S·W)
 (rounds are what a device runs one after another; more subnets per round use more of
-the devices at once). The pick is the measured candidate with the highest progress/s.
+the devices at once). With real trials the measured candidates are then timed again in
+interleaved passes (``rounds``) and t_step is the median over all passes, since trials
+run one after another on a shared machine meet different loads. The pick is the
+measured candidate with the highest progress/s.
 """
 
 from __future__ import annotations
@@ -173,6 +176,7 @@ class Measurement:
     loss_start: float
     loss_end: float
     steps: int
+    step_times: tuple[float, ...] = ()  # every timed step (step_s is their median)
 
     @property
     def progress_per_s(self) -> float:
@@ -235,11 +239,20 @@ MeasureFn = Callable[[SupernetCandidate], Measurement]
 
 def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measure: int = 4,
                   ks: Sequence[int] | None = None, widths: Sequence[int] | None = None,
-                  batches: Sequence[int] | None = None, log=None) -> SupernetTuneResult:
+                  batches: Sequence[int] | None = None, rounds: int = 2, log=None) -> SupernetTuneResult:
     """Enumerate, measure the ``measure`` most promising valid candidates with ``measure_fn``
-    (``make_measure`` runs real SPara steps), rank them by progress/s."""
+    (``make_measure`` runs real SPara steps), rank them by progress/s.
+
+    ``rounds``: where ``measure_fn`` has ``retime(candidate) -> [seconds]`` (more timed
+    steps of the trial's run, as ``make_measure``'s has), the measured candidates are
+    timed again in ``rounds - 1`` interleaved passes and step_s becomes the median of all
+    their timed steps: trials taken one after another on a shared machine met different
+    loads (a benchmark's trials of the same work differed 2.6x), and a pass over all of
+    them lets the drift hit each alike. The loss drop stays the trial's."""
     if measure < 1:
         raise ConfigError(f"the supernet tuner must measure at least 1 candidate, got {measure}")
+    if rounds < 1:
+        raise ConfigError(f"the supernet tuner needs rounds >= 1, got {rounds}")
     valid, rejected = enumerate_supernet_space(cfg, num_devices, ks=ks, widths=widths, batches=batches)
     try:
         current = SupernetCandidate.from_config(cfg, num_devices)
@@ -252,46 +265,89 @@ def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measu
         raise ConfigError("no candidate layout runs this supernet job" +
                           (f"; e.g. {first[0].label()}: {first[1]}" if first else ""))
     order = measurement_order(valid, current)
+    try:
+        measured = _measure(order[:measure], measure_fn, rounds, log)
+    finally:
+        close = getattr(measure_fn, "close", None)  # the trials' runs are not needed past here
+        if close is not None:
+            close()
+    rest = [SupernetRow(c) for c in order[measure:]]
+    return SupernetTuneResult(measured + rest + [SupernetRow(c, reason=why) for c, why in rejected], current)
+
+
+def _measure(cands, measure_fn: MeasureFn, rounds: int, log) -> list[SupernetRow]:
+    """The trials, the interleaved re-timing passes, best progress/s first."""
     measured = []
-    for cand in order[:measure]:
+    for cand in cands:
         m = measure_fn(cand)
         if log is not None:
             log(f"measured {cand.label()}: {m.step_s * 1e3:.1f} ms/step, loss {m.loss_start:.4f} -> "
                 f"{m.loss_end:.4f} in {m.steps} steps, progress {m.progress_per_s:.4f}/s")
         measured.append(SupernetRow(cand, m))
+    retime = getattr(measure_fn, "retime", None)
+    for _ in range(rounds - 1 if retime is not None else 0):
+        for row in measured:
+            m = row.measurement
+            times = (*m.step_times, *retime(row.candidate))
+            row.measurement = dataclasses.replace(m, step_s=statistics.median(times), step_times=times)
+    if retime is not None and rounds > 1 and log is not None:
+        log("re-timed in interleaved passes: " + ", ".join(
+            f"{r.candidate.label()} {r.measurement.step_s * 1e3:.1f} ms" for r in measured))
     measured.sort(key=lambda r: -r.measurement.progress_per_s)
-    rest = [SupernetRow(c) for c in order[measure:]]
-    return SupernetTuneResult(measured + rest + [SupernetRow(c, reason=why) for c, why in rejected], current)
+    return measured
 
 
-def make_measure(cfg: Config, *, trial_steps: int = 40, warmup: int = 5, splits=None, model=None,
-                 panel_random: int = 6) -> MeasureFn:
-    """The real measurement: a ``SparaRun`` of the candidate, ``warmup`` untimed steps then
-    ``trial_steps - warmup`` timed ones, the panel loss before (once) and after.
+class RealMeasure:
+    """The real measurement (``make_measure``): a ``SparaRun`` of the candidate, ``warmup``
+    untimed steps then ``trial_steps - warmup`` timed ones, the panel loss before (once:
+    every candidate starts from the same parameters) and after. The panel is built on the
+    first candidate measured and scores every later one on the same validation rows.
 
-    The panel is built on the first candidate measured and scores every later one on the
-    same validation rows."""
-    from mindpipe_jax.data import load_tokens
-    from mindpipe_jax.tuner.supernet_trial import Panel, SparaRun, runnable
+    With ``keep`` the runs stay alive for ``retime`` (more timed steps; the loss drop is
+    taken before them); ``close()`` releases them."""
 
-    if not 0 <= warmup < trial_steps:
-        raise ConfigError(f"trial steps ({trial_steps}) must exceed the warm-up steps ({warmup})")
-    shared: dict = {}
+    def __init__(self, cfg: Config, *, trial_steps: int = 40, warmup: int = 5, splits=None, model=None,
+                 panel_random: int = 6, keep: bool = True):
+        if not 0 <= warmup < trial_steps:
+            raise ConfigError(f"trial steps ({trial_steps}) must exceed the warm-up steps ({warmup})")
+        self.cfg, self.trial_steps, self.warmup, self.model = cfg, trial_steps, warmup, model
+        self.splits, self.panel_random, self.keep = splits, panel_random, keep
+        self.panel, self.start, self.runs = None, None, {}
 
-    def measure(cand: SupernetCandidate) -> Measurement:
-        run_cfg = runnable(cand.apply(cfg))
-        if "splits" not in shared:
-            shared["splits"] = splits if splits is not None else load_tokens(run_cfg.data,
-                                                                             run_cfg.model.vocab_size)
-        run = SparaRun(run_cfg, splits=shared["splits"], model=model)
+    def __call__(self, cand: SupernetCandidate) -> Measurement:
+        from mindpipe_jax.data import load_tokens
+        from mindpipe_jax.tuner.supernet_trial import Panel, SparaRun, runnable
+
+        run_cfg = runnable(cand.apply(self.cfg))
+        if self.splits is None:
+            self.splits = load_tokens(run_cfg.data, run_cfg.model.vocab_size)
+        run = SparaRun(run_cfg, splits=self.splits, model=self.model)
         try:
-            if "panel" not in shared:
-                shared["panel"] = Panel(run, random=panel_random)
-                shared["start"] = shared["panel"](run.params)  # every candidate starts here
-            run.run(warmup)
-            step_s = statistics.median(run.run(trial_steps - warmup))
-            return Measurement(step_s, shared["start"], shared["panel"](run.params), trial_steps)
-        finally:
+            if self.panel is None:
+                self.panel = Panel(run, random=self.panel_random)
+                self.start = self.panel(run.params)
+            run.run(self.warmup)
+            times = tuple(run.run(self.trial_steps - self.warmup))
+            m = Measurement(statistics.median(times), self.start, self.panel(run.params), self.trial_steps,
+                            times)
+        except BaseException:
             run.close()
+            raise
+        if self.keep:
+            self.runs[cand] = run
+        else:
+            run.close()
+        return m
 
-    return measure
+    def retime(self, cand: SupernetCandidate) -> list[float]:
+        return self.runs[cand].run(self.trial_steps - self.warmup)
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.close()
+        self.runs.clear()
+
+
+def make_measure(cfg: Config, **kwargs) -> RealMeasure:
+    """``RealMeasure(cfg, **kwargs)``: real SPara trials for ``tune_supernet``."""
+    return RealMeasure(cfg, **kwargs)
