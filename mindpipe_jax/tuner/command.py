@@ -47,7 +47,8 @@ EPILOG = textwrap.dedent("""\
       mindpipe tune --axes data,tensor --microbatches 1,2 --b-noise 150 --json tune.json
       mindpipe tune --supernet supernet.ladder_levels=0 --subnets-per-step 2,4,8 --json sn.json
 
-    The chosen configuration's overrides are printed last; pass them to mindpipe train.
+    The chosen configuration's overrides are printed last; pass them to mindpipe train
+    (with --supernet: to mindpipe supernet).
     pictures need matplotlib: pip install 'mindpipe-jax[plots]'.""")
 
 
