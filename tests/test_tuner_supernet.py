@@ -49,14 +49,14 @@ def test_rejections_are_the_errors_the_real_run_raises():
 
 
 def test_axes_spara_does_not_use_reject_every_layout_with_that_reason():
-    valid, rejected = enumerate_supernet_space(tiny("parallel.fsdp=2"), 8, ks=(4,), widths=(1,))
+    valid, rejected = enumerate_supernet_space(tiny("parallel.pipe=2"), 8, ks=(4,), widths=(1,))
     assert not valid
     assert {why for _, why in rejected} == {
-        "supernet training splits devices over parallel.subnet and parallel.data only; got fsdp=2; "
+        "supernet training splits devices over parallel.subnet, fsdp, data and tensor only; got pipe=2; "
         "set them to 1"}
-    assert sorted(c.devices for c, _ in rejected) == [4] * 3  # fsdp keeps half the devices
+    assert sorted(c.devices for c, _ in rejected) == [4] * 3  # pipe keeps half the devices
     with pytest.raises(ConfigError, match="no candidate layout runs this supernet job; e.g. s1 d4"):
-        tune_supernet(tiny("parallel.fsdp=2"), 8, measure_fn=_never, ks=(4,), widths=(1,))
+        tune_supernet(tiny("parallel.pipe=2"), 8, measure_fn=_never, ks=(4,), widths=(1,))
 
 
 def _never(cand):
@@ -185,7 +185,7 @@ def test_mindpipe_tune_supernet_measures_real_steps_and_writes_the_pick(tmp_path
     (["--supernet", "--measure", "0"], "--measure must be an integer >= 1"),
     (["--supernet", "--trial-steps", "3"], "--trial-steps must be an integer >= 6"),
     (["--supernet", "--json", "/nonexistent/dir/x.json"], "--json '/nonexistent/dir/x.json': directory"),
-    (["--supernet", "parallel.fsdp=2", "parallel.data=4"],
+    (["--supernet", "parallel.pipe=2", "parallel.data=4"],
      "no candidate layout runs this supernet job; e.g. s1 d4 | K2 W1 | B16: supernet training splits"),
     (["--supernet", "supernet.subnets_per_step=0"], "supernet.subnets_per_step"),
 ])

@@ -32,14 +32,15 @@ from mindpipe_jax.config import Config
 from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.supernet import Sampler, make_evaluator, sample_subnets, supernet_factory, supernet_spec
-from mindpipe_jax.supernet.plan import check_layout, plan_step
+from mindpipe_jax.supernet.layout import param_shardings
+from mindpipe_jax.supernet.plan import DATA_AXES, check_layout, plan_step
 from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
 from mindpipe_jax.supernet.spara import init_state, jit_step, make_spara_step, state_shardings
 
 
 def runnable(cfg: Config) -> Config:
-    """``cfg`` as ``train_supernet`` runs it: an automatic tensor axis becomes 1 (SPara
-    uses only ``subnet`` and ``data``)."""
+    """``cfg`` as ``train_supernet`` runs it: an automatic tensor axis becomes 1 (the
+    candidates split the devices between ``subnet`` and ``data``)."""
     return cfg.replace("parallel.tensor=1") if cfg.parallel.tensor == 0 else cfg
 
 
@@ -64,8 +65,9 @@ class SparaRun:
         self.splits = splits if splits is not None else load_tokens(cfg.data, cfg.model.vocab_size)
         self.loader = Loader(self.splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch,
                              seed=tr.seed, name="train")
-        self.rows = NamedSharding(mesh, P("data"))
-        self.state = jax.jit(lambda: init_state(self.spec, create()), out_shardings=state_shardings(mesh))()
+        self.rows = NamedSharding(mesh, P(DATA_AXES))
+        self.state = jax.jit(lambda: init_state(self.spec, create()),
+                             out_shardings=state_shardings(mesh, self.spec))()
         sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
                      virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
                      total_steps=tr.steps)
@@ -73,7 +75,7 @@ class SparaRun:
             sliced = SlicedStep(self.spec, mesh, levels=sn.ladder_levels, **sizes)
             self._plan, self._step = sliced.plan, sliced
         else:
-            masked = jit_step(make_spara_step(self.spec, mesh, **sizes), mesh)
+            masked = jit_step(make_spara_step(self.spec, mesh, **sizes), mesh, self.spec)
             round_slots = mesh.shape["subnet"] * sn.vmap_width
             self._plan = lambda subnets: plan_step(self.spec, subnets, sn.semantics, round_slots)
             self._step = lambda state, plan, batch: masked(state, plan.arrays(), batch)
@@ -128,10 +130,10 @@ class Panel:
         self.mesh = base.mesh
         self._evaluate = make_evaluator(base.spec, base.mesh, vmap_width=cfg.supernet.vmap_width,
                                         virtual_shards=cfg.train.virtual_shards, pad_to=len(self.subnets))
-        self._replicated = NamedSharding(base.mesh, P())
+        self._stored = param_shardings(base.mesh, base.spec)
 
     def losses(self, params) -> np.ndarray:
-        params = jax.device_put(params, self._replicated)  # from any run's mesh onto ours
+        params = jax.device_put(params, self._stored)  # from any run's mesh onto ours
         with jax.set_mesh(self.mesh):
             return self._evaluate(params, self.subnets, self.batches)
 
