@@ -196,3 +196,11 @@ def test_mindpipe_tune_supernet_bad_input_is_one_line_and_exit_2(args, message, 
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not any(tmp_path.iterdir())
+
+
+def test_fsdp_and_tensor_keep_their_devices_and_the_rest_is_split():
+    """SPara runs with fsdp and tensor: the candidates split what they leave (8 / (2 x 2) = 2
+    devices) between subnet and data, and every one of them is valid."""
+    valid, rejected = enumerate_supernet_space(tiny("parallel.fsdp=2", "parallel.tensor=2"), 8, ks=(4,),
+                                               widths=(1,))
+    assert sorted((c.subnet, c.data) for c in valid) == [(1, 2), (2, 1)], rejected

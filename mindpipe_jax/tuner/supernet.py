@@ -52,7 +52,9 @@ from collections.abc import Callable, Sequence
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.supernet.plan import AXES, check_layout
+from mindpipe_jax.supernet.plan import check_layout
+
+TUNED = ("subnet", "data")  # the axes the candidates split the devices between
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -134,9 +136,10 @@ def enumerate_supernet_space(cfg: Config, num_devices: int, *, ks: Sequence[int]
     """Every (S, D, K, W, batch) with S·D = ``num_devices`` (over the config's other axes):
     (valid, [(rejected, reason)])."""
     dk, dw, db = default_choices(cfg)
-    # Axes SPara does not use, as the config sets them, keep their devices, so that such a
-    # config is refused for what SPara needs rather than for a product of axes.
-    others = math.prod(n for a, n in cfg.parallel.axis_sizes().items() if a not in AXES and n > 1)
+    # Every axis but subnet and data keeps the devices the config gives it: fsdp and tensor
+    # (which SPara uses too) as chosen, and an axis SPara refuses so that the config is
+    # refused for what SPara needs rather than for a product of axes.
+    others = math.prod(n for a, n in cfg.parallel.axis_sizes().items() if a not in TUNED and n > 1)
     groups = num_devices // others if num_devices % others == 0 else num_devices
     valid, rejected = [], []
     for s in _divisors(groups):
