@@ -23,6 +23,7 @@ from supernet_oracle import sequential_reference
 
 import mindpipe_jax as mp
 from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig
+from mindpipe_jax.parallel.collectives import axes_of, collectives, per_device_bytes
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.supernet import (
     SlicedStep,
@@ -184,3 +185,27 @@ def test_train_supernet_on_subnet_fsdp_tensor_then_search(tmp_path):
     assert [t["subnet"] for t in again.top] == [t["subnet"] for t in top]
     losses = [np.asarray([t["loss"] for t in run]).tobytes() for run in (again.top, top)]
     assert losses[0] == losses[1]
+
+
+def test_tensor_ranks_reshuffle_the_raveled_gradient_once_per_round(spec_create):
+    """The compiled masked step on subnet2 x data2 x tensor2: the all-to-alls among tensor
+    ranks alone (the partitioner's reshuffle of tensor-split gradient leaves into the
+    raveled vector) send about one round's raveled gradients, W x P x 4 bytes, per device
+    and step: the shards are summed in the parameters' tree and raveled once (raveled per
+    shard, they sent V/D = 4 times as much)."""
+    spec, create = spec_create
+    mesh = _mesh("subnet2 x data2 x tensor2")
+    step = make_spara_step(spec, mesh, semantics="sync", subnets_per_step=4, vmap_width=2, virtual_shards=8,
+                           global_batch=16, optim=OPTIM, total_steps=10)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         jax.eval_shape(lambda: init_state(spec, create())), state_shardings(mesh, spec))
+    tokens = jax.ShapeDtypeStruct((16, CFG.seq_len), np.int32)
+    plan = plan_step(spec, SUBNETS, "sync", 4)  # one round of 4 slots: W = 2 per subnet group
+    hlo = jit_step(step, mesh, spec).lower(state, plan.arrays(), {"inputs": tokens, "targets": tokens})
+    ops = collectives(hlo.compile().as_text())
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    within_tensor = [op for op in ops if op.kind == "all-to-all"
+                     and axes_of(op, ids, mesh.axis_names) == frozenset({"tensor"})]
+    sent = per_device_bytes(within_tensor, mesh.size)[0]
+    one_round = 2 * spec.padded_size * 4
+    assert 0.5 * one_round <= sent <= 1.25 * one_round, sent / one_round

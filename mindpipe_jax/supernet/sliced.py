@@ -80,13 +80,14 @@ def supports_slicing(module) -> bool:
     return all(callable(getattr(module, m.split("(")[0], None)) for m in SLICED_MEMBERS)
 
 
-def sliced_loss_and_grad(spec: SupernetSpec, params, subnet, batch, shape, unroll: bool = False):
-    """``subnet``'s loss through the sliced path at ``shape``, and its raveled gradient
-    (of the whole supernet's parameters: zero outside the slices). ``unroll``: for FLOP
-    counts only (the same values, other rounding)."""
+def sliced_loss_and_grad(spec: SupernetSpec, params, subnet, batch, shape, unroll: bool = False,
+                         ravel: bool = True):
+    """``subnet``'s loss through the sliced path at ``shape``, and its gradient (of the
+    whole supernet's parameters: zero outside the slices), raveled unless ``ravel=False``.
+    ``unroll``: for FLOP counts only (the same values, other rounding)."""
     loss, grads = jax.value_and_grad(lambda p: spec.merge(p).sliced_loss(
         batch["inputs"], batch["targets"], subnet, shape, unroll=unroll))(params)
-    return loss, spec.ravel(grads)
+    return loss, spec.ravel(grads) if ravel else grads
 
 
 def max_shapes(module, levels: int) -> int | None:
@@ -294,8 +295,9 @@ class SlicedStep:
         n_sub, n_data, r_slots = self.n_sub, self.n_data, self.round_slots
         waves = self.semantics != "sync"
         shared_per_wave = updates_shared_per_wave(self.semantics)
-        slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape, unroll=unroll),
-                              in_axes=(None, 0, None))  # W subnets of one shape, one shard
+        # W subnets of one shape on one shard; raveled once the shards are summed (spara.py).
+        slot_grads = jax.vmap(functools.partial(sliced_loss_and_grad, spec, shape=shape, unroll=unroll,
+                                                ravel=False), in_axes=(None, 0, None))
         units_of = jax.vmap(spec.module.units)
         skip = skips_padding(self.mesh)
 
@@ -310,7 +312,8 @@ class SlicedStep:
 
             def compute(_):
                 losses, grads = lax.map(lambda shard: slot_grads(local, subs, shard), vbatch)
-                return pairwise_sum((losses, grads))  # the fixed tree's lower levels: [W], [W, Pp]
+                losses, grads = pairwise_sum((losses, grads))  # the fixed tree's lower levels
+                return losses, jax.vmap(spec.ravel)(grads)  # [W], [W, Pp]
 
             def padding(_):
                 # The shapes compute returns, written out: tracing it again to learn them

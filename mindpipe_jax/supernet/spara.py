@@ -197,7 +197,9 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
     chunk = spec.padded_size // (n_sub * n_data)  # this device's share of the raveled parameters
     schedule = lr_schedule(optim, total_steps)
     units_of = jax.vmap(spec.module.units)
-    slot_grads = jax.vmap(spec.loss_and_grad, in_axes=(None, 0, None))  # W subnets, one shard
+    # W subnets on one shard; gradients kept in the parameters' tree until the shards are
+    # summed (raveling concatenates tensor-split leaves: once per round, not per shard).
+    slot_grads = jax.vmap(functools.partial(spec.loss_and_grad, ravel=False), in_axes=(None, 0, None))
     no_units = jnp.zeros(spec.unit_grid, bool)
     shared_per_wave = updates_shared_per_wave(semantics)
     skip = skips_padding(mesh)
@@ -220,7 +222,8 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
                 losses, grads = lax.map(lambda shard: slot_grads(local, subs, shard), vbatch)
                 # The fixed pairwise tree over the V shards: its lower levels on this device's
                 # contiguous shards (here), its upper levels over the devices, in device order.
-                return pairwise_sum((losses, grads))  # [W], [W, Pp]
+                losses, grads = pairwise_sum((losses, grads))
+                return losses, jax.vmap(spec.ravel)(grads)  # [W], [W, Pp]
 
             def padding(_):
                 return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), AXES, to="varying"),

@@ -119,11 +119,12 @@ class SupernetSpec:
     def loss(self, params, inputs, targets, subnet):
         return self.merge(params).loss(inputs, targets, subnet)
 
-    def loss_and_grad(self, params, subnet, batch):
-        """``subnet``'s loss on ``batch`` (``{"inputs", "targets"}``) and its gradient, raveled."""
+    def loss_and_grad(self, params, subnet, batch, ravel: bool = True):
+        """``subnet``'s loss on ``batch`` (``{"inputs", "targets"}``) and its gradient,
+        raveled (or, ``ravel=False``, in the parameters' tree)."""
         loss, grads = jax.value_and_grad(
             lambda p: self.loss(p, batch["inputs"], batch["targets"], subnet))(params)
-        return loss, self.ravel(grads)
+        return loss, self.ravel(grads) if ravel else grads
 
     def units(self, subnets) -> np.ndarray:
         """``bool[N, *unit_grid]``: the units each subnet reads (host NumPy)."""
