@@ -1,23 +1,38 @@
-"""What a supernet run is set up from, shared by training (``trainer.py``) and by
-searching a saved run (``run_search.py``): the reference supernet and the data of a
-config, and the checkpoint plumbing: the kind and fingerprint a checkpoint must
-match, the checks of ``train.out_dir`` before anything is written, and the state's
-shapes a checkpoint restores onto. ``trainer.py`` describes the checkpoints in its
-docstring and re-exports the public names.
+"""What a supernet run is set up from, shared by training (``trainer.py``), by
+searching a saved run (``run_search.py``) and by the tuner's trials: the reference
+supernet, the step and the data of a config, and the checkpoint plumbing: the kind
+and fingerprint a checkpoint must match, the checks of ``train.out_dir`` before
+anything is written, and the state's shapes a checkpoint restores onto.
+``trainer.py`` describes the checkpoints in its docstring and re-exports the public
+names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config, DataConfig
 from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.model import SuperGPT
-from mindpipe_jax.supernet.spara import SupernetSpec, init_state, state_shardings
+from mindpipe_jax.supernet.plan import DATA_AXES
+from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
+from mindpipe_jax.supernet.spara import (
+    SupernetSpec,
+    init_state,
+    jit_step,
+    make_spara_step,
+    plan_step,
+    state_shardings,
+)
 from mindpipe_jax.train.checkpoint import prepare_out_dir, read_meta
 
 KIND = "supernet"  # meta["kind"] of a supernet checkpoint (dense runs have none)
@@ -31,6 +46,48 @@ def supernet_factory(cfg: Config):
         raise ConfigError(f"supernet.min_depth={sn.min_depth} must be <= model.n_layers={m.n_layers}")
     depths = tuple(range(sn.min_depth, m.n_layers + 1))
     return lambda rngs: SuperGPT(m, ops=sn.ops, ffn_widths=widths, heads=sn.heads, depths=depths, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfiguredStep:
+    """The SPara step a config asks for: ``plan(subnets)`` then ``run(state, plan, batch)``
+    (``state`` donated); ``description`` says which path, for the run's first log line."""
+
+    plan: Callable
+    run: Callable
+    description: str
+
+
+def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None) -> ConfiguredStep:
+    """Sliced (subnets at their own size) where the supernet offers it, its programs
+    compiled on first use of a shape; else masked, compiled ahead of time when
+    ``compile_with`` = ``(state, subnets)`` is given (so that step times are step times)."""
+    sn, tr = cfg.supernet, cfg.train
+    sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
+                 virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
+                 total_steps=tr.steps)
+    if sn.ladder_levels and supports_slicing(spec.module):
+        sliced = SlicedStep(spec, mesh, levels=sn.ladder_levels, **sizes)
+        bound = f"<= {sliced.max_programs} programs: " if sliced.max_programs else ""
+        return ConfiguredStep(sliced.plan, sliced, f"sliced ({bound}one per shape, compiled on first use)")
+    round_slots = mesh.shape["subnet"] * sn.vmap_width
+
+    def plan(subnets):
+        return plan_step(spec, subnets, sn.semantics, round_slots)
+
+    t0 = time.perf_counter()
+    masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh, spec)
+    if compile_with is not None:
+        state, subnets = compile_with
+        rows = NamedSharding(mesh, P(DATA_AXES))
+        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
+        masked = masked.lower(state, plan(subnets).arrays(), {"inputs": tokens, "targets": tokens}).compile()
+
+    def run(state, step_plan, batch):
+        return masked(state, step_plan.arrays(), batch)
+
+    compiled = f", compiled in {time.perf_counter() - t0:.1f}s" if compile_with is not None else ""
+    return ConfiguredStep(plan, run, f"masked{compiled}")
 
 
 def _resolve_data(data, cfg: Config) -> TokenSplits:

@@ -59,18 +59,15 @@ from mindpipe_jax.supernet.run_setup import (
     _abstract_state,
     _prepare_out_dir,
     _resolve_data,
+    configured_step,
     fingerprint,
     supernet_factory,
 )
 from mindpipe_jax.supernet.sampler import Sampler
 from mindpipe_jax.supernet.search import SearchResult
-from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
 from mindpipe_jax.supernet.spara import (
     check_layout,
     init_state,
-    jit_step,
-    make_spara_step,
-    plan_step,
     state_shardings,
     supernet_spec,
 )
@@ -180,31 +177,10 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     start = int(np.asarray(jax.device_get(state["step"].addressable_data(0))))
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
-    round_slots = mesh.shape["subnet"] * sn.vmap_width
-    sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
-                 virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
-                 total_steps=tr.steps)
-    t0 = time.perf_counter()
-    # Sliced (subnets at their own size) where the supernet offers it; a custom supernet
-    # without a sliced path trains masked.
-    if sn.ladder_levels and supports_slicing(spec.module):
-        sliced = SlicedStep(spec, mesh, levels=sn.ladder_levels, **sizes)
-        make_plan, step_fn = sliced.plan, sliced
-        bound = f"<= {sliced.max_programs} programs: " if sliced.max_programs else ""
-        compiled = f"sliced ({bound}one per shape, compiled on first use)"
-    else:
-        def make_plan(subnets):
-            return plan_step(spec, subnets, sn.semantics, round_slots)
-
-        # Ahead-of-time compile, so that step times are step times.
-        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-        masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh, spec).lower(
-            state, make_plan(sampler(0)).arrays(), {"inputs": tokens, "targets": tokens}).compile()
-
-        def step_fn(state, plan, batch):
-            return masked(state, plan.arrays(), batch)
-
-        compiled = f"masked, compiled in {time.perf_counter() - t0:.1f}s"
+    # Sliced where the supernet offers it; a custom supernet without a sliced path trains
+    # masked (compiled here, ahead of time).
+    configured = configured_step(spec, mesh, cfg, compile_with=(state, sampler(0)))
+    make_plan, step_fn, compiled = configured.plan, configured.run, configured.description
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
         f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh {mesh_label(mesh)} | "
         f"{compiled}"

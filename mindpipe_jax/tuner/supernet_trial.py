@@ -33,9 +33,9 @@ from mindpipe_jax.data import Loader, TokenSplits, eval_batches, load_tokens
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.supernet import Sampler, make_evaluator, sample_subnets, supernet_factory, supernet_spec
 from mindpipe_jax.supernet.layout import param_shardings
-from mindpipe_jax.supernet.plan import DATA_AXES, check_layout, plan_step
-from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
-from mindpipe_jax.supernet.spara import init_state, jit_step, make_spara_step, state_shardings
+from mindpipe_jax.supernet.plan import DATA_AXES, check_layout
+from mindpipe_jax.supernet.run_setup import configured_step
+from mindpipe_jax.supernet.spara import init_state, state_shardings
 
 
 def runnable(cfg: Config) -> Config:
@@ -68,17 +68,9 @@ class SparaRun:
         self.rows = NamedSharding(mesh, P(DATA_AXES))
         self.state = jax.jit(lambda: init_state(self.spec, create()),
                              out_shardings=state_shardings(mesh, self.spec))()
-        sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
-                     virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
-                     total_steps=tr.steps)
-        if sn.ladder_levels and supports_slicing(self.spec.module):
-            sliced = SlicedStep(self.spec, mesh, levels=sn.ladder_levels, **sizes)
-            self._plan, self._step = sliced.plan, sliced
-        else:
-            masked = jit_step(make_spara_step(self.spec, mesh, **sizes), mesh, self.spec)
-            round_slots = mesh.shape["subnet"] * sn.vmap_width
-            self._plan = lambda subnets: plan_step(self.spec, subnets, sn.semantics, round_slots)
-            self._step = lambda state, plan, batch: masked(state, plan.arrays(), batch)
+        # The trainer's step (compiled on first use: the trials' warm-up steps absorb it).
+        configured = configured_step(self.spec, mesh, cfg)
+        self._plan, self._step = configured.plan, configured.run
         self.step = 0
         self.seconds = 0.0  # wall time spent in steps so far
         self.last_loss = float("nan")
