@@ -1,5 +1,6 @@
 """EPara validation figure (2): wall time to a target validation loss, the online
-tuner vs the best of three fixed global batch sizes with their best learning rates.
+tuner vs the best of fixed global batch sizes with their best learning rates,
+each repeated and interleaved.
 
 Setup, on 8 simulated CPU devices (data=8, one process): a small GPT (d_model 64,
 4 layers, 4 heads, seq 64, byte vocabulary) on the stdlib corpus (the default
@@ -11,22 +12,25 @@ per-shard gradients its noise scale needs (tuner/noise.py), and the fixed runs u
 the same step program so the comparison is not about the step's form (measured
 here: the same step time as plain data parallelism).
 
-* **fixed** — global batch 8, 32 and 128 (``--batches``), each with the learning
-  rates ``--lrs`` (default 1e-3, 3e-3, 1e-2: the default 3e-3 and half a decade
-  either side; clipping at 1.0 keeps the largest stable); the best learning rate
-  per batch is the one with the shortest time to target (or, if none reached
-  it, the lowest validation loss).
-* **online** — ``tuner.enabled=true`` from the smallest batch with that batch's
-  best learning rate; batch ladder 8, 16, 32, 64, 128; AdaScale learning-rate gain;
+* **fixed** — global batch 8, 16 and 32 (``--batches``; 16 is where the tuner
+  landed in earlier runs, and the grid must hold the batch the tuner ends on), each
+  with the learning rate that reached the target first in a first round over
+  ``--lrs`` (default 1e-3, 3e-3, 1e-2: the default 3e-3 and half a decade either
+  side; clipping at 1.0 keeps the largest stable; if none reached it, the lowest
+  validation loss), or, to save that round, the one given by ``--fixed-lrs
+  8:3e-3,...`` (the report says which).
+* **online** — ``tuner.enabled=true`` from the smallest fixed batch with its
+  learning rate; batch ladder 8, 16, 32, 64, 128; AdaScale learning-rate gain;
   a decision every 100 steps after the first 100 (``--tuner-every``,
-  ``--tuner-warmup``: ~5 s at batch 8), threshold 10 % (``--tuner-threshold``: a
-  switch recompiles the step, ~7-10 s here, about a tenth of a run to target).
-  One run per step model (``--step-models``): ``costmodel`` — tuner/costmodel.py's
-  ``CostModel`` (compiled FLOPs, calibrated rate and launch costs, refitted from
-  the step times the run measures; its calibration, ~20 s, runs before the run and
-  is reported beside the ratio), and ``measured`` — the default
-  ``MeasuredThroughput``, which knows only the batch sizes the run has trained with
-  and predicts others with a 10 % fixed-overhead prior.
+  ``--tuner-warmup``), threshold 10 % (``--tuner-threshold``). These guards are the
+  script's defaults, fixed before an evaluation run; the report prints them first.
+  Step model (``--online-model``): ``costmodel`` (default) — tuner/costmodel.py's
+  ``CostModel`` (compiled FLOPs, calibrated rate and launch costs, refitted from the
+  step times the run measures; calibrated before each online run, reported beside
+  the ratio), chosen because it can predict a batch the run has not trained with;
+  ``measured`` — the default ``MeasuredThroughput``, which predicts unmeasured
+  batches with a 10 % fixed-overhead prior and in both recorded runs never switched
+  (it was then just the B8 arm again).
 
 Clock: ``train_s`` of the loop's history records — seconds since the loop began,
 including the first compile and every tuner switch and recompile, excluding
@@ -45,15 +49,16 @@ from a watcher thread; the loop finishes the step and saves a checkpoint, after
 the time was taken), at ``--max-seconds`` of ``train_s`` or at ``--max-steps``,
 and then report "not reached". Checkpoints go to a temporary directory.
 
-Two rounds. The first runs the fixed grid and picks the best learning rate per
-batch and the best fixed run. The second runs, back to back, the best fixed run
-again, the tuner runs, and the best fixed run once more; the headline is each
-tuner run's time over the mean of the two repeats. This is a shared 2-core
-machine whose 8 simulated devices share the cores with other jobs: the same run
-took 51 s and 101 s to target in a pilot, minutes apart (load average 7 vs 9.5;
-batch 8's small steps suffer most), so comparing a tuner run with a grid run from
-ten minutes earlier measures the load, not the tuner. The bracketing repeats show
-how much the load moved during the second round.
+Two rounds. The first picks the learning rate of each fixed batch not given by
+``--fixed-lrs``. The evaluation round runs every arm (each fixed batch with its
+learning rate, and the online tuner) ``--repeats`` times (default 3), interleaved:
+a rotation over the arms that starts one arm later each repeat. This is a shared
+2-core machine whose 8 simulated devices share the cores with other jobs (the same
+run took 51 s and 101 s to target in a pilot, minutes apart), so only runs made
+alternately are compared. The report gives per arm the median time to target, the
+min-max spread and every run's time; the headline is the online median over the
+best fixed arm's median, whether the two spreads overlap, and whether the goal
+(online <= 0.85x the best fixed, spreads apart; issue 18) is met.
 
 Usage: ``python benchmarks/online_tuning.py [--out FILE] [--history-out FILE]``, or
 ``python benchmarks/epara.py --part online`` (``run_online_comparison(args)``).
@@ -80,9 +85,9 @@ COMMON = (*SMALL, "parallel.data=8", "parallel.tensor=1", "train.deterministic=t
 VAL_SEQUENCES = 128  # every run evaluates on the same first 128 validation windows
 
 DEFAULTS = dict(target_loss=1.75, max_seconds=100.0, max_steps=20000, eval_every=10,
-                batches="8,32,128", lrs="1e-3,3e-3,1e-2", ladder="8,16,32,64,128",
+                batches="8,16,32", lrs="1e-3,3e-3,1e-2", fixed_lrs="", ladder="8,16,32,64,128",
                 tuner_every=100, tuner_warmup=100, tuner_threshold=0.1, history_out="",
-                skip_fixed=False, tuner_lr=0.0, step_models="costmodel,measured")
+                skip_fixed=False, tuner_lr=0.0, online_model="costmodel", repeats=3)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +100,11 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=d["max_steps"], help="cap on each run's steps")
     parser.add_argument("--eval-every", type=int, default=d["eval_every"])
     parser.add_argument("--batches", default=d["batches"], help="fixed global batches, comma-separated")
-    parser.add_argument("--lrs", default=d["lrs"], help="learning rates tried per fixed batch")
+    parser.add_argument("--lrs", default=d["lrs"], help="learning rates tried per fixed batch (first round)")
+    parser.add_argument("--fixed-lrs", default=d["fixed_lrs"],
+                        help="BATCH:LR,... a fixed batch's lr given here skips its first-round grid")
+    parser.add_argument("--repeats", type=int, default=d["repeats"],
+                        help="evaluation round: runs of each arm, interleaved")
     parser.add_argument("--ladder", default=d["ladder"], help="the tuner's batch sizes")
     parser.add_argument("--tuner-every", type=int, default=d["tuner_every"])
     parser.add_argument("--tuner-warmup", type=int, default=d["tuner_warmup"])
@@ -103,9 +112,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuner-lr", type=float, default=d["tuner_lr"],
                         help="with --skip-fixed: the tuner run's learning rate")
     parser.add_argument("--skip-fixed", action="store_true", help="only the tuner run")
-    parser.add_argument("--step-models", default=d["step_models"],
-                        help="tuner runs, one per step model: measured (the default MeasuredThroughput), "
-                             "costmodel (tuner/costmodel.py's CostModel, calibrated first)")
+    parser.add_argument("--online-model", default=d["online_model"], choices=("costmodel", "measured"),
+                        help="the online arm's step model: costmodel (tuner/costmodel.py's CostModel, "
+                             "calibrated first) or measured (the default MeasuredThroughput)")
     parser.add_argument("--history-out", default=d["history_out"],
                         help="write the tuner run's history (JSON list of records) here")
 
@@ -279,8 +288,45 @@ def _cost_model(cfg):
     return model, time.perf_counter() - t0
 
 
+def _fixed_lrs(text: str) -> dict[int, float]:
+    """``--fixed-lrs 8:3e-3,32:3e-3`` -> {8: 3e-3, 32: 3e-3}."""
+    out = {}
+    for item in str(text).split(","):
+        if item.strip():
+            batch, lr = item.split(":")
+            out[int(batch)] = float(lr)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _secs(t: float) -> str:
+    return f"{t:.1f}" if math.isfinite(t) else "n/r"
+
+
+def _guards(args, cfg, online_model: str) -> list[str]:
+    """The tuner's settings for the online arm, one per line."""
+    tc = cfg.tuner
+    return [f"step model        : {online_model}" + (" (tuner/costmodel.py CostModel, calibrated before each "
+                                                      "online run)" if online_model == "costmodel" else ""),
+            f"batch ladder      : {[int(b) for b in _floats(_opt(args, 'ladder'))]}",
+            f"decision every    : {_opt(args, 'tuner_every')} steps, first after "
+            f"{_opt(args, 'tuner_warmup')} (tuner.every, tuner.warmup)",
+            f"threshold         : {_opt(args, 'tuner_threshold'):.0%} predicted entropyput gain "
+            "(tuner.threshold)",
+            "lr rule           : AdaScale gain (B/b0) x efficiency(B) (tuner.lr_scaling=adascale)",
+            f"other             : tuner.amortize={tc.amortize} (a switch must pay back its recompile), "
+            f"tuner.ema={tc.ema}; measured step times first, unmeasured candidates relative to the "
+            "current one"]
+
+
 def run_online_comparison(args) -> dict:
-    """Run the fixed grid and the tuner run(s), print the tables and the headline ratio."""
+    """First round (learning rate per fixed batch), then the interleaved evaluation round;
+    print the per-arm medians, spreads and the goal line."""
     import mindpipe_jax as mp
     from mindpipe_jax.data import load_tokens
 
@@ -288,8 +334,12 @@ def run_online_comparison(args) -> dict:
     splits = load_tokens(cfg.data, cfg.model.vocab_size)
     batches = [int(b) for b in _floats(_opt(args, "batches"))]
     lrs = _floats(_opt(args, "lrs"))
+    given = _fixed_lrs(_opt(args, "fixed_lrs"))
     ladder = [int(b) for b in _floats(_opt(args, "ladder"))]
-    step_models = [m.strip() for m in str(_opt(args, "step_models")).split(",") if m.strip()]
+    online_model = str(_opt(args, "online_model"))
+    if online_model not in ("costmodel", "measured"):
+        raise SystemExit(f"--online-model: {online_model!r} is not one of costmodel, measured")
+    repeats = int(_opt(args, "repeats"))
     _check_same_validation_rows(splits, batches + ladder, cfg.model.seq_len)
     target, max_s = _opt(args, "target_loss"), _opt(args, "max_seconds")
     print(f"model: d_model 64, 4 layers, 4 heads, seq 64, byte vocabulary; data: {splits.name}; mesh data=8; "
@@ -297,124 +347,137 @@ def run_online_comparison(args) -> dict:
     print(f"target validation loss {target} (nats/byte, {VAL_SEQUENCES} validation sequences, evaluated "
           f"every {_opt(args, 'eval_every')} steps); caps: {max_s:.0f} s of training time, "
           f"{_opt(args, 'max_steps')} steps")
-    print(f"tuner: batch ladder {ladder}, AdaScale lr gain, every {_opt(args, 'tuner_every')} steps after "
-          f"{_opt(args, 'tuner_warmup')}, threshold {_opt(args, 'tuner_threshold'):.0%}; step models: "
-          f"{', '.join(step_models)}")
     print("clock: train_s = loop time incl. compile and tuner switches, excl. evaluation and checkpoints; "
           "wall = the whole run incl. set-up and evaluations\n")
+    print("### guards (the online tuner's settings)")
+    print("Fixed before this run: these are the script's defaults (unchanged since the guards landed on "
+          "2026-11-30, commit de0bd63) and were not tuned on this run or changed after seeing its results.")
+    for line in _guards(args, cfg, online_model):
+        print(f"  {line}")
+    print()
 
     previous = signal.signal(signal.SIGTERM, _Stopper.handle)
     fixed: list[dict] = []
-    tuned: list[dict] = []
-    repeats: list[dict] = []  # the best fixed run again, before and after the tuner runs
     best_per_batch: dict[int, dict] = {}
-    best_fixed = None
+    lr_source: dict[int, str] = {}
+    runs: dict[str, list[dict]] = {}
     header = (f"{'run':26s} {'lr':>8s} {'steps':>6s} {'train_s':>8s} {'wall':>7s} {'best val':>8s}  "
               f"time to target   (load average)")
     try:
         with tempfile.TemporaryDirectory(prefix="online_tuning_") as tmp:
             tmp = Path(tmp)
-            if not _opt(args, "skip_fixed"):
-                print("### fixed batch sizes x learning rates")
+            grid = [] if _opt(args, "skip_fixed") else [b for b in batches if b not in given]
+            if grid:
+                print(f"### first round: learning rate per fixed batch (batches {grid} x lrs {lrs})")
                 print(header)
-                for b in batches:
+                for b in grid:
                     for lr in lrs:
                         fixed.append(r := run_one(f"fixed B{b} lr{lr:g}", splits, b, lr, args, tmp))
                         print(_row(r), flush=True)
-                    best_per_batch[b] = _best([r for r in fixed if r["batch"] == b])
+                    best = _best([r for r in fixed if r["batch"] == b])
+                    best_per_batch[b] = best
+                    lr_source[b] = f"first round: best of {len(lrs)} lrs ({_fmt_time(best).strip()})"
+            arms: list[tuple[str, int, float, bool]] = []  # (name, batch, lr, tuner)
+            if not _opt(args, "skip_fixed"):
+                for b in batches:
+                    if b in given:
+                        lr_source[b] = "given on the command line (--fixed-lrs)"
+                    lr = given[b] if b in given else best_per_batch[b]["lr"]
+                    arms.append((f"fixed B{b} lr{lr:g}", b, lr, False))
                 start_batch = min(batches)
-                start_lr = best_per_batch[start_batch]["lr"]
-                reached = [r for r in best_per_batch.values() if r["time_to_target"] is not None]
-                best_fixed = min(reached, key=lambda r: r["time_to_target"]) if reached else None
+                start_lr = given.get(start_batch) or best_per_batch[start_batch]["lr"]
             else:
                 start_batch, start_lr = min(ladder), _opt(args, "tuner_lr") or 3e-3
-            print("\n### head to head: the best fixed run again, the tuner runs, the best fixed run again "
-                  "(back to back, so the machine's load drifts over all of them alike)")
+            arms.append((f"online ({online_model})", start_batch, start_lr, True))
+            print("\n### learning rates of the arms")
+            for name, b, lr, tuner in arms:
+                src = "starts at the smallest fixed batch with its lr" if tuner else lr_source.get(b, "")
+                print(f"  {name:26s} B{b:<4d} lr {lr:g}   {src}")
+
+            print(f"\n### evaluation round: {repeats} repeats of each arm, interleaved (a rotation over the "
+                  f"arms, starting one later each repeat, so the machine's load drifts over all alike)")
             print(header)
-
-            def repeat(which: str) -> None:
-                if best_fixed is not None:
-                    r = run_one(f"best fixed B{best_fixed['batch']} ({which})", splits, best_fixed["batch"],
-                                best_fixed["lr"], args, tmp)
-                    repeats.append(r)
+            for name, *_ in arms:
+                runs[name] = []
+            for rep in range(repeats):
+                k = rep % len(arms)
+                for name, b, lr, tuner in arms[k:] + arms[:k]:
+                    model, calibration_s = None, 0.0
+                    if tuner and online_model == "costmodel":
+                        model, calibration_s = _cost_model(cfg.replace(f"train.global_batch={b}"))
+                    r = run_one(f"{name} #{rep + 1}", splits, b, lr, args, tmp, tuner=tuner,
+                                step_model=model)
+                    r["calibration_s"], r["repeat"] = calibration_s, rep + 1
+                    runs[name].append(r)
                     print(_row(r), flush=True)
-
-            repeat("before")
-            for kind in step_models:
-                model, calibration_s = None, 0.0
-                if kind == "costmodel":
-                    model, calibration_s = _cost_model(cfg.replace(f"train.global_batch={start_batch}"))
-                elif kind != "measured":
-                    raise SystemExit(f"--step-models: {kind!r} is not one of measured, costmodel")
-                r = run_one(f"online ({kind})", splits, start_batch, start_lr, args, tmp, tuner=True,
-                            step_model=model)
-                r["step_model"], r["calibration_s"] = kind, calibration_s
-                tuned.append(r)
-                print(_row(r), flush=True)
-                for d in r["decisions"]:
-                    bn = "none" if d["b_noise"] is None else f"{d['b_noise']:.1f}"
-                    print(f"    decision after step {d['step']}: B {d['from'].split(' B')[-1]} -> "
-                          f"{d['to'].split(' B')[-1]}, predicted entropyput {d['gain']:+.0%}, B_noise {bn}, "
-                          f"lr x{d['lr_gain']:.3g}; {d['reason']}")
-                if not r["decisions"]:
-                    bn = "none" if r["b_noise"] is None else f"{r['b_noise']:.1f}"
-                    print(f"    no switch (last B_noise estimate {bn})")
-                if kind == "costmodel":
-                    print(f"    cost model calibration before the run: {calibration_s:.1f} s "
-                          f"(not in train_s)")
-            repeat("after")
+                    if tuner:
+                        moves = ", ".join(f"{d['from'].split(' B')[-1]}->{d['to'].split(' B')[-1]} after "
+                                          f"step {d['step']} (B_noise {d['b_noise'] or 0:.1f}, "
+                                          f"lr x{d['lr_gain']:.2f})" for d in r["decisions"])
+                        print(f"    batches {_trajectory(r)}; {moves or 'no switch'}; cost model "
+                              f"calibration {calibration_s:.1f} s before the run (not in train_s)")
     finally:
         signal.signal(signal.SIGTERM, previous)
 
-    def table(rows, ref: float | None, what: str) -> None:
-        print(f"{'run':26s} {'batch':44s} {'lr':>12s} {'steps':>6s} {'time to target':>15s} "
-              f"{what:>14s}")
-        for r in rows:
-            ratio = f"{r['time_to_target'] / ref:.2f}" if ref and r["time_to_target"] is not None else "-"
-            batch = _trajectory(r) if r["tuner"] else str(r["batch"])
-            gain = r["tuner"] and r["final_gain"] != 1.0
-            lr = f"{r['lr']:.0e}" + (f" x{r['final_gain']:.2f}" if gain else "")
-            steps = r["steps_to_target"] if r["steps_to_target"] is not None else r["steps"]
-            print(f"{r['name']:26s} {batch:44s} {lr:>12s} {steps:6d} {_fmt_time(r):>15s} {ratio:>14s}")
-
-    if best_per_batch:
-        print(f"\n### best learning rate per batch (first round; target {target})")
-        table([best_per_batch[b] for b in batches],
-              best_fixed["time_to_target"] if best_fixed else None, "vs best fixed")
-    times = [r["time_to_target"] for r in repeats]
-    ref = sum(times) / len(times) if times and None not in times else None
-    print(f"\n### head to head (target {target}; ratios vs the mean of the two best-fixed repeats"
-          + (f", {ref:.1f} s)" if ref else ")"))
-    table(repeats + tuned, ref, "vs best fixed")
-    ratios = {}
-    for r in tuned:
-        if ref and r["time_to_target"] is not None:
-            ratios[r["step_model"]] = ratio = r["time_to_target"] / ref
-            first = r["time_to_target"] / best_fixed["time_to_target"]
-            extra = f"; {(r['time_to_target'] + r['calibration_s']) / ref:.2f} counting its " \
-                    f"{r['calibration_s']:.0f} s calibration" if r["calibration_s"] else ""
-            print(f"online ({r['step_model']}) / best fixed = {ratio:.2f}   (goal <= 1.0; best fixed: "
-                  f"B{best_fixed['batch']} lr {best_fixed['lr']:g}; {first:.2f} vs its first-round "
-                  f"time{extra})")
-        else:
-            print(f"online ({r['step_model']}) / best fixed = n/a (online "
-                  f"{'reached' if r['time_to_target'] is not None else 'not reached'}, best fixed "
-                  f"{'reached' if ref else 'not reached'})")
+    print(f"\n### summary (target {target}; time to target = train_s at the first evaluation at or below it; "
+          f"n/r = not reached within the caps, counted as infinite)")
+    stats = {}
+    for name, rs in runs.items():
+        times = [r["time_to_target"] if r["time_to_target"] is not None else math.inf for r in rs]
+        stats[name] = dict(times=times, median=_median(times), lo=min(times), hi=max(times),
+                           tuner=rs[0]["tuner"], lr=rs[0]["lr"])
+    fixed_names = [n for n, s in stats.items() if not s["tuner"]]
+    best_name = min(fixed_names, key=lambda n: stats[n]["median"]) if fixed_names else None
+    ref = stats[best_name]["median"] if best_name else math.inf
+    print(f"{'arm':26s} {'median':>8s} {'min-max':>14s} {'vs best':>8s}   runs in order (s)")
+    for name, s in stats.items():
+        ratio = f"{s['median'] / ref:.2f}" if math.isfinite(ref) and math.isfinite(s["median"]) else "-"
+        spread = f"{_secs(s['lo'])}-{_secs(s['hi'])}"
+        print(f"{name:26s} {_secs(s['median']):>8s} {spread:>14s} {ratio:>8s}   "
+              f"{', '.join(_secs(t) for t in s['times'])}")
+    online_name = next(n for n, s in stats.items() if s["tuner"])
+    on = stats[online_name]
+    online_runs = runs[online_name]
+    finals = sorted({r["final_batch"] for r in online_runs})
+    print(f"online runs ended on batch {', '.join(f'B{b}' for b in finals)}; the fixed grid holds "
+          f"{', '.join(f'B{b}' for b in batches)}: "
+          + ("every batch the tuner ended on is in the grid" if set(finals) <= set(batches)
+             else f"B{sorted(set(finals) - set(batches))} not in the grid"))
+    result = dict(fixed=fixed, best_per_batch=best_per_batch, runs=runs, stats=stats, best_fixed=best_name,
+                  ratio=None, goal_met=False)
+    if best_name is None:
+        print("no fixed arm (--skip-fixed): no ratio")
+    elif math.isfinite(ref) and math.isfinite(on["median"]):
+        bf = stats[best_name]
+        ratio = on["median"] / ref
+        apart = on["hi"] < bf["lo"] or on["lo"] > bf["hi"]
+        goal = ratio <= 0.85 and on["hi"] < bf["lo"]
+        cal = [r["calibration_s"] for r in online_runs]
+        with_cal = _median([t + c for t, c in zip(on["times"], cal, strict=True)]) / ref
+        print(f"best fixed arm: {best_name} (median {ref:.1f} s, {_secs(bf['lo'])}-{_secs(bf['hi'])} s)")
+        print(f"online median / best fixed median = {on['median']:.1f} / {ref:.1f} = {ratio:.2f}; spreads "
+              f"{'apart' if apart else 'overlap'} (online {_secs(on['lo'])}-{_secs(on['hi'])} s vs "
+              f"{_secs(bf['lo'])}-{_secs(bf['hi'])} s)")
+        print(f"  counting the cost model's calibration (median {_median(cal):.1f} s) in the online time: "
+              f"{with_cal:.2f}")
+        print(f"GOAL (online <= 0.85x the best fixed, spreads apart): {'MET' if goal else 'NOT MET'} "
+              f"(ratio {ratio:.2f} {'<=' if ratio <= 0.85 else '>'} 0.85; spreads "
+              f"{'apart' if apart else 'overlap'})")
+        result.update(ratio=ratio, goal_met=goal, spreads_apart=apart)
+    else:
+        print(f"online median / best fixed median = n/a (online median {_secs(on['median'])}, best fixed "
+              f"median {_secs(ref)}); GOAL NOT MET (no finite ratio)")
     print(f"load average {tuple(round(x, 1) for x in os.getloadavg())}")
 
     history_out = _opt(args, "history_out")
     if not history_out and getattr(args, "out", None):  # next to the report: NAME-history.json
         history_out = str(Path(args.out).with_name(Path(args.out).stem + "-history.json"))
-    if history_out and tuned:
-        main_run = tuned[0]
-        Path(history_out).write_text(json.dumps(_clean(main_run["history"]), indent=1) + "\n")
-        print(f"history of the {main_run['name']} run ({len(main_run['history'])} records: step, "
+    if history_out and online_runs:
+        Path(history_out).write_text(json.dumps(
+            [dict(run=r["name"], history=_clean(r["history"])) for r in online_runs], indent=1) + "\n")
+        print(f"histories of the {len(online_runs)} online runs (a list of {{run, history}}; records: step, "
               f"tuner/batch, lr, tuner/lr_gain, val_loss, train_s, ...) written to {history_out}")
-        for other in tuned[1:]:
-            path = Path(history_out).with_name(Path(history_out).stem + f"-{other['step_model']}.json")
-            path.write_text(json.dumps(_clean(other["history"]), indent=1) + "\n")
-            print(f"history of the {other['name']} run written to {path}")
-    return dict(fixed=fixed, best_per_batch=best_per_batch, repeats=repeats, tuned=tuned, ratios=ratios)
+    return result
 
 
 def main() -> None:
