@@ -442,7 +442,8 @@ def run_online_comparison(args) -> dict:
     print(f"online runs ended on batch {', '.join(f'B{b}' for b in finals)}; the fixed grid holds "
           f"{', '.join(f'B{b}' for b in batches)}: "
           + ("every batch the tuner ended on is in the grid" if set(finals) <= set(batches)
-             else f"B{sorted(set(finals) - set(batches))} not in the grid"))
+             else f"{', '.join(f'B{b}' for b in sorted(set(finals) - set(batches)))} not in the grid "
+             "(more fixed arms can only lower the best fixed median)"))
     result = dict(fixed=fixed, best_per_batch=best_per_batch, runs=runs, stats=stats, best_fixed=best_name,
                   ratio=None, goal_met=False)
     if best_name is None:
@@ -451,18 +452,19 @@ def run_online_comparison(args) -> dict:
         bf = stats[best_name]
         ratio = on["median"] / ref
         apart = on["hi"] < bf["lo"] or on["lo"] > bf["hi"]
+        side = "online faster" if on["hi"] < bf["lo"] else "online slower"
         goal = ratio <= 0.85 and on["hi"] < bf["lo"]
         cal = [r["calibration_s"] for r in online_runs]
         with_cal = _median([t + c for t, c in zip(on["times"], cal, strict=True)]) / ref
         print(f"best fixed arm: {best_name} (median {ref:.1f} s, {_secs(bf['lo'])}-{_secs(bf['hi'])} s)")
         print(f"online median / best fixed median = {on['median']:.1f} / {ref:.1f} = {ratio:.2f}; spreads "
-              f"{'apart' if apart else 'overlap'} (online {_secs(on['lo'])}-{_secs(on['hi'])} s vs "
+              f"{f'apart, {side}' if apart else 'overlap'} (online {_secs(on['lo'])}-{_secs(on['hi'])} s vs "
               f"{_secs(bf['lo'])}-{_secs(bf['hi'])} s)")
         print(f"  counting the cost model's calibration (median {_median(cal):.1f} s) in the online time: "
               f"{with_cal:.2f}")
         print(f"GOAL (online <= 0.85x the best fixed, spreads apart): {'MET' if goal else 'NOT MET'} "
               f"(ratio {ratio:.2f} {'<=' if ratio <= 0.85 else '>'} 0.85; spreads "
-              f"{'apart' if apart else 'overlap'})")
+              f"{f'apart, {side}' if apart else 'overlap'})")
         result.update(ratio=ratio, goal_met=goal, spreads_apart=apart)
     else:
         print(f"online median / best fixed median = n/a (online median {_secs(on['median'])}, best fixed "
