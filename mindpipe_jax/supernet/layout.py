@@ -61,8 +61,8 @@ def tensor_split(params, mesh, spec: SupernetSpec):
     manual = set(AXES)
 
     def one(x, sharding):
-        # Only the automatic axes may be named inside the shard_map: drop manual ones
-        # (the rules' compute layout names none of them for parameters: checked here).
+        # Only the automatic axes may be named inside the shard_map: the manual ones are
+        # dropped (the parameters are whole over them here).
         entries = [None if e is None else tuple(a for a in ((e,) if isinstance(e, str) else e)
                                                 if a not in manual) or None
                    for e in sharding.spec]

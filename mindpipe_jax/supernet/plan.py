@@ -94,13 +94,18 @@ def step_waves(semantics: str, units: np.ndarray, shares_weights: bool = True) -
     return causal_waves(units)
 
 
+def check_axes(mesh, what: str) -> None:
+    """ConfigError naming every mesh axis > 1 that SPara does not use (``what``: who asks)."""
+    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
+    if others:
+        raise ConfigError(f"{what} splits devices over parallel.subnet, fsdp, data and tensor only; got "
+                          f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+
+
 def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,
                  global_batch: int) -> None:
     """The mesh and sizes the SPara step supports; ConfigError naming the value otherwise."""
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
-    if others:
-        raise ConfigError(f"supernet training splits devices over parallel.subnet, fsdp, data and tensor "
-                          f"only; got {', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    check_axes(mesh, "supernet training")
     s, d = mesh.shape["subnet"], data_devices(mesh)
     if PARAM_CHUNKS % (s * d):
         raise ConfigError(f"parallel.subnet x fsdp x data = {s} x {mesh.shape['fsdp']} x "

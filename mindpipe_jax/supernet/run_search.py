@@ -17,7 +17,7 @@ from mindpipe_jax.config import Config, from_dict
 from mindpipe_jax.data import TokenSplits, eval_batches
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
-from mindpipe_jax.supernet.plan import AXES, COMPUTE_AXES, data_devices, mesh_label
+from mindpipe_jax.supernet.plan import check_axes, data_devices, mesh_label
 from mindpipe_jax.supernet.run_setup import (
     KIND,
     _abstract_state,
@@ -127,10 +127,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         raise ConfigError(f"--step {step}: {str(ckpt_dir)!r} has committed checkpoints at steps "
                           f"{', '.join(map(str, steps))}")
     mesh = make_mesh(cfg.parallel)
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
-    if others:
-        raise ConfigError(f"the search splits devices over parallel.subnet, fsdp, data and tensor only; got "
-                          f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+    check_axes(mesh, "the search")
     v, d = cfg.train.virtual_shards, data_devices(mesh)
     if v % d or cfg.train.global_batch % v:
         raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.fsdp x data = {d}, and "
