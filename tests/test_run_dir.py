@@ -291,15 +291,19 @@ def test_ctrl_c_during_start_up_is_exit_130_one_line_nothing_half_written(delay,
                   env=cli_env(cache), cwd=tmp_path)
     try:
         time.sleep(delay)
-        started = "mesh {" in child.output  # the loop may have begun: then the first Ctrl-C stops it
         child.signal(signal.SIGINT)
         rc = child.wait(TIMEOUT_S)
     finally:
         child.kill()
-    if started or any(ln.startswith("step ") for ln in child.output.splitlines()):
+    lines = child.output.strip().splitlines()
+    # The start-up's one status line can land between our sleep and the signal's delivery: it was
+    # true when printed, so it may precede the interrupt; anything else may not.
+    lines = [ln for ln in lines if not ln.startswith("mesh {")]
+    if rc != 130 or any(ln.startswith("step ") for ln in lines):
+        # The loop had begun: the first Ctrl-C is a stop with a checkpoint (tested elsewhere).
+        assert rc == 0 and "Traceback" not in child.output, child.output[-3000:]
         pytest.skip(f"the loop had begun {delay} s after the start (a stop, tested elsewhere)")
-    assert rc == 130, child.output[-3000:]
-    assert child.output.strip().splitlines() == ["mindpipe: interrupted"], child.output[-3000:]
+    assert lines == ["mindpipe: interrupted"], child.output[-3000:]
     assert not out.exists()  # the run created it: it went, with what the run had begun writing
 
 
