@@ -43,11 +43,19 @@ def param_shardings(mesh, spec: SupernetSpec):
     return _rules_layout(mesh, spec, "storage")
 
 
+def moment_axes(mesh) -> tuple[str, ...]:
+    """The axes the raveled AdamW moments are split over: ``AXES``, and ``pipe`` when the
+    step runs through a pipeline (``pipelined.py``)."""
+    return ("subnet", "pipe", "fsdp", "data") if mesh.shape.get("pipe", 1) > 1 else AXES
+
+
 def state_shardings(mesh, spec: SupernetSpec) -> dict:
-    """The SPara state on ``mesh``: parameters as stored, moments split over ``AXES``,
-    step and counts replicated."""
+    """The SPara state on ``mesh``: parameters as stored, moments split over
+    ``moment_axes``, step and counts replicated."""
     out = jax.tree.map(lambda p: NamedSharding(mesh, p), STATE_SPECS, is_leaf=lambda x: isinstance(x, P))
     out["params"] = param_shardings(mesh, spec)
+    moments = NamedSharding(mesh, P(moment_axes(mesh)))
+    out["opt"].update(mu=moments, nu=moments)
     return out
 
 

@@ -247,14 +247,39 @@ class SuperGPT(nnx.Module):
         return self.head(self.run_blocks(self.embed(tokens), subnet))
 
     def loss(self, inputs, targets, subnet):
-        """Mean next-token cross-entropy of the subnet (fp32, nats per token).
+        """Mean next-token cross-entropy of the subnet (fp32, nats per token)."""
+        return self.head_loss(self.head, self.run_blocks(self.embed(inputs), subnet), targets)
+
+    @staticmethod
+    def head_loss(head, h, targets):
+        """The head's mean cross-entropy on hidden states ``h``.
 
         The target's log-probability is picked by a one-hot product, not an index
         (whose backward would be a scatter): the whole backward is scatter-free.
         """
-        logits = self(inputs, subnet).astype(jnp.float32)
+        logits = head(h).astype(jnp.float32)
         hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
         return -jnp.mean(jnp.sum(hot * jax.nn.log_softmax(logits), axis=-1))
+
+    # --- through a pipeline (``pipelined.py``) ------------------------------------------------------
+
+    def stage_conditions(self, subnet):
+        """``float32[n_layers, 4]``: what each block needs to know of ``subnet`` (runs,
+        FFN candidate, FFN width, heads), as numbers that travel with the block's weights
+        through a pipeline (small integers: exact in float32). May be traced."""
+        cfg = self.config
+        genes = jnp.asarray(subnet)[1:].reshape(cfg.n_layers, GENES_PER_LAYER)
+        depth = choice_value(self.space.genes[0], subnet[0])
+        widths = choice_value(Gene("w", self.ffn_widths), genes[:, 1])
+        heads = choice_value(Gene("h", self.head_choices), genes[:, 2])
+        active = jnp.arange(cfg.n_layers) < depth
+        return jnp.stack([active, genes[:, 0], widths, heads], axis=1).astype(jnp.float32)
+
+    @staticmethod
+    def conditioned_block(block, h, condition):
+        """One block on ``h`` as ``condition`` (a row of ``stage_conditions``) says."""
+        c = condition.astype(jnp.int32)
+        return block(h, c[0] > 0, c[1], c[2], c[3])
 
 
     # --- sliced execution --------------------------------------------------------------------------

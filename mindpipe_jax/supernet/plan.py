@@ -61,8 +61,8 @@ def skips_padding(mesh) -> bool:
 
 
 def mesh_label(mesh) -> str:
-    """``subnet=2 x data=4``, with ``fsdp`` and ``tensor`` when they are > 1: for log lines."""
-    axes = ["subnet"] + [a for a in ("fsdp",) if mesh.shape[a] > 1] + ["data"] + \
+    """``subnet=2 x data=4``, with ``pipe``, ``fsdp`` and ``tensor`` when they are > 1: for log lines."""
+    axes = ["subnet"] + [a for a in ("pipe", "fsdp") if mesh.shape[a] > 1] + ["data"] + \
         [a for a in COMPUTE_AXES if mesh.shape[a] > 1]
     return " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
 
@@ -94,11 +94,14 @@ def step_waves(semantics: str, units: np.ndarray, shares_weights: bool = True) -
     return causal_waves(units)
 
 
-def check_axes(mesh, what: str) -> None:
-    """ConfigError naming every mesh axis > 1 that SPara does not use (``what``: who asks)."""
-    others = {a: n for a, n in mesh.shape.items() if a not in AXES + COMPUTE_AXES and n > 1}
+def check_axes(mesh, what: str, pipe_ok: bool = False) -> None:
+    """ConfigError naming every mesh axis > 1 that SPara does not use (``what``: who asks;
+    ``pipe_ok``: the step through a pipeline, ``pipelined.py``, uses ``pipe`` too)."""
+    used = AXES + COMPUTE_AXES + (("pipe",) if pipe_ok else ())
+    others = {a: n for a, n in mesh.shape.items() if a not in used and n > 1}
     if others:
-        raise ConfigError(f"{what} splits devices over parallel.subnet, fsdp, data and tensor only; got "
+        names = "subnet, pipe, fsdp, data" if pipe_ok else "subnet, fsdp, data"
+        raise ConfigError(f"{what} splits devices over parallel.{names} and tensor only; got "
                           f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
 
 

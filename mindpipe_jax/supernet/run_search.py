@@ -73,6 +73,10 @@ def _run_config(run_dir: Path, overrides) -> Config:
         else:
             tree[section] = values  # from_dict names what is wrong
     base = from_dict(tree)
+    if base.parallel.pipe > 1 and not any(o.startswith("parallel.pipe=") for o in overrides):
+        # The search evaluates subnets whole: a pipelined run's stages become data devices.
+        data = base.parallel.data * base.parallel.pipe if base.parallel.data > 0 else -1
+        base = base.replace("parallel.pipe=1", f"parallel.data={data}")
     cfg = base.replace(*overrides) if overrides else base
     fixed = [f"model.{k}" for k in dataclasses.asdict(cfg.model)] + list(_ARCH_KEYS)
     for key in fixed:

@@ -23,6 +23,7 @@ from mindpipe_jax.config import Config, DataConfig
 from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.model import SuperGPT
+from mindpipe_jax.supernet.pipelined import PipelinedStep
 from mindpipe_jax.supernet.plan import DATA_AXES
 from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
 from mindpipe_jax.supernet.spara import (
@@ -63,6 +64,8 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
     compiled on first use of a shape; else masked, compiled ahead of time when
     ``compile_with`` = ``(state, subnets)`` is given (so that step times are step times)."""
     sn, tr = cfg.supernet, cfg.train
+    if mesh.shape["pipe"] > 1:
+        return _pipelined_step(spec, mesh, cfg, compile_with)
     sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
                  virtual_shards=tr.virtual_shards, global_batch=tr.global_batch, optim=cfg.optim,
                  total_steps=tr.steps)
@@ -88,6 +91,26 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
 
     compiled = f", compiled in {time.perf_counter() - t0:.1f}s" if compile_with is not None else ""
     return ConfiguredStep(plan, run, f"masked{compiled}")
+
+
+def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> ConfiguredStep:
+    """Through the pipeline (``pipelined.py``): one program, compiled ahead of time when
+    ``compile_with`` is given."""
+    sn, tr, par = cfg.supernet, cfg.train, cfg.parallel
+    piped = PipelinedStep(spec, mesh, par, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
+                          vmap_width=sn.vmap_width, global_batch=tr.global_batch, optim=cfg.optim,
+                          total_steps=tr.steps)
+    t0 = time.perf_counter()
+    compiled = ""
+    if compile_with is not None:
+        state, subnets = compile_with
+        rows = NamedSharding(mesh, P(DATA_AXES))
+        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
+        piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens})
+        compiled = f", compiled in {time.perf_counter() - t0:.1f}s"
+    return ConfiguredStep(piped.plan, piped, f"through the pipeline ({par.schedule}, {par.microbatches} "
+                                             f"microbatches per subnet; masked: the sliced path does not run "
+                                             f"through a pipeline{compiled})")
 
 
 def _resolve_data(data, cfg: Config) -> TokenSplits:

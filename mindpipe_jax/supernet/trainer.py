@@ -52,6 +52,7 @@ from mindpipe_jax.data import Loader
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
+from mindpipe_jax.supernet.pipelined import check_pipelined
 from mindpipe_jax.supernet.plan import DATA_AXES, mesh_label
 from mindpipe_jax.supernet.run_search import _show, search_checkpoint, search_subnets
 from mindpipe_jax.supernet.run_setup import (
@@ -145,8 +146,13 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
 def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: bool) -> SupernetResult:
     sn, tr = cfg.supernet, cfg.train
     mesh = make_mesh(cfg.parallel)
-    check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
-                 virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
+    if mesh.shape["pipe"] > 1:
+        check_pipelined(None, mesh, cfg.parallel, semantics=sn.semantics,
+                        subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
+                        global_batch=tr.global_batch, n_layers=cfg.model.n_layers)
+    else:
+        check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
+                     virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, tr.seed)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)

@@ -1,0 +1,135 @@
+"""SPara through the pipeline against SPara on data parallelism alone, side by side.
+
+For one ``sequential`` step (K = 4 subnets, each its own AdamW update) of a SuperGPT
+(d_model 64, 4 layers, 4 heads, d_ff 256, byte vocabulary, batch 32) on 8 simulated
+CPU devices: the masked SPara step on data=8 (``spara.py``), and the step through the
+pipeline (``pipelined.py``) on pipe=2 x data=4 and pipe=4 x data=2, 1F1B with 4
+microbatches per subnet. Per layout:
+
+* what a device keeps between steps (its shards of the parameters and the AdamW
+  moments, summed over the state's arrays as placed);
+* the compiled step's temporary bytes (XLA's ``memory_analysis``);
+* the bytes a device sends per step (``parallel/collectives.py``, the compiled HLO);
+* the step's wall time: median and spread over ``--repeats`` interleaved rounds of
+  ``--steps`` steps (after one warm-up step).
+
+What to read: the pipeline splits the stored blocks over ``pipe``; each subnet drains
+the pipeline before the next (sequential order), a bubble of (p-1)/(m+p-1) of its time.
+
+Usage: ``python benchmarks/spara_pipeline.py [--repeats 3] [--steps 3] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np  # noqa: E402
+from _report import report  # noqa: E402
+
+from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from mindpipe_jax.parallel.collectives import collectives, per_device_bytes  # noqa: E402
+from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
+from mindpipe_jax.supernet import (  # noqa: E402
+    SuperGPT,
+    init_state,
+    jit_step,
+    make_spara_step,
+    plan_step,
+    sample_subnets,
+    supernet_spec,
+)
+from mindpipe_jax.supernet.layout import state_shardings  # noqa: E402
+from mindpipe_jax.supernet.pipelined import PipelinedStep  # noqa: E402
+
+CFG = ModelConfig(d_model=64, n_layers=4, n_heads=4, seq_len=32)
+K, BATCH, MICRO = 4, 32, 4
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=0)
+LAYOUTS = {"data8 (SPara, no pipeline)": dict(data=8),
+           "pipe2 x data4": dict(pipe=2, data=4),
+           "pipe4 x data2": dict(pipe=4, data=2)}
+
+
+def _batch(seed):
+    toks = np.random.default_rng(seed).integers(0, 256, (BATCH, CFG.seq_len + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+def build(spec, create, layout: dict):
+    """(run(state, subnets, batch) -> state, compiled program, fresh state) for a layout."""
+    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule="1f1b")
+    mesh = make_mesh(par)
+    fresh = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))
+    subnets = np.asarray(spec.space.validate(np.zeros((K, len(spec.space.genes)), np.int32)))
+    batch = _batch(0)
+    if layout.get("pipe", 1) > 1:
+        step = PipelinedStep(spec, mesh, par, semantics="sequential", subnets_per_step=K, vmap_width=1,
+                             global_batch=BATCH, optim=OPTIM, total_steps=100)
+        compiled = step.lower(fresh(), step.plan(subnets), batch).compile()
+        step._compiled = compiled
+
+        def run(state, subs, b):
+            return step(state, step.plan(subs), b)[0]
+    else:
+        jitted = jit_step(make_spara_step(spec, mesh, semantics="sequential", subnets_per_step=K,
+                                          vmap_width=1, virtual_shards=8, global_batch=BATCH, optim=OPTIM,
+                                          total_steps=100), mesh, spec)
+        compiled = jitted.lower(fresh(), plan_step(spec, subnets, "sequential", 1).arrays(), batch).compile()
+
+        def run(state, subs, b):
+            return compiled(state, plan_step(spec, subs, "sequential", 1).arrays(), b)[0]
+    return run, compiled, fresh
+
+
+def stored_bytes(state) -> int:
+    """Bytes device 0 holds of the state."""
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for a in jax.tree.leaves(state) for s in a.addressable_shards if s.device == dev)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="also write the report to this file")
+    args = parser.parse_args()
+
+    def make(rngs):
+        return SuperGPT(CFG, ops=("gelu", "silu", "tanh"), ffn_widths=(128, 256), depths=(2, 3, 4), rngs=rngs)
+
+    spec, create = supernet_spec(make)
+    draws = [sample_subnets(spec.space, 1, step, K) for step in range(args.steps + 1)]
+    with report("SPara through the pipeline vs data parallelism alone", args.out):
+        print(f"SuperGPT d_model {CFG.d_model}, {CFG.n_layers} layers, {spec.num_params:,} parameters "
+              f"({spec.num_params * 4 / 1e6:.2f} MB fp32); sequential, K={K}, batch {BATCH}, "
+              f"{MICRO} microbatches per subnet through the pipeline (1F1B)")
+        built = {name: build(spec, create, layout) for name, layout in LAYOUTS.items()}
+        times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        for _ in range(args.repeats):  # interleaved: the machine's load hits every layout alike
+            for name, (run, _, fresh) in built.items():
+                state = run(fresh(), draws[0], _batch(0))  # warm-up
+                jax.block_until_ready(state)
+                t0 = time.perf_counter()
+                for i in range(1, args.steps + 1):
+                    state = run(state, draws[i], _batch(i))
+                jax.block_until_ready(state)
+                times[name].append((time.perf_counter() - t0) / args.steps)
+        print(f"\n{'layout':<28} {'kept/device':>12} {'temp':>10} {'sent/step':>10} "
+              f"{'s/step median (min-max)':>26}")
+        for name, (_, compiled, fresh) in built.items():
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            sent = per_device_bytes(collectives(compiled.as_text()), 8).get(0, 0.0)
+            t = times[name]
+            print(f"{name:<28} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
+                  f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""SPara through the pipeline: the subnets of a step on a ``pipe`` axis (the fourth dimension
+composed with the other three).
+
+How a subnet goes through the stages
+------------------------------------
+The vPipe runtime (``parallel/pipeline/runtime``) runs a model of three parts: embed,
+a stack of blocks split over the stages, head. A supernet block also needs to know the
+subnet: whether it runs, which FFN candidate, what width, how many heads
+(``SuperGPT.stage_conditions``: ``float32[layers, 4]``). Those numbers travel as a
+leaf of the stacked block parameters (``{"weights", "condition"}``), so every stage
+finds its own blocks' rows where it finds their weights, under every schedule (1F1B,
+interleaved, the zero-bubble ones with their equation-level B/W split), with remat,
+``tensor`` and ``fsdp`` as the runtime does them. The block reads its row under
+``stop_gradient``: its gradient is zero and dropped.
+
+Each subnet's batch is cut into ``parallel.microbatches`` microbatches, which fill
+the pipeline; the gradients come back summed over them and averaged over the
+batch axes, then each subnet's gradient is clipped on its own norm and the lazy
+AdamW of ``optimizer.py`` updates the parameters (raveled, as the other SPara steps).
+
+Semantics
+---------
+``sequential``
+    Subnet k+1 reads the weights subnet k's update left, on every stage: its forward
+    on a stage waits for that update, and the update waits for subnet k's norm, which
+    needs its whole backward. Every subnet reads the shared weights (embedding,
+    attention, norms, head), so no two subnets overlap: the pipeline is filled by each
+    subnet's microbatches and drains between subnets (a bubble of (p-1)/(m+p-1) of
+    each subnet's time, for p stages and m microbatches; NASPipe overlaps subnets
+    only where they share no layer, which a supernet with shared attention never
+    allows). ``parallel.subnet`` must be 1.
+``sync``
+    All K subnets read the step's weights; ``parallel.subnet`` = S device groups
+    each run one subnet of a round through their own pipeline at once (the subnets
+    of a round are a vmapped axis split over ``subnet``), K/S rounds; the clipped
+    gradients are summed in subnet order, one update from their mean.
+``operator-causal`` is not offered here (its waves have varying sizes; the masked and
+sliced steps run it).
+
+Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
+shapes do not go through a pipeline). Parameters are stored as the rules table says
+(blocks split over ``pipe`` by their ``layers`` axis); the AdamW moments, raveled,
+are split over (subnet, pipe, fsdp, data) (``layout.moment_axes``); the update runs
+on the raveled vector under ``jit``, which gathers and splits it (not a fixed-order
+reduction: no bitwise promise across device counts here, unlike ``spara.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mindpipe_jax.config import OptimConfig, ParallelConfig
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline.runtime import StageFns, pipeline_grads
+from mindpipe_jax.supernet.layout import param_shardings, state_shardings
+from mindpipe_jax.supernet.optimizer import adamw, clip
+from mindpipe_jax.supernet.plan import DATA_AXES, check_axes, check_semantics, data_devices, step_waves
+from mindpipe_jax.supernet.spec import SupernetSpec
+from mindpipe_jax.train.state import lr_schedule
+
+__all__ = ["PIPELINE_SEMANTICS", "PipelinedPlan", "PipelinedStep", "check_pipelined", "stage_fns",
+           "supports_pipeline"]
+
+PIPELINE_SEMANTICS = ("sync", "sequential")
+PIPELINE_MEMBERS = ("embed", "blocks", "head", "stage_conditions(subnet)",
+                    "conditioned_block(block, h, condition)", "head_loss(head, h, targets)")
+PARTS = ("blocks", "embed", "head")  # the parameters' top level, in tree (sorted) order
+
+
+def supports_pipeline(module) -> bool:
+    """Whether a supernet module can run through the pipeline (``SuperGPT`` can)."""
+    return all(hasattr(module, m.split("(")[0]) for m in PIPELINE_MEMBERS)
+
+
+def stage_fns(spec: SupernetSpec) -> StageFns:
+    """The pipeline contract's three functions for a supernet; a block's parameters are
+    ``{"weights": its weights, "condition": its row of stage_conditions}``."""
+    module = spec.module
+    embed_def, blocks_def, head_def = (nnx.graphdef(getattr(module, a)) for a in ("embed", "blocks", "head"))
+
+    def layer(p, h):
+        # The row is data, not a weight: no gradient flows into it.
+        block = nnx.merge(blocks_def, p["weights"])
+        return module.conditioned_block(block, h, lax.stop_gradient(p["condition"]))
+
+    return StageFns(embed=lambda p, tokens: nnx.merge(embed_def, p)(tokens), layer=layer,
+                    head_loss=lambda p, h, targets: module.head_loss(nnx.merge(head_def, p), h, targets))
+
+
+def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, semantics: str,
+                    subnets_per_step: int, vmap_width: int, global_batch: int, n_layers: int) -> None:
+    """What SPara through a pipeline supports; a ConfigError naming the value otherwise."""
+    check_axes(mesh, "supernet training through a pipeline", pipe_ok=True)
+    check_semantics(semantics)
+    pipe, groups = mesh.shape["pipe"], mesh.shape["subnet"]
+    if semantics not in PIPELINE_SEMANTICS:
+        raise ConfigError(f"supernet.semantics={semantics!r} does not run through a pipeline (parallel.pipe="
+                          f"{pipe}); use {' or '.join(PIPELINE_SEMANTICS)}, or parallel.pipe=1")
+    if semantics == "sequential" and groups > 1:
+        raise ConfigError(f"parallel.subnet={groups} with supernet.semantics='sequential' through a "
+                          f"pipeline: each subnet waits for the update before it, so subnet groups would "
+                          f"idle; set parallel.subnet=1 (give the devices to data or pipe) or use "
+                          f"semantics 'sync'")
+    if vmap_width != 1:
+        raise ConfigError(f"supernet.vmap_width={vmap_width} has no effect through a pipeline (a round holds "
+                          f"parallel.subnet subnets); set supernet.vmap_width=1")
+    if subnets_per_step % groups:
+        raise ConfigError(f"supernet.subnets_per_step={subnets_per_step} must be divisible by "
+                          f"parallel.subnet={groups}")
+    stages = pipe * par.virtual_stages
+    if n_layers % stages:
+        raise ConfigError(f"model.n_layers={n_layers} must be divisible by parallel.pipe x "
+                          f"parallel.virtual_stages = {pipe} x {par.virtual_stages} = {stages}")
+    rows = par.microbatches * data_devices(mesh)
+    if global_batch % rows:
+        raise ConfigError(f"train.global_batch={global_batch} must be divisible by parallel.microbatches x "
+                          f"fsdp x data = {par.microbatches} x {data_devices(mesh)} = {rows}")
+    if par.stage_layers or par.repartition_after:
+        raise ConfigError("parallel.stage_layers / repartition_after are for `mindpipe train`; a supernet's "
+                          "blocks are split evenly over the stages: leave them unset")
+    if spec is not None and not supports_pipeline(spec.module):
+        lacks = [m for m in PIPELINE_MEMBERS if not hasattr(spec.module, m.split("(")[0])]
+        raise ConfigError(f"{type(spec.module).__name__} cannot run through a pipeline: it lacks "
+                          f"{', '.join(lacks)} (SuperGPT has them); set parallel.pipe=1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedPlan:
+    """A step's subnets (``int32[K, genes]``), their waves and the units any of them reads."""
+
+    subnets: np.ndarray
+    waves: np.ndarray
+    used: np.ndarray
+
+    @property
+    def num_waves(self) -> int:
+        return int(self.waves.max()) + 1
+
+
+class PipelinedStep:
+    """``step(state, plan, batch) -> (state, metrics)``: SPara with ``pipe`` > 1.
+
+    The same state (``layout.state_shardings``), batch (split over ``DATA_AXES``) and
+    metrics (per-subnet ``loss`` and ``grad_norm``, ``lr``) as the other SPara steps;
+    ``plan`` is ``self.plan(subnets)``. One program, compiled on first call."""
+
+    def __init__(self, spec: SupernetSpec, mesh, par: ParallelConfig, *, semantics: str,
+                 subnets_per_step: int, vmap_width: int, global_batch: int, optim: OptimConfig,
+                 total_steps: int):
+        n_layers = jax.tree.leaves(spec.abstract_params["blocks"])[0].shape[0]
+        check_pipelined(spec, mesh, par, semantics=semantics, subnets_per_step=subnets_per_step,
+                        vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers)
+        if set(spec.abstract_params) != set(PARTS):
+            raise ConfigError(f"a supernet through a pipeline has parameters {list(PARTS)} at its top level; "
+                              f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
+        self.spec, self.mesh, self.semantics, self.k = spec, mesh, semantics, subnets_per_step
+        schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
+        sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+        self.schedule_name = par.schedule
+        self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat, grad_sync=sync,
+                                   sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
+                                   grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks)
+        self.microbatches = par.microbatches
+        self.optim, self.lr = optim, lr_schedule(optim, total_steps)
+        shardings = state_shardings(mesh, spec)
+        rows = NamedSharding(mesh, P(DATA_AXES))
+        rep = NamedSharding(mesh, P())
+        self._params_layout = param_shardings(mesh, spec)
+        self._compiled = None
+        self._step = jax.jit(self._step_fn, in_shardings=(shardings, rep, rows),
+                             out_shardings=(shardings, rep), donate_argnums=(0,))
+
+    def plan(self, subnets) -> PipelinedPlan:
+        subnets = self.spec.space.validate(subnets)
+        units = self.spec.units(subnets)
+        waves = step_waves(self.semantics, units, self.spec.shares_weights)
+        return PipelinedPlan(np.asarray(subnets, np.int32), waves, units.any(0))
+
+    def __call__(self, state, plan: PipelinedPlan, batch):
+        """One step. ``state`` is consumed (its buffers are donated)."""
+        with jax.set_mesh(self.mesh):
+            return (self._compiled or self._step)(state, jnp.asarray(plan.subnets), batch)
+
+    def lower(self, state, plan: PipelinedPlan, batch):
+        """The step lowered for these (possibly abstract) arguments."""
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(state, jnp.asarray(plan.subnets), batch)
+
+    def compile(self, state, plan: PipelinedPlan, batch) -> None:
+        """Compile ahead of time (later calls run that program: step times are step times)."""
+        self._compiled = self.lower(state, plan, batch).compile()
+
+    # --- the program ---------------------------------------------------------------------------
+
+    def _grads(self, params, condition, micro):
+        """One subnet (its ``condition`` rows) through the pipeline: its mean loss, its norm
+        and its clipped gradient, in the parameters' tree (raveled only for the update: a
+        concatenation of leaves split over different axes costs a gather)."""
+        loss, g = self._run(params["embed"], {"weights": params["blocks"], "condition": condition},
+                            params["head"], micro["inputs"], micro["targets"])
+        g = {"blocks": g["blocks"]["weights"], "embed": g["embed"], "head": g["head"]}
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
+        return loss, norm, clip(g, norm, self.optim.clip_norm)
+
+    def _update(self, params, grads, opt, units, lr):
+        spec = self.spec
+        p, opt = adamw(spec, spec.ravel(params), spec.ravel(grads), opt, units, True, lr, self.optim)
+        # Back to the stored layout (blocks over pipe, ...): the next subnet reads them there.
+        params = jax.tree.map(lambda x, s: lax.with_sharding_constraint(x, s), spec.unravel(p),
+                              self._params_layout)
+        return params, opt
+
+    def _step_fn(self, state, subnets, batch):
+        module, k = self.spec.module, self.k
+        lr = self.lr(state["step"])
+        m = self.microbatches
+        # Row b goes to microbatch b mod m: a device's rows stay on it (a reshape to
+        # [m, B/m] would move the split from the rows to the microbatch axis).
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+        conditions = jax.vmap(module.stage_conditions)(subnets)  # [K, layers, C]
+        units = jax.vmap(module.units)(subnets)  # [K, *unit_grid]
+        params, opt = state["params"], state["opt"]
+        if self.semantics == "sync":
+            groups = self.mesh.shape["subnet"]
+            by_round = conditions.reshape(k // groups, groups, *conditions.shape[1:])
+            on_groups = NamedSharding(self.mesh, P("subnet"))
+
+            def one_round(total, conds):
+                # The round's subnets, one per subnet group, each through its own pipeline.
+                conds = lax.with_sharding_constraint(conds, on_groups)
+                losses, norms, grads = jax.vmap(partial(self._grads, params, micro=micro))(conds)
+                for i in range(groups):  # in subnet order
+                    total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(jnp.float32), total, grads)
+                return total, (losses, norms)
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+            total, (losses, norms) = lax.scan(one_round, zeros, by_round)
+            params, opt = self._update(params, jax.tree.map(lambda t: t / k, total), opt, units.any(0), lr)
+        else:
+            def one_subnet(carry, xs):
+                params, opt = carry
+                condition, used = xs
+                loss, norm, grads = self._grads(params, condition, micro)
+                params, opt = self._update(params, grads, opt, used, lr)
+                return (params, opt), (loss, norm)
+
+            (params, opt), (losses, norms) = lax.scan(one_subnet, (params, opt), (conditions, units))
+        metrics = {"loss": losses.reshape(k), "grad_norm": norms.reshape(k), "lr": lr}
+        return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics

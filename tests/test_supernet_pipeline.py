@@ -1,0 +1,166 @@
+"""SPara through the pipeline (``supernet/pipelined.py``): the subnets of a step on a ``pipe``
+axis, with ``subnet``, ``tensor`` and ``data`` beside it.
+
+Checked against training the subnets with no framework code
+(``supernet_oracle.sequential_reference``: dense GPTs of the subnets' own sizes in plain
+JAX, optax's clipping and Adam): ``sync`` on subnet2 x pipe2 x tensor2 and ``sequential``
+on pipe2 x data2 x tensor2 (1F1B) and pipe2 x data4 (ZB-H1, whose backward is split at
+the equation level), losses and parameters after two steps at fp32 tolerance (the
+pipeline sums microbatches, devices and tensor ranks in other orders). One subnet's
+gradient through the pipeline is compared with ``jax.value_and_grad`` of its loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from supernet_oracle import sequential_reference
+
+import mindpipe_jax as mp
+from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.parallel.pipeline import get_schedule
+from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+from mindpipe_jax.supernet import SuperGPT, init_state, search_checkpoint, supernet_spec, train_supernet
+from mindpipe_jax.supernet.layout import state_shardings
+from mindpipe_jax.supernet.pipelined import PipelinedStep, check_pipelined, stage_fns
+
+pytestmark = pytest.mark.xdist_group("supernet_pipeline")
+
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)  # d_ff 128, vocab 256
+OPS = ("gelu", "silu", "tanh")
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, clip_norm=0.5, eps=1e-3)
+# depth, then (op, FFN width of (32, 64, 128), heads of 1..4) per block.
+SUBNETS = np.array([[1, 0, 0, 0, 1, 1, 2],
+                    [0, 2, 2, 3, 0, 0, 0],
+                    [1, 1, 2, 2, 2, 2, 1],
+                    [0, 1, 0, 0, 0, 0, 0]], np.int32)
+
+
+def make_tiny(rngs):
+    return SuperGPT(CFG, ops=OPS, ffn_widths=(32, 64, 128), depths=(1, 2), rngs=rngs)
+
+
+@pytest.fixture(scope="module")
+def spec_create():
+    return supernet_spec(make_tiny, 0)
+
+
+def _batch(rows, seed):
+    toks = np.random.default_rng(seed).integers(0, 256, (rows, CFG.seq_len + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+
+def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_create):
+    """Each of two subnets (one skips its second block) through 1F1B on pipe2 x data4, 4
+    microbatches: loss and gradient of every parameter equal ``jax.value_and_grad`` of the
+    supernet's loss on the whole batch, and its FFN candidates it did not choose get zero."""
+    spec, create = spec_create
+    params = jax.jit(create)()
+    mesh = make_mesh(ParallelConfig(pipe=2, data=4, tensor=1))
+    run = pipeline_grads(stage_fns(spec), get_schedule("1f1b", 2, 4), mesh)
+    batch = _batch(16, 3)
+
+    @jax.jit
+    def through_pipe(params, subnet):
+        condition = spec.module.stage_conditions(subnet)
+        micro = jax.tree.map(lambda x: x.reshape(4, 4, CFG.seq_len), batch)
+        return run(params["embed"], {"weights": params["blocks"], "condition": condition}, params["head"],
+                   micro["inputs"], micro["targets"])
+
+    for subnet in SUBNETS[:2]:
+        with jax.set_mesh(mesh):
+            loss, grads = through_pipe(params, jnp.asarray(subnet))
+        want_loss, want = spec.loss_and_grad(params, jnp.asarray(subnet), batch, ravel=False)
+        assert np.all(np.asarray(grads["blocks"]["condition"]) == 0)
+        got = {"blocks": grads["blocks"]["weights"], "embed": grads["embed"], "head": grads["head"]}
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(spec.ravel(got)), np.asarray(spec.ravel(want)), rtol=1e-4,
+                                   atol=1e-7)
+        unused = ~np.asarray(spec.module.units(subnet))
+        w_in = np.asarray(grads["blocks"]["weights"]["ffn"]["w_in"])
+        assert np.all(w_in[unused] == 0) and np.any(w_in[~unused] != 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("semantics,layout,schedule", [
+    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b"),
+    ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b"),
+    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1"),
+], ids=["sync-subnet2xpipe2xtensor2", "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1"])
+def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule):
+    """Two steps of K = 4 subnets, 4 microbatches each, against the plain-optax loop:
+    ``sequential`` is training them one after another (each its own clipped AdamW step),
+    ``sync`` one averaged update per step."""
+    spec, create = spec_create
+    par = ParallelConfig(**layout, microbatches=4, schedule=schedule)
+    mesh = make_mesh(par)
+    step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
+                         global_batch=16, optim=OPTIM, total_steps=10)
+    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
+    losses = []
+    for seed in (1, 2):
+        state, metrics = step(state, step.plan(SUBNETS), _batch(16, seed))
+        losses.append(np.asarray(metrics["loss"]))
+    want, want_losses = sequential_reference(jax.jit(create)(), SUBNETS, [_batch(16, s) for s in (1, 2)],
+                                             OPTIM, 10, spec.space, OPS, semantics)
+    np.testing.assert_allclose(np.concatenate(losses), want_losses, rtol=1e-5)
+    got, want = (np.asarray(spec.ravel(p)) for p in (state["params"], want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The blocks stay split over pipe between steps: a device holds its stage's layers.
+    w_in = state["params"]["blocks"]["ffn"]["w_in"]
+    assert w_in.addressable_shards[0].data.shape[0] == CFG.n_layers // 2, w_in.sharding.spec
+
+
+@pytest.mark.parametrize("layout,keys,message", [
+    (dict(pipe=2, data=4), dict(semantics="operator-causal"),
+     "supernet.semantics='operator-causal' does not run through a pipeline (parallel.pipe=2); use sync or "
+     "sequential, or parallel.pipe=1"),
+    (dict(pipe=2, subnet=2, data=2), dict(semantics="sequential"),
+     "parallel.subnet=2 with supernet.semantics='sequential' through a pipeline"),
+    (dict(pipe=2, data=4), dict(vmap_width=2), "supernet.vmap_width=2 has no effect through a pipeline"),
+    (dict(pipe=2, subnet=4, data=1), dict(subnets_per_step=6),
+     "supernet.subnets_per_step=6 must be divisible by parallel.subnet=4"),
+    (dict(pipe=2, data=4), dict(global_batch=20),
+     "train.global_batch=20 must be divisible by parallel.microbatches x fsdp x data = 2 x 4 = 8"),
+    (dict(pipe=4, data=2), dict(n_layers=6),
+     "model.n_layers=6 must be divisible by parallel.pipe x parallel.virtual_stages = 4 x 1 = 4"),
+    (dict(pipe=2, expert=2, data=2), {},
+     "supernet training through a pipeline splits devices over parallel.subnet, pipe, fsdp, data and tensor "
+     "only; got expert=2"),
+])
+def test_what_does_not_run_through_the_pipeline_is_refused_in_one_line(layout, keys, message):
+    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=2)
+    sizes = {"semantics": "sync", "subnets_per_step": 4, "vmap_width": 1, "global_batch": 16, "n_layers": 4,
+             **keys}
+    with pytest.raises(ConfigError) as err:
+        check_pipelined(None, make_mesh(par), par, **sizes)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_mindpipe_supernet_through_the_pipeline_then_search(tmp_path):
+    """The user's path: ``mindpipe supernet`` on pipe=2 x data=4 (sequential, 1F1B),
+    checkpointed; ``mindpipe search`` of the run (its stages become data devices) finds the
+    same top-k as the search at the end of training, bit for bit."""
+    overrides = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+                 'data.source="synthetic"', "data.synthetic_tokens=65536", "train.steps=2",
+                 "train.global_batch=16", "train.log_every=1", "train.checkpoint_every=2",
+                 f"train.out_dir={tmp_path / 'run'}", "parallel.pipe=2", "parallel.microbatches=2",
+                 "parallel.data=4", "parallel.tensor=1", "parallel.simulate_cpu_devices=0",
+                 "supernet.semantics=sequential", "supernet.subnets_per_step=2",
+                 "supernet.search_population=4", "supernet.search_generations=1", "supernet.search_top_k=2",
+                 "supernet.search_eval_batches=1")
+    lines = []
+    result = train_supernet(config=mp.Config().replace(*overrides), log=lines.append, checkpoint=True)
+    assert "mesh subnet=1 x pipe=2 x data=4" in lines[0], lines[0]
+    assert "through the pipeline (1f1b" in lines[0], lines[0]
+    assert np.isfinite([h["loss"] for h in result.history]).all()
+    top = result.search.top
+    again, cfg, step = search_checkpoint(tmp_path / "run")
+    assert step == 2 and cfg.parallel.pipe == 1 and cfg.parallel.data == 8
+    assert [t["subnet"] for t in again.top] == [t["subnet"] for t in top]
+    np.testing.assert_allclose([t["loss"] for t in again.top], [t["loss"] for t in top], rtol=1e-6)
