@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from collections import defaultdict
 
 import jax
 
@@ -35,7 +36,7 @@ import numpy as np  # noqa: E402
 from _report import report  # noqa: E402
 
 from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from mindpipe_jax.parallel.collectives import collectives, per_device_bytes  # noqa: E402
+from mindpipe_jax.parallel.collectives import axes_of, collectives, per_device_bytes  # noqa: E402
 from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
 from mindpipe_jax.supernet import (  # noqa: E402
     SuperGPT,
@@ -123,12 +124,25 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) / args.steps)
         print(f"\n{'layout':<28} {'kept/device':>12} {'temp':>10} {'sent/step':>10} "
               f"{'s/step median (min-max)':>26}")
+        where = {}
         for name, (_, compiled, fresh) in built.items():
             temp = compiled.memory_analysis().temp_size_in_bytes
-            sent = per_device_bytes(collectives(compiled.as_text()), 8).get(0, 0.0)
+            ops = collectives(compiled.as_text())
+            sent = per_device_bytes(ops, 8).get(0, 0.0)
             t = times[name]
             print(f"{name:<28} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
                   f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
+            where[name] = ops
+        print("\nwhere the bytes go (device 0, MB per step, by collective and the mesh axes it spans):")
+        for name, layout in LAYOUTS.items():
+            mesh = make_mesh(ParallelConfig(**{"tensor": 1, **layout}))
+            ids = np.vectorize(lambda d: d.id)(mesh.devices)
+            rows = defaultdict(float)
+            for op in where[name]:
+                axes = "+".join(a for a in mesh.axis_names if a in axes_of(op, ids, mesh.axis_names)) or "-"
+                rows[(op.kind, axes)] += per_device_bytes([op], mesh.size).get(0, 0.0)
+            top = sorted(rows.items(), key=lambda kv: -kv[1])[:4]
+            print(f"  {name:<28} " + ", ".join(f"{k} over {a} {b / 1e6:.2f}" for (k, a), b in top))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
 from mindpipe_jax.supernet import SuperGPT, init_state, search_checkpoint, supernet_spec, train_supernet
 from mindpipe_jax.supernet.layout import state_shardings
+from mindpipe_jax.supernet.optimizer import adamw, adamw_tree
 from mindpipe_jax.supernet.pipelined import PipelinedStep, check_pipelined, stage_fns
 
 pytestmark = pytest.mark.xdist_group("supernet_pipeline")
@@ -164,3 +165,34 @@ def test_mindpipe_supernet_through_the_pipeline_then_search(tmp_path):
     assert step == 2 and cfg.parallel.pipe == 1 and cfg.parallel.data == 8
     assert [t["subnet"] for t in again.top] == [t["subnet"] for t in top]
     np.testing.assert_allclose([t["loss"] for t in again.top], [t["loss"] for t in top], rtol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_adamw_on_the_tree_is_the_raveled_lazy_adamw(spec_create, shared):
+    """The pipeline's leaf-by-leaf AdamW (``adamw_tree``) against the raveled one the other
+    SPara steps use: the same parameters, moments and counts, with weight decay, some units
+    selected and the shared weights in or out (to rounding: XLA may turn a division by a
+    broadcast value into a multiplication; where the update cancels the weight, that ulp
+    of the terms is what remains)."""
+    spec, create = spec_create
+    params = jax.jit(create)()
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+    grads = spec.unravel(jnp.asarray(rng.normal(size=spec.padded_size), jnp.float32))
+    mu = jnp.asarray(rng.normal(size=spec.padded_size), jnp.float32)
+    nu = jnp.asarray(rng.random(spec.padded_size), jnp.float32)
+    count = jnp.asarray(rng.integers(0, 5, spec.num_units + 1), jnp.int32)
+    units = jnp.asarray(rng.random(spec.unit_grid) < 0.5)
+    p1, o1 = adamw(spec, spec.ravel(params), spec.ravel(grads), {"mu": mu, "nu": nu, "count": count}, units,
+                   shared, 1e-3, optim)
+    moments = {"mu": spec.unravel(mu, jnp.float32), "nu": spec.unravel(nu, jnp.float32)}
+    p2, m2, c2 = adamw_tree(spec, params, grads, moments, count, units, shared, 1e-3, optim)
+    n = spec.num_params
+    np.testing.assert_array_equal(c2, o1["count"])
+    for want, got in ((p1, p2), (o1["mu"], m2["mu"]), (o1["nu"], m2["nu"])):
+        np.testing.assert_allclose(np.asarray(spec.ravel(got))[:n], np.asarray(want)[:n], rtol=2e-6,
+                                   atol=1e-8)  # one ulp of a weight ~0.05 is 4e-9
+    # Untouched: the units not selected (and the shared weights when not `shared`).
+    moved = np.asarray(spec.ravel(p2))[:n] != np.asarray(spec.ravel(params))[:n]
+    selected = np.append(np.asarray(units).reshape(-1), shared)[spec.unit_of[:n]]
+    assert not moved[~selected].any() and moved[selected].mean() > 0.99

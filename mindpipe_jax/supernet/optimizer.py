@@ -138,3 +138,40 @@ def adamw(spec: SupernetSpec, p, g, opt: dict, unit_mask, shared: bool, lr, opti
     return (jnp.where(mask, new_p, p),
             {"mu": jnp.where(mask, mu, opt["mu"]), "nu": jnp.where(mask, nu, opt["nu"]), "count": count})
 
+
+
+def adamw_tree(spec: SupernetSpec, params, grads, moments: dict, count, unit_mask, shared: bool, lr,
+               optim: OptimConfig):
+    """``adamw`` on the parameters' tree: the same formula, element for element, with
+    ``moments`` = ``{"mu", "nu"}`` as float32 trees shaped like the parameters. Equal to
+    ``adamw`` up to rounding, not bitwise: XLA may turn a division by a broadcast
+    per-unit value into a multiplication by its reciprocal (one ulp, seen). For a step whose parameters are split over other axes than the raveled
+    vector's (a pipeline's stages): every operation stays on each device's own shards.
+    Returns ``(params, moments, count)``."""
+    n_units = spec.num_units
+    sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])
+    count = count + sel.astype(jnp.int32)
+    cf = count.astype(jnp.float32)
+    per_unit = jnp.stack([sel.astype(jnp.float32), 1 - optim.b1 ** cf, 1 - optim.b2 ** cf])  # [3, U + 1]
+    grid = spec.unit_grid
+
+    def one(p, g, mu, nu, searchable, decays):
+        if searchable:  # [*grid, ...]: the unit's values over its trailing axes
+            vals = per_unit[:, :n_units].reshape(3, *grid, *([1] * (p.ndim - len(grid))))
+        else:
+            vals = per_unit[:, n_units].reshape(3, *([1] * p.ndim))
+        mask, bc1, bc2 = vals[0] > 0, vals[1], vals[2]
+        p32 = p.astype(jnp.float32)
+        g = g.astype(jnp.float32)
+        mu_new = (1 - optim.b1) * g + optim.b1 * mu
+        nu_new = (1 - optim.b2) * jnp.square(g) + optim.b2 * nu
+        update = (mu_new / bc1) / (jnp.sqrt(nu_new / bc2) + optim.eps)
+        if optim.weight_decay and decays:
+            update = update + optim.weight_decay * p32
+        new_p = p32 + (-lr) * update
+        return (jnp.where(mask, new_p, p32).astype(p.dtype), jnp.where(mask, mu_new, mu),
+                jnp.where(mask, nu_new, nu))
+
+    out = jax.tree.map(one, params, grads, moments["mu"], moments["nu"], spec.searchable, spec.decay)
+    first = lambda i: jax.tree.map(lambda t: t[i], out, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+    return first(0), {"mu": first(1), "nu": first(2)}, count

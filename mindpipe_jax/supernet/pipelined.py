@@ -16,7 +16,7 @@ interleaved, the zero-bubble ones with their equation-level B/W split), with rem
 Each subnet's batch is cut into ``parallel.microbatches`` microbatches, which fill
 the pipeline; the gradients come back summed over them and averaged over the
 batch axes, then each subnet's gradient is clipped on its own norm and the lazy
-AdamW of ``optimizer.py`` updates the parameters (raveled, as the other SPara steps).
+AdamW of ``optimizer.py`` updates the parameters.
 
 Semantics
 ---------
@@ -39,10 +39,14 @@ sliced steps run it).
 
 Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
 shapes do not go through a pipeline). Parameters are stored as the rules table says
-(blocks split over ``pipe`` by their ``layers`` axis); the AdamW moments, raveled,
-are split over (subnet, pipe, fsdp, data) (``layout.moment_axes``); the update runs
-on the raveled vector under ``jit``, which gathers and splits it (not a fixed-order
-reduction: no bitwise promise across device counts here, unlike ``spara.py``).
+(blocks split over ``pipe`` by their ``layers`` axis). Between steps the AdamW moments
+are raveled vectors split over (subnet, pipe, fsdp, data) (``layout.moment_axes``: the
+same state as the other SPara steps, so a checkpoint restores onto any of them);
+during a step they are unraveled into the parameters' tree and layout once, and the
+lazy AdamW updates run leaf by leaf on each device's own shards (``adamw_tree``: the
+raveled update's formula). Sums over microbatches and data
+devices are the runtime's (``psum``): no bitwise promise across device counts here,
+unlike ``spara.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.runtime import StageFns, pipeline_grads
 from mindpipe_jax.supernet.layout import param_shardings, state_shardings
-from mindpipe_jax.supernet.optimizer import adamw, clip
+from mindpipe_jax.supernet.optimizer import adamw_tree, clip
 from mindpipe_jax.supernet.plan import DATA_AXES, check_axes, check_semantics, data_devices, step_waves
 from mindpipe_jax.supernet.spec import SupernetSpec
 from mindpipe_jax.train.state import lr_schedule
@@ -212,13 +216,9 @@ class PipelinedStep:
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
         return loss, norm, clip(g, norm, self.optim.clip_norm)
 
-    def _update(self, params, grads, opt, units, lr):
-        spec = self.spec
-        p, opt = adamw(spec, spec.ravel(params), spec.ravel(grads), opt, units, True, lr, self.optim)
-        # Back to the stored layout (blocks over pipe, ...): the next subnet reads them there.
-        params = jax.tree.map(lambda x, s: lax.with_sharding_constraint(x, s), spec.unravel(p),
-                              self._params_layout)
-        return params, opt
+    def _placed(self, tree):
+        """``tree`` (shaped like the parameters) in the parameters' stored layout."""
+        return jax.tree.map(lambda x, s: lax.with_sharding_constraint(x, s), tree, self._params_layout)
 
     def _step_fn(self, state, subnets, batch):
         module, k = self.spec.module, self.k
@@ -229,7 +229,17 @@ class PipelinedStep:
         micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
         conditions = jax.vmap(module.stage_conditions)(subnets)  # [K, layers, C]
         units = jax.vmap(module.units)(subnets)  # [K, *unit_grid]
-        params, opt = state["params"], state["opt"]
+        spec, params = self.spec, state["params"]
+        # The moments in the parameters' tree and layout for the step (each stage updates
+        # its own blocks with no communication), raveled again at its end.
+        moments = {name: self._placed(spec.unravel(state["opt"][name], jnp.float32)) for name in ("mu", "nu")}
+        count = state["opt"]["count"]
+
+        def update(params, grads, moments, count, used):
+            params, moments, count = adamw_tree(spec, params, grads, moments, count, used, True, lr,
+                                                self.optim)
+            return self._placed(params), {n: self._placed(t) for n, t in moments.items()}, count
+
         if self.semantics == "sync":
             groups = self.mesh.shape["subnet"]
             by_round = conditions.reshape(k // groups, groups, *conditions.shape[1:])
@@ -243,17 +253,19 @@ class PipelinedStep:
                     total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(jnp.float32), total, grads)
                 return total, (losses, norms)
 
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+            zeros = self._placed(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))
             total, (losses, norms) = lax.scan(one_round, zeros, by_round)
-            params, opt = self._update(params, jax.tree.map(lambda t: t / k, total), opt, units.any(0), lr)
+            mean = jax.tree.map(lambda t: t / k, total)
+            params, moments, count = update(params, mean, moments, count, units.any(0))
         else:
             def one_subnet(carry, xs):
-                params, opt = carry
+                params, moments, count = carry
                 condition, used = xs
                 loss, norm, grads = self._grads(params, condition, micro)
-                params, opt = self._update(params, grads, opt, used, lr)
-                return (params, opt), (loss, norm)
+                return update(params, grads, moments, count, used), (loss, norm)
 
-            (params, opt), (losses, norms) = lax.scan(one_subnet, (params, opt), (conditions, units))
+            (params, moments, count), (losses, norms) = lax.scan(one_subnet, (params, moments, count),
+                                                                 (conditions, units))
+        opt = {"mu": spec.ravel(moments["mu"]), "nu": spec.ravel(moments["nu"]), "count": count}
         metrics = {"loss": losses.reshape(k), "grad_norm": norms.reshape(k), "lr": lr}
         return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics

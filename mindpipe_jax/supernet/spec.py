@@ -100,12 +100,13 @@ class SupernetSpec:
                 pieces.append(jnp.broadcast_to(values[..., n_units:], (*lead, n)))
         return jnp.concatenate(pieces, axis=-1)
 
-    def unravel(self, flat):
-        """The inverse of :meth:`ravel`, in the parameters' own dtypes."""
+    def unravel(self, flat, dtype=None):
+        """The inverse of :meth:`ravel`, in the parameters' own dtypes (or ``dtype``: the
+        AdamW moments stay float32 whatever the parameters' dtype)."""
         leaves, treedef = jax.tree.flatten(self.abstract_params)
         out, start = [], 0
         for leaf in leaves:
-            out.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+            out.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(dtype or leaf.dtype))
             start += leaf.size
         return jax.tree.unflatten(treedef, out)
 
