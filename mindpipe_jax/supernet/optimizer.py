@@ -145,8 +145,9 @@ def adamw_tree(spec: SupernetSpec, params, grads, moments: dict, count, unit_mas
     """``adamw`` on the parameters' tree: the same formula, element for element, with
     ``moments`` = ``{"mu", "nu"}`` as float32 trees shaped like the parameters. Equal to
     ``adamw`` up to rounding, not bitwise: XLA may turn a division by a broadcast
-    per-unit value into a multiplication by its reciprocal (one ulp, seen). For a step whose parameters are split over other axes than the raveled
-    vector's (a pipeline's stages): every operation stays on each device's own shards.
+    per-unit value into a multiplication by its reciprocal (one ulp, seen). For a step
+    whose parameters are split over other axes than the raveled vector's (a pipeline's
+    stages): every operation stays on each device's own shards.
     Returns ``(params, moments, count)``."""
     n_units = spec.num_units
     sel = jnp.concatenate([jnp.asarray(unit_mask).reshape(-1), jnp.asarray(shared, bool).reshape(1)])

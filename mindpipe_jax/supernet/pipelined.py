@@ -246,6 +246,7 @@ class PipelinedStep:
             on_groups = NamedSharding(self.mesh, P("subnet"))
 
             def one_round(total, conds):
+                total = self._placed(total)  # (as one_subnet's carry, below)
                 # The round's subnets, one per subnet group, each through its own pipeline.
                 conds = lax.with_sharding_constraint(conds, on_groups)
                 losses, norms, grads = jax.vmap(partial(self._grads, params, micro=micro))(conds)
@@ -259,7 +260,13 @@ class PipelinedStep:
             params, moments, count = update(params, mean, moments, count, units.any(0))
         else:
             def one_subnet(carry, xs):
+                # The carry in the parameters' layout at the body's start too: with the
+                # constraints at its end only, XLA carried parts of it split over data and
+                # gathered them back every subnet (measured: 26.3 -> 18.5 MB a step on
+                # pipe2 x data4 with this).
                 params, moments, count = carry
+                params = self._placed(params)
+                moments = {n: self._placed(t) for n, t in moments.items()}
                 condition, used = xs
                 loss, norm, grads = self._grads(params, condition, micro)
                 return update(params, grads, moments, count, used), (loss, norm)
