@@ -143,23 +143,28 @@ def test_what_does_not_run_through_the_pipeline_is_refused_in_one_line(layout, k
 
 
 @pytest.mark.slow
-def test_mindpipe_supernet_through_the_pipeline_then_search(tmp_path):
+def test_mindpipe_supernet_through_the_pipeline_resumed_then_searched(tmp_path):
     """The user's path: ``mindpipe supernet`` on pipe=2 x data=4 (sequential, 1F1B),
-    checkpointed; ``mindpipe search`` of the run (its stages become data devices) finds the
-    same top-k as the search at the end of training, bit for bit."""
+    checkpointed after step 1, resumed to step 2 (the moments restored onto the pipeline's
+    layout); ``mindpipe search`` of the run (its stages become data devices) finds the same
+    top-k as the search at the end of training."""
     overrides = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
-                 'data.source="synthetic"', "data.synthetic_tokens=65536", "train.steps=2",
-                 "train.global_batch=16", "train.log_every=1", "train.checkpoint_every=2",
-                 f"train.out_dir={tmp_path / 'run'}", "parallel.pipe=2", "parallel.microbatches=2",
-                 "parallel.data=4", "parallel.tensor=1", "parallel.simulate_cpu_devices=0",
-                 "supernet.semantics=sequential", "supernet.subnets_per_step=2",
-                 "supernet.search_population=4", "supernet.search_generations=1", "supernet.search_top_k=2",
-                 "supernet.search_eval_batches=1")
+                 'data.source="synthetic"', "data.synthetic_tokens=65536", "train.global_batch=16",
+                 "train.log_every=1", "train.checkpoint_every=1", f"train.out_dir={tmp_path / 'run'}",
+                 "parallel.pipe=2", "parallel.microbatches=2", "parallel.data=4", "parallel.tensor=1",
+                 "parallel.simulate_cpu_devices=0", "supernet.semantics=sequential",
+                 "supernet.subnets_per_step=2", "supernet.search_population=4",
+                 "supernet.search_generations=1", "supernet.search_top_k=2", "supernet.search_eval_batches=1")
     lines = []
-    result = train_supernet(config=mp.Config().replace(*overrides), log=lines.append, checkpoint=True)
+    first = train_supernet(config=mp.Config().replace(*overrides, "train.steps=1"), log=lines.append,
+                           checkpoint=True)
     assert "mesh subnet=1 x pipe=2 x data=4" in lines[0], lines[0]
     assert "through the pipeline (1f1b" in lines[0], lines[0]
+    result = train_supernet(config=mp.Config().replace(*overrides, "train.steps=2", "train.resume=true"),
+                            log=lines.append, checkpoint=True)
+    assert [h["step"] for h in first.history] == [1] and [h["step"] for h in result.history] == [2]
     assert np.isfinite([h["loss"] for h in result.history]).all()
+    assert int(result.state["opt"]["count"][-1]) == 4  # two steps of two subnets, each updating the shared
     top = result.search.top
     again, cfg, step = search_checkpoint(tmp_path / "run")
     assert step == 2 and cfg.parallel.pipe == 1 and cfg.parallel.data == 8
