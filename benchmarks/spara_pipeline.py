@@ -1,10 +1,12 @@
 """SPara through the pipeline against SPara on data parallelism alone, side by side.
 
-For one ``sequential`` step (K = 4 subnets, each its own AdamW update) of a SuperGPT
-(d_model 64, 4 layers, 4 heads, d_ff 256, byte vocabulary, batch 32) on 8 simulated
-CPU devices: the masked SPara step on data=8 (``spara.py``), and the step through the
-pipeline (``pipelined.py``) on pipe=2 x data=4 and pipe=4 x data=2, 1F1B with 4
-microbatches per subnet. Per layout:
+For one step of K = 4 subnets of a SuperGPT (d_model 64, 4 layers, 4 heads, d_ff 256,
+byte vocabulary, batch 32) on 8 simulated CPU devices: ``sequential`` (each subnet its
+own AdamW update) with the masked SPara step on data=8 (``spara.py``) and through the
+pipeline (``pipelined.py``) on pipe=2 x data=4 and pipe=4 x data=2; ``sync`` on
+subnet=2 x data=4 and through the pipeline on subnet=2 x pipe=2 x data=2 (each subnet
+group its own pipeline; the pipeline runs in lockstep there, ``needs_lockstep``). 1F1B
+with 4 microbatches per subnet. Per layout:
 
 * what a device keeps between steps (its shards of the parameters and the AdamW
   moments, summed over the state's arrays as placed);
@@ -53,9 +55,12 @@ from mindpipe_jax.supernet.pipelined import PipelinedStep  # noqa: E402
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=4, seq_len=32)
 K, BATCH, MICRO = 4, 32, 4
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0)
-LAYOUTS = {"data8 (SPara, no pipeline)": dict(data=8),
-           "pipe2 x data4": dict(pipe=2, data=4),
-           "pipe4 x data2": dict(pipe=4, data=2)}
+# name -> (mesh axes, semantics)
+LAYOUTS = {"sequential: data8 (no pipe)": (dict(data=8), "sequential"),
+           "sequential: pipe2 x data4": (dict(pipe=2, data=4), "sequential"),
+           "sequential: pipe4 x data2": (dict(pipe=4, data=2), "sequential"),
+           "sync: subnet2 x data4 (no pipe)": (dict(subnet=2, data=4), "sync"),
+           "sync: subnet2 x pipe2 x data2": (dict(subnet=2, pipe=2, data=2), "sync")}
 
 
 def _batch(seed):
@@ -63,7 +68,7 @@ def _batch(seed):
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
-def build(spec, create, layout: dict):
+def build(spec, create, layout: dict, semantics: str):
     """(run(state, subnets, batch) -> state, compiled program, fresh state) for a layout."""
     par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule="1f1b")
     mesh = make_mesh(par)
@@ -71,21 +76,21 @@ def build(spec, create, layout: dict):
     subnets = np.asarray(spec.space.validate(np.zeros((K, len(spec.space.genes)), np.int32)))
     batch = _batch(0)
     if layout.get("pipe", 1) > 1:
-        step = PipelinedStep(spec, mesh, par, semantics="sequential", subnets_per_step=K, vmap_width=1,
+        step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=K, vmap_width=1,
                              global_batch=BATCH, optim=OPTIM, total_steps=100)
-        compiled = step.lower(fresh(), step.plan(subnets), batch).compile()
-        step._compiled = compiled
+        compiled = step.compile(fresh(), step.plan(subnets), batch)
 
         def run(state, subs, b):
             return step(state, step.plan(subs), b)[0]
     else:
-        jitted = jit_step(make_spara_step(spec, mesh, semantics="sequential", subnets_per_step=K,
+        slots = layout.get("subnet", 1)
+        jitted = jit_step(make_spara_step(spec, mesh, semantics=semantics, subnets_per_step=K,
                                           vmap_width=1, virtual_shards=8, global_batch=BATCH, optim=OPTIM,
                                           total_steps=100), mesh, spec)
-        compiled = jitted.lower(fresh(), plan_step(spec, subnets, "sequential", 1).arrays(), batch).compile()
+        compiled = jitted.lower(fresh(), plan_step(spec, subnets, semantics, slots).arrays(), batch).compile()
 
         def run(state, subs, b):
-            return compiled(state, plan_step(spec, subs, "sequential", 1).arrays(), b)[0]
+            return compiled(state, plan_step(spec, subs, semantics, slots).arrays(), b)[0]
     return run, compiled, fresh
 
 
@@ -111,7 +116,7 @@ def main() -> None:
         print(f"SuperGPT d_model {CFG.d_model}, {CFG.n_layers} layers, {spec.num_params:,} parameters "
               f"({spec.num_params * 4 / 1e6:.2f} MB fp32); sequential, K={K}, batch {BATCH}, "
               f"{MICRO} microbatches per subnet through the pipeline (1F1B)")
-        built = {name: build(spec, create, layout) for name, layout in LAYOUTS.items()}
+        built = {name: build(spec, create, *how) for name, how in LAYOUTS.items()}
         times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
         for _ in range(args.repeats):  # interleaved: the machine's load hits every layout alike
             for name, (run, _, fresh) in built.items():
@@ -122,7 +127,7 @@ def main() -> None:
                     state = run(state, draws[i], _batch(i))
                 jax.block_until_ready(state)
                 times[name].append((time.perf_counter() - t0) / args.steps)
-        print(f"\n{'layout':<28} {'kept/device':>12} {'temp':>10} {'sent/step':>10} "
+        print(f"\n{'layout':<34} {'kept/device':>12} {'temp':>10} {'sent/step':>10} "
               f"{'s/step median (min-max)':>26}")
         where = {}
         for name, (_, compiled, fresh) in built.items():
@@ -130,11 +135,11 @@ def main() -> None:
             ops = collectives(compiled.as_text())
             sent = per_device_bytes(ops, 8).get(0, 0.0)
             t = times[name]
-            print(f"{name:<28} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
+            print(f"{name:<34} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
                   f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
             where[name] = ops
         print("\nwhere the bytes go (device 0, MB per step, by collective and the mesh axes it spans):")
-        for name, layout in LAYOUTS.items():
+        for name, (layout, _) in LAYOUTS.items():
             mesh = make_mesh(ParallelConfig(**{"tensor": 1, **layout}))
             ids = np.vectorize(lambda d: d.id)(mesh.devices)
             rows = defaultdict(float)
@@ -142,7 +147,7 @@ def main() -> None:
                 axes = "+".join(a for a in mesh.axis_names if a in axes_of(op, ids, mesh.axis_names)) or "-"
                 rows[(op.kind, axes)] += per_device_bytes([op], mesh.size).get(0, 0.0)
             top = sorted(rows.items(), key=lambda kv: -kv[1])[:4]
-            print(f"  {name:<28} " + ", ".join(f"{k} over {a} {b / 1e6:.2f}" for (k, a), b in top))
+            print(f"  {name:<34} " + ", ".join(f"{k} over {a} {b / 1e6:.2f}" for (k, a), b in top))
 
 
 if __name__ == "__main__":

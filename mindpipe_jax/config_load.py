@@ -175,7 +175,7 @@ def _chunk_sync_off(cfg: Config) -> str | None:
     par = cfg.parallel
     if par.pipe == 1:
         return "parallel.pipe=1"
-    sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+    sync = par.grad_sync_mode
     if sync == "chunk":
         return None
     return f"parallel.grad_sync={par.grad_sync!r}, parallel.schedule={par.schedule!r} (one sync at the end)"

@@ -229,6 +229,13 @@ class ParallelConfig:
     def axis_sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
+    @property
+    def grad_sync_mode(self) -> str:
+        """``grad_sync`` with "auto" resolved: chunk-wise for AFAPAB, at the end otherwise."""
+        if self.grad_sync != "auto":
+            return self.grad_sync
+        return "chunk" if self.schedule == "afapab" else "end"
+
 
 @dataclass(frozen=True)
 class OptimConfig:

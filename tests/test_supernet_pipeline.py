@@ -87,17 +87,20 @@ def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_creat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("semantics,layout,schedule", [
-    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b"),
-    ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b"),
-    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1"),
-], ids=["sync-subnet2xpipe2xtensor2", "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1"])
-def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule):
+@pytest.mark.parametrize("semantics,layout,schedule,grad_sync", [
+    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b", "end"),
+    ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b", "end"),
+    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "end"),
+    ("sync", dict(subnet=2, pipe=2, data=2, tensor=1), "1f1b", "chunk"),
+], ids=["sync-subnet2xpipe2xtensor2", "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1",
+        "sync-subnet2xpipe2xdata2-chunk-sync"])
+def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule, grad_sync):
     """Two steps of K = 4 subnets, 4 microbatches each, against the plain-optax loop:
     ``sequential`` is training them one after another (each its own clipped AdamW step),
-    ``sync`` one averaged update per step."""
+    ``sync`` one averaged update per step; the last case syncs each chunk's gradient over
+    data behind the ticks (AFAPAB's ring) inside the subnet groups' pipelines."""
     spec, create = spec_create
-    par = ParallelConfig(**layout, microbatches=4, schedule=schedule)
+    par = ParallelConfig(**layout, microbatches=4, schedule=schedule, grad_sync=grad_sync)
     mesh = make_mesh(par)
     step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
                          global_batch=16, optim=OPTIM, total_steps=10)

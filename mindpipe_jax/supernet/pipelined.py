@@ -38,7 +38,8 @@ Semantics
 sliced steps run it).
 
 Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
-shapes do not go through a pipeline). Parameters are stored as the rules table says
+shapes do not go through a pipeline). With ``fsdp`` the stored weights enter the
+pipeline whole (no ``param_specs``: the runtime's kept-sharded FSDP path is not used). Parameters are stored as the rules table says
 (blocks split over ``pipe`` by their ``layers`` axis). Between steps the AdamW moments
 are raveled vectors split over (subnet, pipe, fsdp, data) (``layout.moment_axes``: the
 same state as the other SPara steps, so a checkpoint restores onto any of them);
@@ -169,8 +170,7 @@ class PipelinedStep:
                               f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
         self.spec, self.mesh, self.semantics, self.k = spec, mesh, semantics, subnets_per_step
         schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
-        sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
-        self.schedule_name = par.schedule
+        sync = par.grad_sync_mode
         self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat, grad_sync=sync,
                                    sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                                    grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks)
@@ -200,9 +200,11 @@ class PipelinedStep:
         with jax.set_mesh(self.mesh):
             return self._step.lower(state, jnp.asarray(plan.subnets), batch)
 
-    def compile(self, state, plan: PipelinedPlan, batch) -> None:
-        """Compile ahead of time (later calls run that program: step times are step times)."""
+    def compile(self, state, plan: PipelinedPlan, batch):
+        """Compile ahead of time (later calls run that program: step times are step times);
+        returns the compiled program."""
         self._compiled = self.lower(state, plan, batch).compile()
+        return self._compiled
 
     # --- the program ---------------------------------------------------------------------------
 

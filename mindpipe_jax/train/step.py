@@ -257,7 +257,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
                          model.group)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
-    sync = par.grad_sync if par.grad_sync != "auto" else ("chunk" if par.schedule == "afapab" else "end")
+    sync = par.grad_sync_mode
     # Weights stored sharded over fsdp (the embedding and head over pipe too:
     # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step
     # (or per chunk use: parallel.fsdp_gather), gradients reduce-scattered; a grouped
