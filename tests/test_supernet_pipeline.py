@@ -89,16 +89,18 @@ def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_creat
 @pytest.mark.slow
 @pytest.mark.parametrize("semantics,layout,schedule,grad_sync", [
     ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b", "end"),
+    ("sync", dict(pipe=2, data=4, tensor=1), "1f1b", "end"),
     ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b", "end"),
-    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "end"),
-    ("sync", dict(subnet=2, pipe=2, data=2, tensor=1), "1f1b", "chunk"),
-], ids=["sync-subnet2xpipe2xtensor2", "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1",
-        "sync-subnet2xpipe2xdata2-chunk-sync"])
+    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "chunk"),
+], ids=["sync-subnet2xpipe2xtensor2", "sync-pipe2xdata4-all-subnets-one-pass",
+        "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1-chunk-sync"])
 def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule, grad_sync):
     """Two steps of K = 4 subnets, 4 microbatches each, against the plain-optax loop:
     ``sequential`` is training them one after another (each its own clipped AdamW step),
-    ``sync`` one averaged update per step; the last case syncs each chunk's gradient over
-    data behind the ticks (AFAPAB's ring) inside the subnet groups' pipelines."""
+    ``sync`` one averaged update per step with each subnet's gradient clipped on its own:
+    the subnets are the pipeline's microbatches (all 4 in one pass on pipe2 x data4, 2 per
+    subnet group on subnet2), their gradients kept apart. The last case syncs each chunk's
+    gradient over data behind the ticks (AFAPAB's ring) under ZB-H1's split backward."""
     spec, create = spec_create
     par = ParallelConfig(**layout, microbatches=4, schedule=schedule, grad_sync=grad_sync)
     mesh = make_mesh(par)
@@ -132,12 +134,14 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
      "train.global_batch=20 must be divisible by parallel.microbatches x fsdp x data = 2 x 4 = 8"),
     (dict(pipe=4, data=2), dict(n_layers=6),
      "model.n_layers=6 must be divisible by parallel.pipe x parallel.virtual_stages = 4 x 1 = 4"),
+    (dict(pipe=2, data=4), dict(grad_sync="chunk"),
+     "parallel.grad_sync='chunk' / grad_sync_dtype='fp32' with supernet.semantics='sync' through a pipeline"),
     (dict(pipe=2, expert=2, data=2), {},
      "supernet training through a pipeline splits devices over parallel.subnet, pipe, fsdp, data and tensor "
      "only; got expert=2"),
 ])
 def test_what_does_not_run_through_the_pipeline_is_refused_in_one_line(layout, keys, message):
-    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=2)
+    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=2, grad_sync=keys.pop("grad_sync", "auto"))
     sizes = {"semantics": "sync", "subnets_per_step": 4, "vmap_width": 1, "global_batch": 16, "n_layers": 4,
              **keys}
     with pytest.raises(ConfigError) as err:

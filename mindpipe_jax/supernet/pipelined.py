@@ -39,8 +39,9 @@ sliced steps run it).
 
 Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
 shapes do not go through a pipeline). With ``fsdp`` the stored weights enter the
-pipeline whole (no ``param_specs``: the runtime's kept-sharded FSDP path is not used). Parameters are stored as the rules table says
-(blocks split over ``pipe`` by their ``layers`` axis). Between steps the AdamW moments
+pipeline whole (no ``param_specs``: the runtime's kept-sharded FSDP path is not used).
+Parameters are stored as the rules table says (blocks split over ``pipe`` by their
+``layers`` axis). Between steps the AdamW moments
 are raveled vectors split over (subnet, pipe, fsdp, data) (``layout.moment_axes``: the
 same state as the other SPara steps, so a checkpoint restores onto any of them);
 during a step they are unraveled into the parameters' tree and layout once, and the
@@ -122,6 +123,12 @@ def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, sem
     if subnets_per_step % groups:
         raise ConfigError(f"supernet.subnets_per_step={subnets_per_step} must be divisible by "
                           f"parallel.subnet={groups}")
+    if semantics == "sync" and subnets_per_step // groups > 1 and \
+            (par.grad_sync_mode != "end" or par.grad_sync_dtype != "fp32"):
+        raise ConfigError(f"parallel.grad_sync={par.grad_sync!r} / grad_sync_dtype={par.grad_sync_dtype!r} "
+                          f"with supernet.semantics='sync' through a pipeline: each subnet's gradient is "
+                          f"kept apart for its own clipping and synced after the last tick in fp32; set "
+                          f"parallel.grad_sync='end' and grad_sync_dtype='fp32'")
     stages = pipe * par.virtual_stages
     if n_layers % stages:
         raise ConfigError(f"model.n_layers={n_layers} must be divisible by parallel.pipe x "
@@ -169,11 +176,16 @@ class PipelinedStep:
             raise ConfigError(f"a supernet through a pipeline has parameters {list(PARTS)} at its top level; "
                               f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
         self.spec, self.mesh, self.semantics, self.k = spec, mesh, semantics, subnets_per_step
-        schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
-        sync = par.grad_sync_mode
-        self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat, grad_sync=sync,
+        # A pass carries one subnet (sequential) or a subnet group's K/S subnets, each
+        # parallel.microbatches microbatches, its gradient kept apart (sync).
+        self.per_pass = subnets_per_step // mesh.shape["subnet"] if semantics == "sync" else 1
+        schedule = get_schedule(par.schedule, mesh.shape["pipe"], self.per_pass * par.microbatches,
+                                par.virtual_stages)
+        self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat,
+                                   grad_sync=par.grad_sync_mode,
                                    sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
-                                   grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks)
+                                   grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks,
+                                   gradient_groups=self.per_pass)
         self.microbatches = par.microbatches
         self.optim, self.lr = optim, lr_schedule(optim, total_steps)
         shardings = state_shardings(mesh, spec)
@@ -208,15 +220,24 @@ class PipelinedStep:
 
     # --- the program ---------------------------------------------------------------------------
 
-    def _grads(self, params, condition, micro):
-        """One subnet (its ``condition`` rows) through the pipeline: its mean loss, its norm
-        and its clipped gradient, in the parameters' tree (raveled only for the update: a
-        concatenation of leaves split over different axes costs a gather)."""
-        loss, g = self._run(params["embed"], {"weights": params["blocks"], "condition": condition},
-                            params["head"], micro["inputs"], micro["targets"])
+    def _grads(self, params, conditions, micro):
+        """A pass of ``conditions`` (``[n, layers, C]``: n subnets' rows) through the
+        pipeline, each subnet on the whole batch as ``microbatches`` microbatches (the
+        subnets one after another in the pass): per subnet its mean loss and norm (``[n]``)
+        and its clipped gradient (a leading ``[n]`` on every leaf), in the parameters' tree
+        (raveled only for the update: a concatenation of leaves split over different axes
+        costs a gather)."""
+        n, m = conditions.shape[0], self.microbatches
+        rows = {"condition": jnp.repeat(jnp.swapaxes(conditions, 0, 1), m, axis=1)}  # [layers, n·m, C]
+        tokens = jax.tree.map(lambda x: jnp.tile(x, (n,) + (1,) * (x.ndim - 1)), micro)
+        loss, g = self._run(params["embed"], {"weights": params["blocks"]}, params["head"], tokens["inputs"],
+                            tokens["targets"], rows)
         g = {"blocks": g["blocks"]["weights"], "embed": g["embed"], "head": g["head"]}
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
-        return loss, norm, clip(g, norm, self.optim.clip_norm)
+        if n == 1:  # one gradient group: the runtime's plain (unbatched) results
+            loss, g = loss[None], jax.tree.map(lambda x: x[None], g)
+        norms = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+                             for x in jax.tree.leaves(g)))
+        return loss, norms, clip(g, norms, self.optim.clip_norm)
 
     def _placed(self, tree):
         """``tree`` (shaped like the parameters) in the parameters' stored layout."""
@@ -243,21 +264,16 @@ class PipelinedStep:
             return self._placed(params), {n: self._placed(t) for n, t in moments.items()}, count
 
         if self.semantics == "sync":
+            # One pass: each subnet group's K/S subnets are its pipeline's microbatches
+            # (the groups' pipelines are a vmapped axis split over subnet).
             groups = self.mesh.shape["subnet"]
-            by_round = conditions.reshape(k // groups, groups, *conditions.shape[1:])
-            on_groups = NamedSharding(self.mesh, P("subnet"))
-
-            def one_round(total, conds):
-                total = self._placed(total)  # (as one_subnet's carry, below)
-                # The round's subnets, one per subnet group, each through its own pipeline.
-                conds = lax.with_sharding_constraint(conds, on_groups)
-                losses, norms, grads = jax.vmap(partial(self._grads, params, micro=micro))(conds)
-                for i in range(groups):  # in subnet order
-                    total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(jnp.float32), total, grads)
-                return total, (losses, norms)
-
-            zeros = self._placed(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))
-            total, (losses, norms) = lax.scan(one_round, zeros, by_round)
+            by_group = conditions.reshape(groups, k // groups, *conditions.shape[1:])
+            by_group = lax.with_sharding_constraint(by_group, NamedSharding(self.mesh, P("subnet")))
+            losses, norms, grads = jax.vmap(partial(self._grads, params, micro=micro))(by_group)
+            grads = jax.tree.map(lambda x: x.reshape(k, *x.shape[2:]), grads)  # subnet order
+            total = self._placed(jax.tree.map(lambda x: x[0].astype(jnp.float32), grads))
+            for i in range(1, k):  # summed in subnet order
+                total = jax.tree.map(lambda t, g, i=i: t + g[i].astype(jnp.float32), total, grads)
             mean = jax.tree.map(lambda t: t / k, total)
             params, moments, count = update(params, mean, moments, count, units.any(0))
         else:
@@ -270,8 +286,8 @@ class PipelinedStep:
                 params = self._placed(params)
                 moments = {n: self._placed(t) for n, t in moments.items()}
                 condition, used = xs
-                loss, norm, grads = self._grads(params, condition, micro)
-                return update(params, grads, moments, count, used), (loss, norm)
+                loss, norm, grads = self._grads(params, condition[None], micro)
+                return update(params, jax.tree.map(lambda x: x[0], grads), moments, count, used), (loss, norm)
 
             (params, moments, count), (losses, norms) = lax.scan(one_subnet, (params, moments, count),
                                                                  (conditions, units))

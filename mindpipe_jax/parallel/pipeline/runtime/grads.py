@@ -47,7 +47,6 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     StageFns,
     _take,
     _vary,
-    _zeros_like,
     needs_lockstep,
 )
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
@@ -92,8 +91,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
-                   fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True):
-    """Build ``f(embed_p, blocks_p, head_p, inputs, targets) -> (loss, grads)``.
+                   fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True,
+                   gradient_groups: int = 1):
+    """Build ``f(embed_p, blocks_p, head_p, inputs, targets, block_context=None) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
     ``layout`` (default: evenly, L divisible by p·v); inputs
@@ -138,6 +138,16 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     split jaxprs cannot be replayed: the collective matmul's rings (``parallel/overlap.py``)
     retype their values inside nested ``shard_map``s in ways a re-evaluated jaxpr does not
     reproduce. Uneven stages fall back the same way.
+    ``block_context``: per-microbatch inputs of the layers that are not weights (a
+    supernet's subnet rows, ``supernet/pipelined.py``): a dict of leaves ``[L, m, ...]``;
+    a task's layers get ``{**their weights, **the rows of its microbatch}`` (``blocks_p``
+    then a dict with other keys). No gradient is formed for them.
+    ``gradient_groups`` = G > 1: the m microbatches are G consecutive groups (e.g. one
+    subnet each) whose gradients and losses are kept apart, not summed: ``loss`` is
+    ``[G]`` (each group's mean) and every gradient leaf gets a leading ``[G]`` axis, each
+    group's the mean over its own microbatches. It costs G accumulators per device;
+    with ``grad_sync="end"``, even stages and every weight entering whole (no fsdp
+    ``param_specs``) only.
     """
     if fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"fsdp_gather {fsdp_gather!r} is not one of {', '.join(FSDP_GATHERS)}")
@@ -158,6 +168,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                      fuse_cost=fuse_cost)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
+    groups = gradient_groups
+    if groups > 1 and (m % groups or grad_sync != "end" or (layout is not None and not layout.uniform)
+                       or param_specs is not None or wire != jnp.float32):
+        raise ValueError(f"gradient_groups={groups} needs m={m} divisible by it, grad_sync='end' (got "
+                         f"{grad_sync!r}), fp32 sync, even stages and no param_specs")
     if layout is not None and (layout.p, layout.v) != (p, v):
         raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
@@ -186,7 +201,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
         return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
 
-    def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets):
+    def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets, context):
         stage_idx = lax.axis_index(AXIS)
         # Sharded over fsdp (the ends perhaps over pipe too) in storage: gathered once
         # per step here (fsdp.py).
@@ -199,6 +214,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         embed_p, head_p = _vary(embed_p), _vary(head_p)
         chunks = _vary(jax.tree.map(lambda x: x[0], blocks_p))  # [v, L_chunk, ...] on this device
         stage = {"embed": embed_p, "chunks": chunks, "head": head_p}
+        if context is not None:  # [v, L_chunk, m, ...] on this device
+            stage["context"] = _vary(jax.tree.map(lambda x: x[0], context))
         gather_scatter = None
         if sharded:  # the chunks stay fsdp shards; each task's chunk is gathered in its tick
             stage["chunk_example"] = _vary(fsdp.gathered_zeros(_take(chunks, 0), dims["blocks"], offset=1))
@@ -207,15 +224,20 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         inputs, targets = _vary(inputs), _vary(targets)
         fill = jnp.nan if nan_bubbles else 0.0
         tasks = StageTasks(fns, plan, stage, (inputs, targets),
-                           counts, width, stage_idx, lockstep=lockstep, fill=fill, num_microbatches=m)
+                           counts, width, stage_idx, lockstep=lockstep, fill=fill,
+                           num_microbatches=m // groups)  # the loss seed: 1 / microbatches per group
         h = tasks.h_shape
         x_buf = _vary(jnp.full((plan.x_slots, *h.shape), fill, h.dtype))
         g_buf = _vary(jnp.full((plan.g_slots, *h.shape), fill, h.dtype))
-        acc = _vary({"embed": _zeros_like(embed_p, jnp.float32), "blocks": _zeros_like(chunks, jnp.float32),
-                     "head": _zeros_like(head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)})
+        def zeros(tree, lead=()):  # the accumulators: one per gradient group (G > 1)
+            return jax.tree.map(lambda x: jnp.zeros((*lead, *x.shape), jnp.float32), tree)
+        lead = (groups,) if groups > 1 else ()
+        blocks_acc = jax.tree.map(lambda x: jnp.zeros((groups * v, *x.shape[1:]), jnp.float32), chunks)
+        acc = _vary({"embed": zeros(embed_p, lead), "head": zeros(head_p, lead), "blocks": blocks_acc,
+                     "loss": jnp.zeros(lead, jnp.float32)})
         res_buf = _vary(tasks.residual_buffers())
         stash_buf = _vary(tasks.stash_buffers())
-        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter)
+        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter, groups=groups)
 
         def mean_of_chunk(grads):
             """A chunk's gradient averaged over the batch axes, each device keeping its fsdp
@@ -224,6 +246,16 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                 return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
             return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
         carry = (acc, x_buf, g_buf, res_buf, stash_buf)
+        if groups > 1:  # every group's gradients averaged after the last tick (grad_sync="end")
+            acc = lax.scan(tick, carry, jnp.arange(plan.num_ticks))[0][0]
+            loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / (m // groups)
+            out = {name: jax.tree.map(lambda g, x: g.astype(x.dtype),
+                                      fsdp.sum_over_pipe_then_mean(acc[name], ends[name], BATCH), params)
+                   for name, params in (("embed", embed_p), ("head", head_p))}
+            blocks = fsdp.mean_scatter(acc["blocks"], dims["blocks"], BATCH)  # dims: none split
+            d_blocks = jax.tree.map(lambda g, x: g.reshape(groups, v, *g.shape[1:]).astype(x.dtype)[None],
+                                    blocks, chunks)
+            return loss, out["embed"], d_blocks, out["head"]
         # A chunk's gradient leaves are [width, *rest].
         carry, synced = run_ticks_with_sync(
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
@@ -244,10 +276,13 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                                 *(synced[c] for c in range(v)))
         return loss, synced["embed"], d_blocks, synced["head"]
 
-    def run(embed_p, blocks_p, head_p, inputs, targets):
+    def run(embed_p, blocks_p, head_p, inputs, targets, block_context=None):
         num_layers = jax.tree.leaves(blocks_p)[0].shape[0]
         stage_layout = layout or StageLayout.even(num_layers, p, v, schedule.placement)
         staged = stage_layout.to_stages(blocks_p)
+        if block_context is not None and (not stage_layout.uniform or set(block_context) & set(blocks_p)):
+            raise ValueError("block_context needs even stages and keys other than blocks_p's")
+        context = None if block_context is None else stage_layout.to_stages(block_context)
         rows = P(None, BATCH)
         specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
         # A stack leaf [L, *rest] is staged as [p, v, width, *rest]: its dims count in rest.
@@ -265,9 +300,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
         fn = jax.shard_map(_in_lockstep(partial(body, dims, ends, auto_specs), lockstep), mesh=mesh,
                            axis_names=set(MANUAL),
-                           in_specs=(spec_e, spec_b, spec_h, rows, rows),
+                           in_specs=(spec_e, spec_b, spec_h, rows, rows,
+                                     jax.tree.map(lambda _: P(AXIS), context)),
                            out_specs=(P(), spec_e, spec_b, spec_h))
-        loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets)
-        return loss, {"embed": d_embed, "blocks": stage_layout.from_stages(d_blocks), "head": d_head}
+        loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets, context)
+        if groups > 1:  # [p, G, v, width, ...]: each group's layers back in order
+            by_group = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), d_blocks)
+            d_blocks = jax.vmap(stage_layout.from_stages)(by_group)
+        else:
+            d_blocks = stage_layout.from_stages(d_blocks)
+        return loss, {"embed": d_embed, "blocks": d_blocks, "head": d_head}
 
     return run

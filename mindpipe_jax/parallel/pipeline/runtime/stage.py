@@ -73,6 +73,12 @@ class StageTasks:
         # One chunk's layers, whole: the shapes the branches trace with (with ``chunks``
         # kept as fsdp shards, the tick hands each task its gathered chunk).
         self.example = params.get("chunk_example", _take(self.chunks, 0))
+        # Per-microbatch block inputs (``pipeline_grads(block_context=...)``): leaves
+        # ``[v, L_chunk, m, ...]``; a task's layers see its microbatch's rows beside their
+        # weights. Not weights: their cotangents are dropped.
+        self.context = params.get("context")
+        self.layer_example = self.example if self.context is None else \
+            {**self.example, **jax.tree.map(lambda a: a[0][:, 0], self.context)}
         self.inputs, self.targets = data
         self.counts, self.stage_idx = counts, stage_idx
         self.run_layers = layers_runner(fns.layer, counts, width, lockstep)
@@ -88,13 +94,13 @@ class StageTasks:
         h_shape = jax.eval_shape(fns.embed, self.embed_p, self.inputs[0])
         self.zero_h = _vary(jnp.zeros(h_shape.shape, h_shape.dtype))
         self.h_shape = h_shape
-        self.stores = {r: ResidualStore(residual_fns[r], self.chunk_params(0, self.example), self.zero_h)
-                       for r in plan.res_slots if not r.startswith("split-")}
+        self.stores = {r: ResidualStore(residual_fns[r], self.chunk_params(0, self.layer_example),
+                                        self.zero_h) for r in plan.res_slots if not r.startswith("split-")}
         # Split backwards (B, then W): one equation-level split per mode (``bwsplit``).
         layer_of = {"none": fns.layer, "dots": dots, "full": dots}
         modes = {r.removeprefix("split-") for r in plan.res_slots if r.startswith("split-")}
         modes |= {r.removeprefix("stash-") for r in plan.stash_slots}
-        self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": self.example}, self.zero_h,
+        self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": self.layer_example}, self.zero_h,
                                         policy="full" if mode == "full" else "none") for mode in modes}
         self.fill = fill
         self.seed = _vary(jnp.asarray(1.0 / num_microbatches, jnp.float32))
@@ -109,10 +115,20 @@ class StageTasks:
         return {"w": w, "n": self.counts[self.stage_idx, chunk]}
 
     def _params(self, op):
-        return self.chunk_params(op["task"]["chunk"], op.get("params"))
+        task = op["task"]
+        params = self.chunk_params(task["chunk"], op.get("params"))
+        if self.context is None:
+            return params
+        rows = jax.tree.map(lambda a: lax.dynamic_index_in_dim(_take(a, task["chunk"]), task["microbatch"],
+                                                               axis=1, keepdims=False), self.context)
+        return {**params, **rows}
 
-    def weights(self, d_c):  # drop the (float0) cotangent of the layer count
-        return d_c if self.counts is None else d_c["w"]
+    def weights(self, d_c):
+        """The weights' part of a chunk's cotangent: without the (float0) cotangent of the
+        layer count, or the context rows'."""
+        if self.counts is not None:
+            return d_c["w"]
+        return d_c if self.context is None else {k: d_c[k] for k in self.example}
 
     def zero_grads(self):
         return {"chunk": _zeros_like(self.example, jnp.float32),
@@ -248,7 +264,7 @@ class StageTasks:
             it = iter(stash[:n_kept])
             kept = [None] * len(reads) if mode == "full" else [next(it) if r else None for r in reads]
             grads = self.zero_grads()
-            grads["chunk"] = split.w(c_params, kept, stash[n_kept:])["layers"]
+            grads["chunk"] = self.weights(split.w(c_params, kept, stash[n_kept:])["layers"])
             return {"grads": grads}
         return run
 

@@ -95,8 +95,12 @@ def _after(x, before):
     return x if before is None else lax.optimization_barrier((x, before))[0]
 
 
-def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None):
+def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None, groups: int = 1):
     """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``.
+
+    ``groups`` > 1: the m microbatches are that many consecutive groups, each with its own
+    accumulators (``pipeline_grads(gradient_groups=...)``): ``acc["blocks"]`` leaves are
+    ``[groups · v, ...]`` (group-major), the others ``[groups, ...]``.
 
     ``per_chunk``: the stage's layers kept as ``fsdp`` shards through the loop (``fsdp.py``),
     a pair ``(gather, scatter)``: ``gather(c)`` all-gathers chunk ``c``'s layers whole,
@@ -119,6 +123,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
     v = plan.fused.schedule.virtual_stages
+    per_group = plan.fused.schedule.num_microbatches // groups
     if per_chunk is not None:
         gather, scatter = per_chunk
         need_tables = [_needs_params(part, i) for i, part in enumerate(plan.parts)]
@@ -185,8 +190,12 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         acc = dict(acc)
         for (i, name), gate in gates.items():
             made_here = made[(i, name)]
+            group = cells[i]["microbatch"] // per_group
             if name == "chunk":
-                add = lambda a, g=made_here, c=cells[i]["chunk"]: _add_at(a, c, g)  # noqa: E731
+                at = cells[i]["chunk"] + (v * group if groups > 1 else 0)
+                add = lambda a, g=made_here, c=at: _add_at(a, c, g)  # noqa: E731
+            elif groups > 1:
+                add = lambda a, g=made_here, c=group: _add_at(a, c, g)  # noqa: E731
             else:
                 add = lambda a, g=made_here: jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, g)  # noqa: E731
             key = "blocks" if name == "chunk" else name
