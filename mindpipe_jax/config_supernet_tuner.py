@@ -103,6 +103,10 @@ class TunerConfig:
     before the first decision. ``amortize``: a switch must also pay back its
     recompile (the last compile time) within the remaining ``train.steps``; false
     switches on the predicted gain alone (demos, tests of switching).
+    ``noise_every``: the train step computes the noise statistics on every
+    ``noise_every``-th step only (the others report NaN, which the estimate skips):
+    they cost a few passes over the gradients, which on a small model is a
+    noticeable share of the step; ``ema`` then weighs the past per measured step.
     """
 
     enabled: bool = False
@@ -117,10 +121,11 @@ class TunerConfig:
     meshes: bool = False
     warmup: int = 50
     amortize: bool = True
+    noise_every: int = 1
 
     def __post_init__(self):
         _check_numbers(self, "tuner")
-        _positive("tuner", every=self.every)
+        _positive("tuner", every=self.every, noise_every=self.noise_every)
         _check(self.threshold >= 0, f"tuner.threshold={self.threshold} must be >= 0")
         _check(all(b > 0 for b in self.batch_sizes),
                f"tuner.batch_sizes={list(self.batch_sizes)} must all be > 0")

@@ -263,3 +263,36 @@ def test_statistics_only_when_asked():
     asked = jax.eval_shape(layout.make_step(cfg.replace("tuner.enabled=true")), layout.abstract_state,
                            layout.batches.spec())[1]
     assert {"micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq", "micro_batch", "batch"} <= set(asked)
+
+
+def test_noise_every_computes_the_statistics_on_every_nth_step_only():
+    """tuner.noise_every=3: steps 0, 3, ... return the statistics noise_every=1 returns
+    from the same state; the others NaN (the loss and gradient norm are unchanged)."""
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "train.deterministic=true")
+    layout = build_layout(cfg, lambda c: (lambda rngs: mp.GPT(c.model, rngs=rngs)))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (16, 33)).astype(np.int32)
+    batch = layout.batches({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    every1, _ = layout.compile()
+    every3, _ = layout.compile(step=layout.make_step(cfg.replace("tuner.noise_every=3")))
+    names = ("micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq")
+    def state_at(step):  # a fresh state at ``step``, with Adam settled (count 99)
+        state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+        state["step"] = jax.device_put(jnp.asarray(step, state["step"].dtype), state["step"].sharding)
+        clip, (adam, *rest) = state["opt"]
+        count = jax.device_put(jnp.int32(99), adam.count.sharding)
+        state["opt"] = (clip, (adam._replace(count=count), *rest))
+        return state
+
+    for step in range(4):
+        a = jax.device_get(every1(state_at(step), batch)[1])
+        b = jax.device_get(every3(state_at(step), batch)[1])
+        assert float(a["loss"]) == float(b["loss"]) and float(a["grad_norm"]) == float(b["grad_norm"])
+        assert all(np.isfinite(float(a[k])) for k in names)
+        if step % 3 == 0:
+            # (equal up to rounding: the conditional changes what XLA fuses)
+            assert [float(b[k]) for k in names] == pytest.approx([float(a[k]) for k in names], rel=1e-5)
+        else:
+            assert all(np.isnan(float(b[k])) for k in names)
+    with pytest.raises(mp.ConfigError, match="tuner.noise_every=0 must be > 0"):
+        mp.Config().replace("tuner.noise_every=0")

@@ -433,3 +433,18 @@ def test_elastic_resume_8_to_4_to_8_devices_continues_the_loss(tmp_path):
         after = (losses[resumed_at + 1] + losses[resumed_at + 2]) / 2
         assert after < 1.1 * before, (resumed_at, losses)
     assert losses[18] < 0.9 * losses[1], losses
+
+
+def test_steps_without_noise_statistics_leave_the_estimate_alone():
+    # tuner.noise_every > 1: the steps between return NaN statistics; they are skipped,
+    # not mixed into the EMAs (which would turn the estimate NaN for good).
+    cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
+                              "tuner.enabled=true")
+    tuner = OnlineTuner(cfg, Candidate(data=8, global_batch=16), 8, step_model=MeasuredThroughput())
+    _feed(tuner, b_noise=100.0, steps=20, b_small=8, b_big=16)
+    before = dataclasses.asdict(tuner.noise)
+    nan = {"loss": 1.0, "micro_batch": 8, "batch": 16, "micro_grad_sq": math.nan, "grad_norm": 1.0,
+           "precond_micro_grad_sq": math.nan, "precond_grad_sq": math.nan}
+    tuner.observe([nan] * 5, None, 0)
+    assert dataclasses.asdict(tuner.noise) == before
+    assert tuner.b_noise == pytest.approx(100.0)
