@@ -98,8 +98,10 @@ class TunerConfig:
     tensor mesh shape of the devices. ``base_batch`` is the b0 efficiency and the
     learning-rate gain are relative to (0 = the initial train.global_batch).
     ``lr_scaling``: how the learning rate follows the batch (tuner/noise.py):
-    ``adascale`` = (B/b0) x efficiency(B), ``sqrt`` = sqrt(B/b0), ``linear`` = B/b0,
-    ``none`` = 1. ``ema`` smooths the noise estimate per step; ``warmup`` steps pass
+    ``sqrt_adascale`` (default, the square-root rule for Adam-family optimizers such
+    as this project's AdamW) = sqrt((B/b0) x efficiency(B)), ``adascale`` (SGD's) =
+    (B/b0) x efficiency(B), ``sqrt`` = sqrt(B/b0), ``linear`` = B/b0, ``none`` = 1.
+    ``ema`` smooths the noise estimate per step; ``warmup`` steps pass
     before the first decision. ``amortize``: a switch must also pay back its
     recompile (the last compile time) within the remaining ``train.steps``; false
     switches on the predicted gain alone (demos, tests of switching).
@@ -116,7 +118,7 @@ class TunerConfig:
     min_batch: int = 0
     max_batch: int = 0
     base_batch: int = 0
-    lr_scaling: Literal["adascale", "sqrt", "linear", "none"] = "adascale"
+    lr_scaling: Literal["sqrt_adascale", "adascale", "sqrt", "linear", "none"] = "sqrt_adascale"
     ema: float = 0.9
     meshes: bool = False
     warmup: int = 50

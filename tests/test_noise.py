@@ -87,6 +87,17 @@ def test_efficiency_and_learning_rate_rules():
     assert lr_gain("adascale", 64, 32, 1e9) == pytest.approx(2.0)
     assert lr_gain("adascale", 64, 32, 0.0) == pytest.approx(1.0)
     assert lr_gain("adascale", 64, 32, None) == 1.0
+    # The default, for Adam-family optimizers: the square root of AdaScale's gain. Noise-
+    # dominated (B << B_noise) it is Malladi et al.'s square-root rule sqrt(B/b0); once a
+    # bigger batch stops reducing the noise it saturates at sqrt(1 + B_noise/b0).
+    assert mp.Config().tuner.lr_scaling == "sqrt_adascale"
+    assert lr_gain("sqrt_adascale", 128, 32, 1e9) == pytest.approx(2.0)
+    assert lr_gain("sqrt_adascale", 64, 32, 100.0) == pytest.approx(math.sqrt(2 * 132 / 164))
+    assert lr_gain("sqrt_adascale", 1e12, 32, 96.0) == pytest.approx(2.0)
+    assert lr_gain("sqrt_adascale", 64, 32, None) == 1.0
+    # The online benchmark's last switch (b0 8, B_noise 115.4, 32 -> 128): AdaScale x8.11.
+    assert lr_gain("adascale", 128, 8, 115.4) == pytest.approx(8.11, abs=0.01)
+    assert lr_gain("sqrt_adascale", 128, 8, 115.4) == pytest.approx(math.sqrt(8.11), abs=0.01)
     with pytest.raises(ValueError):
         lr_gain("cubic", 64, 32, None)
 

@@ -81,7 +81,12 @@ def test_decision_maximizes_entropyput_and_respects_threshold():
     assert d is not None and d.after == expect and d.after.global_batch == 128
     e = lambda c: c.global_batch / (1 + 0.01 * c.global_batch) * efficiency(c.global_batch, 100.0, 16)  # noqa: E731
     assert d.gain == pytest.approx(e(d.after) / e(cur) - 1)
-    assert d.lr_gain == pytest.approx(lr_gain("adascale", 128, 16, 100.0))
+    # The default rule (AdamW): the square root of AdaScale's gain (B/b0) x efficiency(B).
+    assert d.lr_gain == pytest.approx(math.sqrt(128 / 16 * efficiency(128, 100.0, 16)))
+    assert d.lr_gain == pytest.approx(lr_gain("sqrt_adascale", 128, 16, 100.0))
+    sgd_rule = OnlineTuner(cfg.replace('tuner.lr_scaling="adascale"'), cur, 8, step_model=model)
+    _feed(sgd_rule, b_noise=100.0, steps=20, b_small=8, b_big=16)
+    assert sgd_rule.decide(10).lr_gain == pytest.approx(128 / 16 * efficiency(128, 100.0, 16))
     assert d.line().startswith("step 10 | tuner: B 16 -> 128, predicted entropyput +")
     # A threshold above the gain keeps the run as it is.
     high = OnlineTuner(cfg.replace(f"tuner.threshold={d.gain + 0.01}"), cur, 8, step_model=model)
@@ -375,10 +380,10 @@ def test_elastic_batch_is_chosen_by_the_saved_noise_scale():
     assert kept.after == Candidate(data=4, global_batch=16) and kept.policy == "kept the global batch"
     assert kept.b_noise == pytest.approx(1e6) and kept.lr_gain == pytest.approx(1.0)
     # A small B_noise: a smaller batch is statistically far more efficient, so the rows per
-    # device stay and the batch halves; AdaScale's gain follows it.
+    # device stay and the batch halves; the default rule's gain (sqrt of AdaScale's) follows it.
     rows = replan(cfg, _saved(before, 2.0), 4)
     assert rows.after == Candidate(data=4, global_batch=8) and rows.policy == "kept the rows per device"
-    assert rows.lr_gain == pytest.approx(lr_gain("adascale", 8, 16, 2.0))
+    assert rows.lr_gain == pytest.approx(math.sqrt(8 / 16 * efficiency(8, 2.0, 16)))
     # Growing again with noise-dominated gradients: twice the devices at the same rows per
     # device beat the same batch at half the rows (the overhead): the batch doubles.
     grown = replan(cfg, _saved(Candidate(data=4, global_batch=8), 1e6, b0=16), 8)

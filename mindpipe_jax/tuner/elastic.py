@@ -20,7 +20,7 @@ chooses what the run continues with:
   Without a noise estimate another batch's efficiency is unknown and the global
   batch is kept when it fits.
 * **Learning rate.** The gain follows the chosen batch by the run's rule
-  (``tuner.lr_scaling``; AdaScale's from the noise scale).
+  (``tuner.lr_scaling``; the AdaScale rules' from the noise scale).
 
 From there the online tuner continues as before, with the restored noise
 statistics, and measures the new machine before it switches anything else.
@@ -33,7 +33,7 @@ import math
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.tuner.noise import NoiseScale, efficiency, lr_gain
+from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate, check_candidate
 
 # Axes kept as they were when they fit, in the order they give way: fsdp (a batch axis
@@ -103,6 +103,6 @@ def replan(cfg: Config, saved: dict, devices: int) -> Replan:
         policy = max(valid, key=lambda p: entropyput(valid[p]))
     after = valid[policy]
     rule = cfg.tuner.lr_scaling
-    gain = saved.get("lr_gain", 1.0) if bn is None and rule == "adascale" else lr_gain(
+    gain = saved.get("lr_gain", 1.0) if bn is None and rule in NOISE_RULES else lr_gain(
         rule, after.global_batch, b0, bn)
     return Replan(before, after, bn, gain, policy)

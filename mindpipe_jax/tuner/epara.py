@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from mindpipe_jax.config import Config
-from mindpipe_jax.tuner.noise import NoiseScale, efficiency, lr_gain
+from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
 
 
@@ -139,7 +139,7 @@ def candidate_of(cfg: Config, mesh) -> Candidate:
 
 def initial_lr_gain(cfg: Config) -> float:
     """The gain a fresh tuned run starts with (1 unless tuner.base_batch differs from
-    train.global_batch under a fixed rule: AdaScale needs a noise estimate first)."""
+    train.global_batch under a fixed rule: the AdaScale rules need a noise estimate first)."""
     b0 = cfg.tuner.base_batch or cfg.train.global_batch
     return lr_gain(cfg.tuner.lr_scaling, cfg.train.global_batch, b0, None)
 
@@ -305,8 +305,9 @@ class OnlineTuner:
                   f"~{saves:.1f} s of the remaining {remaining:.1f} s against ~{self.switch_cost_s:.1f} s "
                   f"to switch")
         rule = self.cfg.tuner.lr_scaling
-        # Without a noise estimate only the mesh can change (same batch): AdaScale keeps its gain.
-        new_gain = self.lr_gain if bn is None and rule == "adascale" else lr_gain(
+        # Without a noise estimate only the mesh can change (same batch): the AdaScale rules keep
+        # their gain.
+        new_gain = self.lr_gain if bn is None and rule in NOISE_RULES else lr_gain(
             rule, best.global_batch, self.b0, bn)
         return Decision(step, self.current, best, gain, bn, new_gain, reason)
 

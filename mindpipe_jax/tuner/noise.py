@@ -50,11 +50,25 @@ falling towards b0/B once B is well above B_noise.
 
 How the learning rate follows the batch (``lr_gain``):
 
-* ``adascale`` — AdaScale (Johnson et al. 2020): gain = (B/b0) x efficiency(B),
-  i.e. (1 + B_noise/b0)/(1 + B_noise/B): linear scaling while B << B_noise,
-  flattening out when larger batches stop reducing the noise. Without an
+* ``sqrt_adascale`` (the default: the rule for Adam-family optimizers, such as this
+  project's AdamW) — the square root of AdaScale's gain,
+  sqrt((1 + B_noise/b0)/(1 + B_noise/B)). Malladi et al. 2022 ("On the SDEs and
+  Scaling Rules for Adaptive Gradient Algorithms") show that Adam's SDE is kept when
+  the batch grows by k and the learning rate by sqrt(k) (the square-root rule), where
+  SGD's needs k (the linear rule). Both rules assume the noise dominates (B << B_noise);
+  AdaScale's gain r = (B/b0) x efficiency(B) is the k by which a batch of B actually
+  reduces the gradient's noise relative to b0's: k while B << B_noise, saturating at
+  1 + B_noise/b0 once a larger batch stops reducing the noise. The square root of r is
+  therefore Malladi's rule where it was derived and stops raising the learning rate
+  where larger batches stop helping, with the B_noise of Adam's preconditioned
+  gradients. Without an estimate yet the gain is 1.
+* ``adascale`` — AdaScale (Johnson et al. 2020), derived for SGD: gain = r =
+  (1 + B_noise/b0)/(1 + B_noise/B): linear scaling while B << B_noise, flattening
+  out when larger batches stop reducing the noise. Applied to AdamW it raised the
+  learning rate x1.4-x8.1 as the online benchmark's batch climbed 8 -> 128
+  (benchmarks/results/2026-12-02-cpu-epara-online-repeats.txt). Without an
   estimate yet the gain is 1.
-* ``sqrt`` — sqrt(B/b0), the variance-preserving rule for adaptive optimizers.
+* ``sqrt`` — sqrt(B/b0), Malladi's rule without the noise scale.
 * ``linear`` — B/b0 (Goyal et al. 2017).
 * ``none`` — 1.
 """
@@ -64,7 +78,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-LR_RULES = ("adascale", "sqrt", "linear", "none")
+LR_RULES = ("sqrt_adascale", "adascale", "sqrt", "linear", "none")
+NOISE_RULES = ("sqrt_adascale", "adascale")  # the rules that need a noise estimate
 
 
 def noise_terms(b_small: float, small_sq: float, b_big: float, big_sq: float) -> tuple[float, float]:
@@ -152,6 +167,7 @@ def lr_gain(rule: str, batch: float, b0: float, b_noise: float | None) -> float:
         return batch / b0
     if rule == "sqrt":
         return math.sqrt(batch / b0)
-    if rule == "adascale":
-        return 1.0 if b_noise is None else (batch / b0) * efficiency(batch, b_noise, b0)
+    if rule in NOISE_RULES:
+        r = 1.0 if b_noise is None else (batch / b0) * efficiency(batch, b_noise, b0)
+        return r if rule == "adascale" else math.sqrt(r)
     raise ValueError(f"learning-rate rule {rule!r} is not valid; valid: {', '.join(LR_RULES)}")
