@@ -20,10 +20,15 @@ here: the same step time as plain data parallelism).
   validation loss), or, to save that round, the one given by ``--fixed-lrs
   8:3e-3,...`` (the report says which).
 * **online** — ``tuner.enabled=true`` from the smallest fixed batch with its
-  learning rate; batch ladder 8, 16, 32, 64, 128; AdaScale learning-rate gain;
-  a decision every 100 steps after the first 100 (``--tuner-every``,
-  ``--tuner-warmup``), threshold 10 % (``--tuner-threshold``). These guards are the
-  script's defaults, fixed before an evaluation run; the report prints them first.
+  learning rate; batch ladder 8, 16, 32, 64, 128; learning-rate rule
+  ``sqrt_adascale`` (``--lr-rule``; the library's default for AdamW: the square
+  root of AdaScale's gain, Malladi et al.'s square-root rule for Adam; until
+  2026-12-02 this benchmark used SGD's ``adascale``); noise statistics on every
+  step (``--noise-every``, ``tuner.noise_every``; a larger period costs less but
+  its EMA lags the rising B_noise); a decision every 100 steps after the first 100
+  (``--tuner-every``, ``--tuner-warmup``), threshold 10 % (``--tuner-threshold``).
+  These guards are the script's defaults, fixed before an evaluation run; the report
+  prints them first.
   Step model (``--online-model``): ``costmodel`` (default) — tuner/costmodel.py's
   ``CostModel`` (compiled FLOPs, calibrated rate and launch costs, refitted from the
   step times the run measures; calibrated before each online run, reported beside
@@ -87,7 +92,14 @@ VAL_SEQUENCES = 128  # every run evaluates on the same first 128 validation wind
 DEFAULTS = dict(target_loss=1.75, max_seconds=100.0, max_steps=20000, eval_every=10,
                 batches="8,16,32", lrs="1e-3,3e-3,1e-2", fixed_lrs="", ladder="8,16,32,64,128",
                 tuner_every=100, tuner_warmup=100, tuner_threshold=0.1, history_out="",
+                lr_rule="sqrt_adascale", noise_every=1,
                 skip_fixed=False, tuner_lr=0.0, online_model="costmodel", repeats=3)
+
+
+# tuner.lr_scaling's rules (tuner/noise.py LR_RULES), as the guards print them
+_RULES = {"sqrt_adascale": "sqrt of AdaScale's gain, sqrt((B/b0) x efficiency(B))",
+          "adascale": "AdaScale gain (B/b0) x efficiency(B)", "sqrt": "sqrt(B/b0)", "linear": "B/b0",
+          "none": "1"}
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +121,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuner-every", type=int, default=d["tuner_every"])
     parser.add_argument("--tuner-warmup", type=int, default=d["tuner_warmup"])
     parser.add_argument("--tuner-threshold", type=float, default=d["tuner_threshold"])
+    parser.add_argument("--lr-rule", default=d["lr_rule"], choices=tuple(_RULES),
+                        help="the online arm's learning-rate rule (tuner.lr_scaling)")
+    parser.add_argument("--noise-every", type=int, default=d["noise_every"],
+                        help="the online arm's noise statistics every n-th step (tuner.noise_every)")
     parser.add_argument("--tuner-lr", type=float, default=d["tuner_lr"],
                         help="with --skip-fixed: the tuner run's learning rate")
     parser.add_argument("--skip-fixed", action="store_true", help="only the tuner run")
@@ -204,7 +220,9 @@ def run_one(name: str, splits, batch: int, lr: float, args, tmp: Path, tuner: bo
                  f"train.out_dir={tmp / name.replace(' ', '_')}"]
     if tuner:
         ladder = [int(b) for b in _floats(_opt(args, "ladder"))]
-        overrides += ["tuner.enabled=true", f"tuner.batch_sizes={ladder}", "tuner.lr_scaling=\"adascale\"",
+        overrides += ["tuner.enabled=true", f"tuner.batch_sizes={ladder}",
+                      f"tuner.lr_scaling=\"{_opt(args, 'lr_rule')}\"",
+                      f"tuner.noise_every={_opt(args, 'noise_every')}",
                       f"tuner.every={_opt(args, 'tuner_every')}",
                       f"tuner.warmup={_opt(args, 'tuner_warmup')}",
                       f"tuner.threshold={_opt(args, 'tuner_threshold')}"]
@@ -318,7 +336,8 @@ def _guards(args, cfg, online_model: str) -> list[str]:
             f"{_opt(args, 'tuner_warmup')} (tuner.every, tuner.warmup)",
             f"threshold         : {_opt(args, 'tuner_threshold'):.0%} predicted entropyput gain "
             "(tuner.threshold)",
-            "lr rule           : AdaScale gain (B/b0) x efficiency(B) (tuner.lr_scaling=adascale)",
+            f"lr rule           : {_RULES[_opt(args, 'lr_rule')]} (tuner.lr_scaling={_opt(args, 'lr_rule')})",
+            f"noise statistics  : every {_opt(args, 'noise_every')} steps (tuner.noise_every)",
             f"other             : tuner.amortize={tc.amortize} (a switch must pay back its recompile), "
             f"tuner.ema={tc.ema}; measured step times first, unmeasured candidates relative to the "
             "current one"]
@@ -350,8 +369,10 @@ def run_online_comparison(args) -> dict:
     print("clock: train_s = loop time incl. compile and tuner switches, excl. evaluation and checkpoints; "
           "wall = the whole run incl. set-up and evaluations\n")
     print("### guards (the online tuner's settings)")
-    print("Fixed before this run: these are the script's defaults (unchanged since the guards landed on "
-          "2026-11-30, commit de0bd63) and were not tuned on this run or changed after seeing its results.")
+    print("Fixed before this run: these are the script's defaults and were not tuned on this run or "
+          "changed after seeing its results. Changed on 2026-12-03 before this evaluation, by reasoning, not "
+          "by results of this benchmark: the lr rule (sqrt_adascale, the square-root rule for Adam, was "
+          "SGD's adascale); the rest unchanged since the guards landed on 2026-11-30 (commit de0bd63).")
     for line in _guards(args, cfg, online_model):
         print(f"  {line}")
     print()
