@@ -310,7 +310,8 @@ def test_tuner_switches_batch_end_to_end(batch_switch_run, capsys):
     assert len(decisions) == 1 and decisions[0]["step"] == 5
     d = decisions[0]["tuner"]
     assert d["from"].endswith("B16") and d["to"].endswith("B32") and d["b_noise"] > 0
-    assert d["lr_gain"] == pytest.approx(2 * efficiency(32, d["b_noise"], 16))  # AdaScale
+    # The default rule for AdamW: the square root of AdaScale's gain (B/b0) x efficiency(B).
+    assert d["lr_gain"] == pytest.approx(math.sqrt(2 * efficiency(32, d["b_noise"], 16)))
     logs = [h for h in result.history if "loss" in h]
     assert {h["batch"] for h in logs if h["step"] <= 4} == {16}
     after = [h for h in logs if h["step"] > 4]
