@@ -370,7 +370,7 @@ def run_online_comparison(args) -> dict:
           "wall = the whole run incl. set-up and evaluations\n")
     print("### guards (the online tuner's settings)")
     print("Fixed before this run: these are the script's defaults and were not tuned on this run or "
-          "changed after seeing its results. Changed on 2026-12-03 before this evaluation, by reasoning, not "
+          "changed after seeing its results. Changed on 2026-12-02 before this evaluation, by reasoning, not "
           "by results of this benchmark: the lr rule (sqrt_adascale, the square-root rule for Adam, was "
           "SGD's adascale); the rest unchanged since the guards landed on 2026-11-30 (commit de0bd63).")
     for line in _guards(args, cfg, online_model):
