@@ -4,9 +4,10 @@ For one step of K = 4 subnets of a SuperGPT (d_model 64, 4 layers, 4 heads, d_ff
 byte vocabulary, batch 32) on 8 simulated CPU devices: ``sequential`` (each subnet its
 own AdamW update) with the masked SPara step on data=8 (``spara.py``) and through the
 pipeline (``pipelined.py``) on pipe=2 x data=4 and pipe=4 x data=2; ``sync`` on
-subnet=2 x data=4 and through the pipeline on subnet=2 x pipe=2 x data=2 (each subnet
-group its own pipeline; the pipeline runs in lockstep there, ``needs_lockstep``). 1F1B
-with 4 microbatches per subnet. Per layout:
+subnet=2 x data=4 and through the pipeline, where the subnets are its microbatches: on
+subnet=2 x pipe=2 x data=2 (each subnet group's 2 subnets through its own pipeline,
+which runs in lockstep there, ``needs_lockstep``) and on pipe=2 x data=4 (all 4 subnets
+in one pass). 1F1B with 4 microbatches per subnet. Per layout:
 
 * what a device keeps between steps (its shards of the parameters and the AdamW
   moments, summed over the state's arrays as placed);
@@ -15,8 +16,9 @@ with 4 microbatches per subnet. Per layout:
 * the step's wall time: median and spread over ``--repeats`` interleaved rounds of
   ``--steps`` steps (after one warm-up step).
 
-What to read: the pipeline splits the stored blocks over ``pipe``; each subnet drains
-the pipeline before the next (sequential order), a bubble of (p-1)/(m+p-1) of its time.
+What to read: the pipeline splits the stored blocks over ``pipe``; in ``sequential`` each
+subnet drains the pipeline before the next, a bubble of (p-1)/(m+p-1) of its time; in
+``sync`` a pass holds n subnets, (p-1)/(n·m+p-1).
 
 Usage: ``python benchmarks/spara_pipeline.py [--repeats 3] [--steps 3] [--out FILE]``.
 """
@@ -60,7 +62,8 @@ LAYOUTS = {"sequential: data8 (no pipe)": (dict(data=8), "sequential"),
            "sequential: pipe2 x data4": (dict(pipe=2, data=4), "sequential"),
            "sequential: pipe4 x data2": (dict(pipe=4, data=2), "sequential"),
            "sync: subnet2 x data4 (no pipe)": (dict(subnet=2, data=4), "sync"),
-           "sync: subnet2 x pipe2 x data2": (dict(subnet=2, pipe=2, data=2), "sync")}
+           "sync: subnet2 x pipe2 x data2": (dict(subnet=2, pipe=2, data=2), "sync"),
+           "sync: pipe2 x data4": (dict(pipe=2, data=4), "sync")}
 
 
 def _batch(seed):

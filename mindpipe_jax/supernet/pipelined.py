@@ -6,17 +6,18 @@ How a subnet goes through the stages
 The vPipe runtime (``parallel/pipeline/runtime``) runs a model of three parts: embed,
 a stack of blocks split over the stages, head. A supernet block also needs to know the
 subnet: whether it runs, which FFN candidate, what width, how many heads
-(``SuperGPT.stage_conditions``: ``float32[layers, 4]``). Those numbers travel as a
-leaf of the stacked block parameters (``{"weights", "condition"}``), so every stage
-finds its own blocks' rows where it finds their weights, under every schedule (1F1B,
-interleaved, the zero-bubble ones with their equation-level B/W split), with remat,
-``tensor`` and ``fsdp`` as the runtime does them. The block reads its row under
-``stop_gradient``: its gradient is zero and dropped.
+(``SuperGPT.stage_conditions``: ``float32[layers, 4]``). Those numbers enter the
+runtime as per-microbatch block inputs (``pipeline_grads(block_context=...)``): each
+stage holds its own blocks' rows for every microbatch, and a task's layers read the
+rows of its microbatch beside their weights, under every schedule (1F1B, interleaved,
+the zero-bubble ones with their equation-level B/W split), with remat, ``tensor`` and
+``data`` as the runtime does them. No gradient is formed for them.
 
-Each subnet's batch is cut into ``parallel.microbatches`` microbatches, which fill
-the pipeline; the gradients come back summed over them and averaged over the
-batch axes, then each subnet's gradient is clipped on its own norm and the lazy
-AdamW of ``optimizer.py`` updates the parameters.
+Each subnet's batch is cut into ``parallel.microbatches`` = m microbatches. A pipeline
+pass carries n subnets as n·m microbatches, subnet after subnet, with the runtime's
+*gradient groups*: each subnet's gradient (the mean over its own m microbatches,
+averaged over the batch axes) is kept apart, so it is clipped on its own norm before
+the lazy AdamW of ``optimizer.py`` uses it.
 
 Semantics
 ---------
@@ -24,16 +25,20 @@ Semantics
     Subnet k+1 reads the weights subnet k's update left, on every stage: its forward
     on a stage waits for that update, and the update waits for subnet k's norm, which
     needs its whole backward. Every subnet reads the shared weights (embedding,
-    attention, norms, head), so no two subnets overlap: the pipeline is filled by each
-    subnet's microbatches and drains between subnets (a bubble of (p-1)/(m+p-1) of
-    each subnet's time, for p stages and m microbatches; NASPipe overlaps subnets
-    only where they share no layer, which a supernet with shared attention never
-    allows). ``parallel.subnet`` must be 1.
+    attention, norms, head), so no two subnets overlap: a pass is one subnet (n = 1),
+    its m microbatches fill the pipeline and it drains between subnets (a bubble of
+    (p-1)/(m+p-1) of each subnet's time, for p stages; NASPipe overlaps subnets only
+    where they share no layer, which a supernet with shared attention never allows).
+    ``parallel.subnet`` must be 1.
 ``sync``
-    All K subnets read the step's weights; ``parallel.subnet`` = S device groups
-    each run one subnet of a round through their own pipeline at once (the subnets
-    of a round are a vmapped axis split over ``subnet``), K/S rounds; the clipped
-    gradients are summed in subnet order, one update from their mean.
+    All K subnets read the step's weights, so they are the pipeline's microbatches
+    (NASPipe's design): one pass per step, in which each of the S = ``parallel.subnet``
+    device groups sends its K/S subnets through its own pipeline (n = K/S; the groups'
+    pipelines are a vmapped axis split over ``subnet``). The bubble is
+    (p-1)/(n·m+p-1) of the step; the price is n gradient accumulators per device, and
+    the gradients are synced over the batch axes after the last tick in fp32 (no
+    chunk-wise ring: refused in one line). The clipped gradients are summed in subnet
+    order, one update from their mean.
 ``operator-causal`` is not offered here (its waves have varying sizes; the masked and
 sliced steps run it).
 
