@@ -20,14 +20,14 @@ import jax
 import numpy as np
 import pytest
 from supernet_oracle import sequential_reference
+from supernet_tiny import CFG, OPS, OPTIM, SUBNETS, make_tiny, tiny_batch
 
 import mindpipe_jax as mp
-from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig
+from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.parallel.collectives import axes_of, collectives, per_device_bytes
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.supernet import (
     SlicedStep,
-    SuperGPT,
     init_state,
     jit_step,
     make_spara_step,
@@ -40,21 +40,9 @@ from mindpipe_jax.supernet.spara import state_shardings
 
 pytestmark = pytest.mark.xdist_group("supernet_layouts")
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)  # d_ff 128, vocab 256
-OPS = ("gelu", "silu", "tanh")
-OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, clip_norm=0.5, eps=1e-3)
-# depth, then (op, FFN width of (32, 64, 128), heads of 1..4) per block: three sliced shapes.
-SUBNETS = np.array([[1, 0, 0, 0, 1, 1, 2],
-                    [0, 2, 2, 3, 0, 0, 0],
-                    [1, 1, 2, 2, 2, 2, 1],
-                    [0, 1, 0, 0, 0, 0, 0]], np.int32)
 LAYOUTS = {"subnet2 x fsdp2 x data2": dict(subnet=2, fsdp=2, data=2),
            "subnet2 x data2 x tensor2": dict(subnet=2, data=2, tensor=2),
            "subnet2 x fsdp2 x tensor2": dict(subnet=2, fsdp=2, tensor=2)}
-
-
-def make_tiny(rngs):
-    return SuperGPT(CFG, ops=OPS, ffn_widths=(32, 64, 128), depths=(1, 2), rngs=rngs)
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +50,12 @@ def spec_create():
     return supernet_spec(make_tiny, 0)
 
 
-def _batch(rows, seed):
-    toks = np.random.default_rng(seed).integers(0, 256, (rows, CFG.seq_len + 1)).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
-
-
 def _mesh(layout):
     return make_mesh(ParallelConfig(**{"tensor": 1, **LAYOUTS[layout]}))
 
 
 def _check_against_plain(spec, create, state, losses, semantics):
-    batches = [_batch(16, seed) for seed in (1, 2)]
+    batches = [tiny_batch(16, seed) for seed in (1, 2)]
     start = jax.jit(create)()
     want, want_losses = sequential_reference(start, SUBNETS, batches, OPTIM, 10, spec.space, OPS, semantics)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -95,7 +78,7 @@ def test_sliced_sequential_on_fsdp_and_tensor_is_training_one_after_another(spec
     state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     losses = []
     for seed in (1, 2):
-        state, metrics = step(state, plan, _batch(16, seed))
+        state, metrics = step(state, plan, tiny_batch(16, seed))
         losses += np.asarray(metrics["loss"]).tolist()
     _check_against_plain(spec, create, state, losses, "sequential")
 
@@ -111,7 +94,7 @@ def test_masked_sync_on_subnet_fsdp_tensor_is_one_averaged_update(spec_create):
     state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     losses = []
     for seed in (1, 2):
-        state, metrics = jitted(state, plan.arrays(), _batch(16, seed))
+        state, metrics = jitted(state, plan.arrays(), tiny_batch(16, seed))
         losses += np.asarray(metrics["loss"]).tolist()
     _check_against_plain(spec, create, state, losses, "sync")
 

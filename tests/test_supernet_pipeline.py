@@ -17,42 +17,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from supernet_oracle import sequential_reference
+from supernet_tiny import CFG, OPS, OPTIM, SUBNETS, make_tiny, tiny_batch
 
 import mindpipe_jax as mp
-from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig
+from mindpipe_jax.config import OptimConfig, ParallelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
-from mindpipe_jax.supernet import SuperGPT, init_state, search_checkpoint, supernet_spec, train_supernet
+from mindpipe_jax.supernet import init_state, search_checkpoint, supernet_spec, train_supernet
 from mindpipe_jax.supernet.layout import state_shardings
 from mindpipe_jax.supernet.optimizer import adamw, adamw_tree
 from mindpipe_jax.supernet.pipelined import PipelinedStep, check_pipelined, stage_fns
 
 pytestmark = pytest.mark.xdist_group("supernet_pipeline")
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)  # d_ff 128, vocab 256
-OPS = ("gelu", "silu", "tanh")
-OPTIM = OptimConfig(lr=3e-3, warmup_steps=0, clip_norm=0.5, eps=1e-3)
-# depth, then (op, FFN width of (32, 64, 128), heads of 1..4) per block.
-SUBNETS = np.array([[1, 0, 0, 0, 1, 1, 2],
-                    [0, 2, 2, 3, 0, 0, 0],
-                    [1, 1, 2, 2, 2, 2, 1],
-                    [0, 1, 0, 0, 0, 0, 0]], np.int32)
-
-
-def make_tiny(rngs):
-    return SuperGPT(CFG, ops=OPS, ffn_widths=(32, 64, 128), depths=(1, 2), rngs=rngs)
-
 
 @pytest.fixture(scope="module")
 def spec_create():
     return supernet_spec(make_tiny, 0)
-
-
-def _batch(rows, seed):
-    toks = np.random.default_rng(seed).integers(0, 256, (rows, CFG.seq_len + 1)).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
 def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_create):
@@ -63,7 +46,7 @@ def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_creat
     params = jax.jit(create)()
     mesh = make_mesh(ParallelConfig(pipe=2, data=4, tensor=1))
     run = pipeline_grads(stage_fns(spec), get_schedule("1f1b", 2, 4), mesh)
-    batch = _batch(16, 3)
+    batch = tiny_batch(16, 3)
 
     @jax.jit
     def through_pipe(params, subnet):
@@ -109,9 +92,9 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
     state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     losses = []
     for seed in (1, 2):
-        state, metrics = step(state, step.plan(SUBNETS), _batch(16, seed))
+        state, metrics = step(state, step.plan(SUBNETS), tiny_batch(16, seed))
         losses.append(np.asarray(metrics["loss"]))
-    want, want_losses = sequential_reference(jax.jit(create)(), SUBNETS, [_batch(16, s) for s in (1, 2)],
+    want, want_losses = sequential_reference(jax.jit(create)(), SUBNETS, [tiny_batch(16, s) for s in (1, 2)],
                                              OPTIM, 10, spec.space, OPS, semantics)
     np.testing.assert_allclose(np.concatenate(losses), want_losses, rtol=1e-5)
     got, want = (np.asarray(spec.ravel(p)) for p in (state["params"], want))
