@@ -217,6 +217,11 @@ TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_le
 @pytest.mark.parametrize("overrides,micro", [
     (("parallel.data=4", "parallel.tensor=2", "train.grad_accum=4"), 4),  # accumulated microbatches
     (("parallel.data=8", "parallel.tensor=1", "train.deterministic=true"), 8),  # virtual shards
+    # A 1F1B pipeline of 4 microbatches: the runtime keeps the step's two halves apart.
+    (("parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=4"), 2),
+    # ... with its weights stored split over fsdp (gathered once per step, reduce-scattered back).
+    (("parallel.pipe=2", "parallel.fsdp=2", "parallel.data=2", "parallel.tensor=1",
+      "parallel.microbatches=4"), 2),
 ])
 def test_train_step_returns_microbatch_statistics(overrides, micro):
     cfg = mp.Config().replace(*TINY, *overrides)
@@ -235,10 +240,17 @@ def test_train_step_returns_microbatch_statistics(overrides, micro):
     metrics = jax.device_get(metrics)
 
     # Independently: each microbatch's gradient on one device, no mesh. Accumulation
-    # gives microbatch j the rows j, j+m, ...; deterministic mode gives shard s a block.
+    # gives microbatch j the rows j, j+m, ...; deterministic mode gives shard s a block;
+    # a pipeline of m microbatches gives microbatch j the rows j, j+m, ..., and half h
+    # its microbatches h·m/2 .. (h+1)·m/2 - 1.
     grad = jax.jit(jax.grad(lambda p, b: model_loss(layout.spec, p, b, None)))
-    rows = [np.arange(j, 16, micro) if not cfg.train.deterministic else
-            np.arange(j * 16 // micro, (j + 1) * 16 // micro) for j in range(micro)]
+    m = cfg.parallel.microbatches
+    if cfg.parallel.pipe > 1:
+        rows = [np.sort(np.concatenate([np.arange(j, 16, m) for j in range(h * m // 2, (h + 1) * m // 2)]))
+                for h in range(2)]
+    else:
+        rows = [np.arange(j, 16, micro) if not cfg.train.deterministic else
+                np.arange(j * 16 // micro, (j + 1) * 16 // micro) for j in range(micro)]
     sq = lambda t: sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(t))  # noqa: E731
     grads = [grad(params, {k: v[r] for k, v in batch.items()}) for r in rows]
     small = np.mean([sq(g) for g in grads])

@@ -244,8 +244,10 @@ def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None
                           f"parallel.stage_layers")
 
 
-def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
-    """Loss and gradients through the vPipe runtime on the ``pipe`` axis."""
+def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
+    """Loss and gradients through the vPipe runtime on the ``pipe`` axis. ``groups`` > 1:
+    the microbatches in that many consecutive groups, each group's loss and gradient
+    kept apart (a leading ``[groups]`` axis: the noise statistics' halves)."""
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
     from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
@@ -271,12 +273,16 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh):
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
                          fuse_mode=par.fuse_ticks, fsdp_gather=par.fsdp_gather,
-                         split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1))
+                         split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1),
+                         gradient_groups=groups)
 
     def grad_fn(params, batch):
         micro = _split_microbatches(batch, par.microbatches)
         embed_p, stack, head_p = model.split(params)
         loss, grads = run(embed_p, stack, head_p, micro["inputs"], micro["targets"])
+        if groups > 1:
+            return loss, jax.vmap(lambda e, b, h: model.merge_grads(params, e, b, h))(
+                grads["embed"], grads["blocks"], grads["head"])
         return loss, model.merge_grads(params, grads["embed"], grads["blocks"], grads["head"])
 
     return grad_fn
@@ -306,10 +312,15 @@ def noise_microbatches(cfg: Config, mesh) -> int:
     """How many separately computed gradients of one step the noise statistics can
     compare with the step's own (0 = none): the accumulated microbatches, or the
     virtual shards in deterministic mode. A pipeline accumulates its microbatches
-    inside the runtime (per stage, interleaved with other microbatches' work), so no
-    whole-model microbatch gradient ever exists there: 0."""
+    inside the runtime (per stage, interleaved with other microbatches' work); there
+    the runtime keeps the two halves of the step's microbatches apart (its gradient
+    groups) when it can: an even microbatch count, the gradient synced after the last
+    tick in fp32, even stages, fsdp weights gathered once per step. Otherwise 0."""
+    par = cfg.parallel
     if mesh.shape["pipe"] > 1:
-        return 0
+        halves = (par.microbatches % 2 == 0 and par.grad_sync_mode == "end" and par.grad_sync_dtype == "fp32"
+                  and not par.stage_layers and (par.fsdp_gather == "step" or mesh.shape["fsdp"] == 1))
+        return 2 if halves else 0
     if cfg.train.deterministic:
         return cfg.train.virtual_shards
     accum = cfg.train.grad_accum * cfg.parallel.microbatches
@@ -326,12 +337,14 @@ def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
     """``(params in storage layout, batch, key) -> (loss, grads, micro or None)``
     (``micro``, with ``stats``: the elementwise mean over microbatches of the gradient
     squared, or in deterministic mode the virtual shards' gradients stacked and
-    sharded over the batch devices; ``noise_statistics`` takes either):
+    sharded over the batch devices, or in a pipeline its two halves' gradients stacked;
+    ``noise_statistics`` takes either):
     the gradient exactly as the train step computes it (pipeline, deterministic
     shards or plain/accumulated), before clipping and the optimizer."""
     tr = cfg.train
     pipelined = mesh.shape["pipe"] > 1
-    pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh) if pipelined else None
+    halves = pipelined and stats  # the statistics' two half-step gradients (noise_microbatches)
+    pipeline_grad = _pipeline_grad_fn(spec, cfg, mesh, groups=2 if halves else 1) if pipelined else None
     # Without a pipeline, parallel.microbatches is plain gradient accumulation; the noise
     # statistics need at least two (noise_microbatches).
     accum = tr.grad_accum * (1 if pipelined else cfg.parallel.microbatches)
@@ -341,7 +354,11 @@ def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
     def grad_fn(params, batch, key):
         params = _to_compute(spec, params)
         if pipelined:
-            return (*pipeline_grad(params, batch), None)
+            loss, grads = pipeline_grad(params, batch)
+            if not halves:
+                return loss, grads, None
+            # The step's loss and gradient: the mean of its halves (equal microbatch counts).
+            return loss.mean(), jax.tree.map(lambda g: g.mean(0), grads), grads
         if tr.deterministic:
             loss, grads, *rest = _deterministic_grad(spec, params, batch, key, mesh,
                                                      tr.virtual_shards, stats)
@@ -359,8 +376,9 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
     microbatch, b) and ``batch`` (rows per step, B), and for an Adam-family optimizer
     the preconditioned norms (``noise_statistics``): what the gradient noise scale
     needs (tuner/noise.py). Without them the step is exactly the default one.
-    With a pipeline (pipe > 1) the runtime accumulates inside itself and no such
-    statistics exist; the tuner then makes no noise estimate."""
+    With a pipeline (pipe > 1) the statistics compare the step's two halves, where the
+    runtime can keep them apart (``noise_microbatches``); elsewhere there are none and
+    the tuner makes no noise estimate."""
     schedule = lr_schedule(cfg.optim, total_steps)
     tr = cfg.train
     skip_nonfinite = tr.nonfinite == "skip"
@@ -392,10 +410,11 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
                    "nonfinite_leaf": first_bad}
         if stats:
             rows = jax.tree.leaves(batch)[0].shape[0]
-            if not tr.deterministic:  # (deterministic: the shard stack stays where it was computed)
+            stacked = tr.deterministic or mesh.shape["pipe"] > 1  # micro: gradients stacked
+            if not stacked:  # (a stack stays where it was computed)
                 micro_sq = jax.tree.map(jax.lax.with_sharding_constraint, micro_sq, layout)
             metrics.update(_noise_statistics_every(
-                lambda: noise_statistics(micro_sq, grads, opt, cfg.optim, stacked=tr.deterministic),
+                lambda: noise_statistics(micro_sq, grads, opt, cfg.optim, stacked=stacked),
                 state["step"], cfg.tuner.noise_every), micro_batch=jnp.int32(rows // n_micro),
                 batch=jnp.int32(rows))
         return new_state, metrics

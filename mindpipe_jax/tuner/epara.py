@@ -25,9 +25,10 @@ candidate, scaled by the current candidate's measured time, so the model's absol
 error cancels. And a switch must pay for itself: the time it saves over the
 remaining steps, at the predicted gain, must exceed what the last compile took.
 
-Without a noise estimate (pipelines, a single microbatch, or too few steps yet)
-the efficiency of another batch size is unknown, so only candidates with the
-current batch are compared (their efficiency is equal).
+Without a noise estimate (a pipeline whose halves the runtime cannot keep apart, a
+single microbatch, or too few steps yet) the efficiency of another batch size is
+unknown, so only candidates with the current batch are compared (their efficiency is
+equal).
 """
 
 from __future__ import annotations
@@ -203,8 +204,9 @@ class OnlineTuner:
         if noise_microbatches(self.current.apply(self.cfg), types.SimpleNamespace(
                 shape=self.current.axes)):
             return None
-        why = (f"parallel.pipe={self.current.pipe}: the pipeline accumulates its microbatches inside "
-               f"the runtime" if self.current.pipe > 1 else
+        why = (f"parallel.pipe={self.current.pipe}: the pipeline keeps the step's two halves apart only with "
+               f"an even parallel.microbatches, grad_sync 'end' in fp32, no stage_layers and fsdp weights "
+               f"gathered once per step" if self.current.pipe > 1 else
                "the batch does not split into two halves over the batch devices")
         return (f"tuner: no gradient noise estimate ({why}); only candidates with the current "
                 f"batch {self.current.global_batch} are compared")

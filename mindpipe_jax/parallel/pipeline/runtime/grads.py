@@ -146,8 +146,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     subnet each) whose gradients and losses are kept apart, not summed: ``loss`` is
     ``[G]`` (each group's mean) and every gradient leaf gets a leading ``[G]`` axis, each
     group's the mean over its own microbatches. It costs G accumulators per device;
-    with ``grad_sync="end"``, even stages and every weight entering whole (no fsdp
-    ``param_specs``) only.
+    with ``grad_sync="end"``, fp32, even stages and fsdp weights gathered once per step
+    only. (The SPara step through a pipeline keeps its subnets apart with it, and the
+    train step's noise statistics its two halves.)
     """
     if fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"fsdp_gather {fsdp_gather!r} is not one of {', '.join(FSDP_GATHERS)}")
@@ -170,9 +171,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     groups = gradient_groups
     if groups > 1 and (m % groups or grad_sync != "end" or (layout is not None and not layout.uniform)
-                       or param_specs is not None or wire != jnp.float32):
+                       or wire != jnp.float32 or (fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1)):
         raise ValueError(f"gradient_groups={groups} needs m={m} divisible by it, grad_sync='end' (got "
-                         f"{grad_sync!r}), fp32 sync, even stages and no param_specs")
+                         f"{grad_sync!r}), fp32 sync, even stages and fsdp weights gathered once per step")
     if layout is not None and (layout.p, layout.v) != (p, v):
         raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
@@ -200,6 +201,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         else:
             first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
         return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
+
+    def grouped(splits):
+        """Ends' splits of a gradient with a leading group axis."""
+        return jax.tree.map(lambda e: fsdp.EndSplit(e.dim + 1, e.axes) if e.axes else e, splits)
 
     def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets, context):
         stage_idx = lax.axis_index(AXIS)
@@ -249,10 +254,13 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         if groups > 1:  # every group's gradients averaged after the last tick (grad_sync="end")
             acc = lax.scan(tick, carry, jnp.arange(plan.num_ticks))[0][0]
             loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / (m // groups)
-            out = {name: jax.tree.map(lambda g, x: g.astype(x.dtype),
-                                      fsdp.sum_over_pipe_then_mean(acc[name], ends[name], BATCH), params)
+            # Every split dimension one further along: the group axis leads.
+            means = {name: fsdp.sum_over_pipe_then_mean(acc[name], grouped(ends[name]), BATCH)
+                     for name in ("embed", "head")}
+            out = {name: jax.tree.map(lambda g, x: g.astype(x.dtype), means[name], params)
                    for name, params in (("embed", embed_p), ("head", head_p))}
-            blocks = fsdp.mean_scatter(acc["blocks"], dims["blocks"], BATCH)  # dims: none split
+            # [groups · v, width, *rest]: fsdp (where stored split) at 2 + its dim in rest.
+            blocks = fsdp.mean_scatter(acc["blocks"], dims["blocks"], BATCH, offset=2)
             d_blocks = jax.tree.map(lambda g, x: g.reshape(groups, v, *g.shape[1:]).astype(x.dtype)[None],
                                     blocks, chunks)
             return loss, out["embed"], d_blocks, out["head"]
@@ -293,6 +301,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         spec_e = jax.tree.map(fsdp.EndSplit.spec, ends["embed"])
         spec_h = jax.tree.map(fsdp.EndSplit.spec, ends["head"])
         spec_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None)), dims["blocks"])
+        out_e, out_b, out_h = spec_e, spec_b, spec_h
+        if groups > 1:  # the gradients have a group axis: [G, ...] ends, [p, G, v, width, ...] blocks
+            out_e, out_h = (jax.tree.map(fsdp.EndSplit.spec, grouped(ends[n])) for n in ("embed", "head"))
+            out_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None, None)), dims["blocks"])
         # Each group's sharding over the automatic axes (tensor, expert), which the
         # gradient syncs need to work on each device's own shards.
         auto_specs = {name: None if param_specs is None else jax.tree.map(
@@ -302,7 +314,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                            axis_names=set(MANUAL),
                            in_specs=(spec_e, spec_b, spec_h, rows, rows,
                                      jax.tree.map(lambda _: P(AXIS), context)),
-                           out_specs=(P(), spec_e, spec_b, spec_h))
+                           out_specs=(P(), out_e, out_b, out_h))
         loss, d_embed, d_blocks, d_head = fn(embed_p, staged, head_p, inputs, targets, context)
         if groups > 1:  # [p, G, v, width, ...]: each group's layers back in order
             by_group = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), d_blocks)
