@@ -143,13 +143,15 @@ def test_decisions_trust_measurements_and_anchor_the_model_to_them():
 
 
 def test_without_noise_estimate_only_the_current_batch_is_compared():
+    # A pipeline whose chunk-wise gradient sync keeps no two halves of the step apart.
     cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
-                              "parallel.microbatches=2", "tuner.enabled=true", "tuner.meshes=true",
-                              "tuner.every=1", "tuner.warmup=0", "tuner.batch_sizes=[16, 32]")
+                              "parallel.microbatches=2", "parallel.grad_sync=chunk", "tuner.enabled=true",
+                              "tuner.meshes=true", "tuner.every=1", "tuner.warmup=0",
+                              "tuner.batch_sizes=[16, 32]")
     cur = Candidate(data=4, pipe=2, microbatches=2, global_batch=16)
     stub = PreferStub(lambda c: c.global_batch == 32 or c.tensor == 2)
     tuner = OnlineTuner(cfg, cur, 8, step_model=stub)
-    assert "pipeline accumulates" in tuner.note and "batch 16" in tuner.note
+    assert "keeps the step's two halves apart only with" in tuner.note and "batch 16" in tuner.note
     _feed(tuner, b_noise=100.0, steps=20, b_small=8, b_big=16)  # ignored: the step has no such metrics
     d = tuner.decide(1)
     assert d is not None and d.after.global_batch == 16 and d.after.tensor == 2 and d.b_noise is None
@@ -276,11 +278,15 @@ def test_microbatch_switch_matches_a_fresh_run_with_that_count(tmp_path):
     assert dict(tuned.mesh.shape)["data"] == 4 and dict(tuned.mesh.shape)["pipe"] == 2
     assert tuned.config.parallel.microbatches == 4
     # Step 3 after the switch equals step 3 of a run restored from step 2 with 4 microbatches.
+    # With the tuner on, the pipeline keeps the step's two halves apart for the noise
+    # statistics (train/step.noise_microbatches): the fresh run does the same (its tuner
+    # never decides).
     fresh_dir = tmp_path / "fresh"
     shutil.copytree(tuned.out_dir, fresh_dir)
     shutil.rmtree(fresh_dir / "checkpoints" / "3")
     fresh = mp.train(None, None, mp.Config(), *common, "parallel.microbatches=4",
-                     f"train.out_dir={fresh_dir}", "train.resume=true")
+                     f"train.out_dir={fresh_dir}", "train.resume=true", "tuner.enabled=true",
+                     "tuner.every=1000")
     assert tuned.history[-1]["loss"] == pytest.approx(fresh.history[-1]["loss"], rel=1e-6)
     for x, y in zip(leaves(tuned.state), leaves(fresh.state), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
