@@ -70,8 +70,9 @@ def noise_statistics(micro, grads, opt_state, optim, *, stacked: bool = False) -
 
     ``micro``: the elementwise mean over microbatches of g_b^2 (a tree like the
     gradient: what sequential accumulation can keep in one buffer), or with
-    ``stacked`` the microbatch gradients themselves stacked on a leading axis (the
-    virtual shards of deterministic mode, sharded over the batch devices: reducing
+    ``stacked`` the microbatch gradients themselves stacked on a leading axis (a
+    pipeline's two halves of the step, kept apart by the runtime's gradient groups; or
+    the virtual shards of deterministic mode, sharded over the batch devices: reducing
     them where they lie costs each device one pass over its own shards, where the
     elementwise mean of the gathered stack cost every device a pass over all of them:
     on the online benchmark's step at batch 8 that made the step 3-5x as long as
