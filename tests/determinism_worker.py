@@ -2,8 +2,10 @@
 
 Usage: ``python determinism_worker.py N OUT.npz [MODES]``. MODES is a
 comma-separated list of ``det`` (``train.deterministic=true``), ``plain``
-(``train.deterministic=false``) and ``det-fsdp`` (deterministic, ``parallel.data=2``
-and ``parallel.fsdp=N/2``: parameters stored in shards), default ``det``; each mode's
+(``train.deterministic=false``), ``det-fsdp`` (deterministic, ``parallel.data=2``
+and ``parallel.fsdp=N/2``: parameters stored in shards), ``det-pipe`` / ``plain-pipe``
+(a 1F1B pipeline of 2 stages, ``parallel.data=N/2``, each virtual shard one
+microbatch, no dropout: the pipeline has none), default ``det``; each mode's
 final params are
 stored under ``"<mode>/<keystr path>"``, gathered to the host, and its logged
 losses and gradient norms (float64, one per step) under ``"history/<mode>/loss"`` and
@@ -41,6 +43,9 @@ TINY = (
 )
 
 
+MODES = ("det", "plain", "det-fsdp", "det-pipe", "plain-pipe")
+
+
 def train_tiny(data: int, deterministic: bool, out_dir: str, *extra: str):
     """``mindpipe_jax.train`` on the tiny config with ``parallel.data=data`` (+ overrides)."""
     cfg = mp.Config().replace(*TINY, f"parallel.data={data}",
@@ -58,8 +63,8 @@ def host_params(state) -> dict[str, np.ndarray]:
 def main() -> None:
     n, out = int(sys.argv[1]), sys.argv[2]
     modes = (sys.argv[3] if len(sys.argv) > 3 else "det").split(",")
-    if bad := [m for m in modes if m not in ("det", "plain", "det-fsdp")]:
-        raise SystemExit(f"unknown mode(s) {bad}; valid: det, plain, det-fsdp")
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"unknown mode(s) {bad}; valid: {', '.join(MODES)}")
     if len(jax.devices()) != n:
         raise SystemExit(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")
     arrays = {}
@@ -72,6 +77,12 @@ def main() -> None:
                 # Really stored in shards (else the test compares data=N with itself).
                 if not any("fsdp" in str(p.sharding.spec) for p in jax.tree.leaves(result.state["params"])):
                     raise SystemExit("det-fsdp: no parameter is sharded over fsdp")
+            elif mode.endswith("-pipe"):
+                # Each device's virtual shards are its microbatches: 8 / (N / 2) of them.
+                result = train_tiny(n // 2, mode == "det-pipe", os.path.join(tmp, mode), "parallel.pipe=2",
+                                    f"parallel.microbatches={16 // n}", "model.dropout=0.0")
+                if result.mesh.shape["pipe"] != 2:
+                    raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have pipe=2")
             else:
                 result = train_tiny(n, mode == "det", os.path.join(tmp, mode))
                 if result.mesh.shape["data"] != n:

@@ -43,11 +43,12 @@ SEED = 0
 ROWS = 16  # global batch: 4 microbatches of 4 rows, 2 per data shard
 
 
-def framework_grads(factory, *overrides):
-    """Loss and gradients through the train step's own gradient function."""
+def framework_grads(factory, *overrides, devices=None):
+    """Loss and gradients through the train step's own gradient function (on ``devices``:
+    default all)."""
     cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", f"train.global_batch={ROWS}",
                            f"train.seed={SEED}", *overrides)
-    mesh = make_mesh(cfg.parallel)
+    mesh = make_mesh(cfg.parallel, devices)
     with jax.set_mesh(None):
         spec, create = model_spec(factory, mesh, SEED)
     spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)  # as the train layout stores them
@@ -144,6 +145,28 @@ def test_pipe_tensor_resharding_heads_no_collective_stranded_in_a_branch(schedul
     got = framework_grads(ODD["odd-heads"], *PIPE_TENSOR, f"parallel.schedule={schedule}",
                           f"parallel.virtual_stages={v}")
     assert_grads_equal(got, reference("odd-heads"))
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default_emitters  # bitwise across programs: as users compile them
+@pytest.mark.parametrize("family,schedule", [("llama-tied", "1f1b"), ("gemma", "zb-h1")])
+def test_deterministic_pipeline_gradients_are_the_same_bits_on_any_data_count(family, schedule):
+    """Deterministic mode through a pipeline of 2 stages on data = 1, 2, 4 (each device's
+    8 / data virtual shards its microbatches): the gradients equal the independent
+    reference to fp32 tolerance and each other bit for bit (tied embeddings summed from
+    two stages; Gemma's stack of unlike layer groups under ZB-H1's split backward)."""
+    runs = {}
+    for data in (1, 2, 4):
+        runs[data] = framework_grads(FAMILIES[family], "train.deterministic=true", "train.virtual_shards=8",
+                                     "parallel.pipe=2", f"parallel.data={data}", "parallel.tensor=1",
+                                     f"parallel.microbatches={8 // data}", f"parallel.schedule={schedule}",
+                                     devices=jax.devices()[:2 * data])
+        assert_grads_equal(runs[data], reference(family))
+    want = [np.asarray(x).tobytes() for x in jax.tree.leaves(runs[1])]
+    for data in (2, 4):
+        got = [np.asarray(x).tobytes() for x in jax.tree.leaves(runs[data])]
+        differ = sum(g != w for g, w in zip(got, want, strict=True))
+        assert not differ, f"data={data}: {differ} leaves differ from data=1"
 
 
 # ---- each defect of the first try, as a test -------------------------------------------

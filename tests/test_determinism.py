@@ -29,9 +29,11 @@ from xla_flags import DEFAULT_EMITTERS
 pytestmark = pytest.mark.xdist_group("determinism")
 
 WORKER = Path(__file__).with_name("determinism_worker.py")
-TIMEOUT_S = 300
-# Device count -> modes the worker trains. ``plain`` only where the control needs it.
-RUNS = {1: "det,plain", 2: "det", 4: "det", 8: "det,plain,det-fsdp"}
+TIMEOUT_S = 420
+# (device count, modes) of each worker process. ``plain`` only where the control needs it;
+# the pipeline's modes (pipe=2 x data=N/2) on 2, 4 and 8 devices, 8's in a process of its own.
+RUNS = [(1, "det,plain"), (2, "det,det-pipe,plain-pipe"), (4, "det,det-pipe"), (8, "det,plain,det-fsdp"),
+        (8, "det-pipe,plain-pipe")]
 
 
 def _bitwise_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
@@ -58,30 +60,31 @@ def _mode(arrays, mode: str) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def device_runs(tmp_path_factory):
-    """{n: {mode: params}} from one worker process per device count, run in parallel."""
+    """{n: {mode: params}} from the worker processes (``RUNS``), run in parallel."""
     tmp = tmp_path_factory.mktemp("determinism")
     # XLA's default fusion emitters: the bits deterministic mode promises are those of the
     # programs users compile (tests/xla_flags.py).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": DEFAULT_EMITTERS}
     procs = {}
     try:
-        for n, modes in RUNS.items():
-            log = open(tmp / f"worker{n}.log", "wb")  # a file, not a pipe: no deadlock
-            procs[n] = (subprocess.Popen([sys.executable, str(WORKER), str(n), str(tmp / f"p{n}.npz"),
+        for i, (n, modes) in enumerate(RUNS):
+            log = open(tmp / f"worker{i}.log", "wb")  # a file, not a pipe: no deadlock
+            procs[i] = (subprocess.Popen([sys.executable, str(WORKER), str(n), str(tmp / f"p{i}.npz"),
                                           modes], env=env, stdout=log, stderr=subprocess.STDOUT), log)
         deadline = time.monotonic() + TIMEOUT_S
-        for n, (proc, log) in procs.items():
+        for i, (proc, log) in procs.items():
+            n, modes = RUNS[i]
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()  # this child only
                 proc.wait()
-                pytest.fail(f"worker for {n} devices ran over {TIMEOUT_S}s; log:\n"
-                            + (tmp / f"worker{n}.log").read_text()[-3000:])
+                pytest.fail(f"worker for {n} devices ({modes}) ran over {TIMEOUT_S}s; log:\n"
+                            + (tmp / f"worker{i}.log").read_text()[-3000:])
             log.close()
             if proc.returncode != 0:
-                pytest.fail(f"worker for {n} devices exited with {proc.returncode}; log:\n"
-                            + (tmp / f"worker{n}.log").read_text()[-3000:])
+                pytest.fail(f"worker for {n} devices ({modes}) exited with {proc.returncode}; log:\n"
+                            + (tmp / f"worker{i}.log").read_text()[-3000:])
     finally:
         for proc, log in procs.values():  # on any failure, leave no worker behind
             if proc.poll() is None:
@@ -89,10 +92,11 @@ def device_runs(tmp_path_factory):
                 proc.wait()
             log.close()
     out = {}
-    for n, modes in RUNS.items():
-        with np.load(tmp / f"p{n}.npz") as arrays:
-            out[n] = {mode: _mode(arrays, mode) for mode in modes.split(",")}
-            out[n]["history"] = _mode(arrays, "history")  # {"<mode>/loss": [...], "<mode>/grad_norm": [...]}
+    for i, (n, modes) in enumerate(RUNS):
+        with np.load(tmp / f"p{i}.npz") as arrays:
+            runs = out.setdefault(n, {"history": {}})
+            runs.update({mode: _mode(arrays, mode) for mode in modes.split(",")})
+            runs["history"].update(_mode(arrays, "history"))  # {"<mode>/loss": [...], ...}
     return out
 
 
@@ -125,3 +129,20 @@ def test_deterministic_fsdp_equals_data_parallel(device_runs):
     for key in ("loss", "grad_norm"):
         assert len(history[f"det-fsdp/{key}"]) == 3  # train.steps of the tiny config
         assert history[f"det/{key}"].tolist() == history[f"det-fsdp/{key}"].tolist(), (key, history)
+
+
+@pytest.mark.slow
+def test_deterministic_pipeline_is_bitwise_equal_on_2_4_8_devices(device_runs):
+    """A 1F1B pipeline of 2 stages with data = 1, 2, 4 (each virtual shard one microbatch,
+    ``pipeline_grads(deterministic=True)``): the same params, losses and clipping norms bit
+    for bit; without deterministic mode the same pipelines differ (the control)."""
+    reference = device_runs[2]["det-pipe"]
+    assert len(reference) > 10
+    for n in (4, 8):
+        diff = _bitwise_diff(reference, device_runs[n]["det-pipe"])
+        assert not diff, f"deterministic pipeline params on {n} devices differ from 2:\n" + "\n".join(diff)
+        for key in ("loss", "grad_norm"):
+            got, want = (device_runs[k]["history"][f"det-pipe/{key}"].tolist() for k in (n, 2))
+            assert got == want and len(got) == 3, (n, key, got, want)
+    assert _bitwise_diff(device_runs[2]["plain-pipe"], device_runs[8]["plain-pipe"]), \
+        "plain pipelines gave bitwise equal params on 2 and 8 devices: the test cannot tell"

@@ -180,3 +180,61 @@ def test_online_repartition_keeps_every_bit(tmp_path):
                     jax.tree.leaves(jax.device_get(resumed.state)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert np.isfinite(online.history[-1]["loss"])
+
+
+def test_pairwise_accumulator_is_the_balanced_tree():
+    """``ticks._pairwise_add`` fed 8 values in order, or reversed (GPipe's backward), leaves
+    ``pairwise_sum`` of them, bit for bit, in its top row of 4; a plain running sum differs."""
+    from mindpipe_jax.parallel.ordered_sum import pairwise_sum
+    from mindpipe_jax.parallel.pipeline.runtime.ticks import _pairwise_add
+
+    values = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)) * 10.0 ** np.arange(-3, 5)[:, None],
+                         jnp.float32)
+    want = np.asarray(pairwise_sum(values))
+    for order in (range(8), reversed(range(8))):
+        acc = jnp.zeros((4, 64), jnp.float32)
+        for rank, i in enumerate(order):
+            acc = _pairwise_add(acc, 0, jnp.int32(rank), values[i])
+        assert np.asarray(acc[3]).tobytes() == want.tobytes()
+    running = values[0]
+    for i in range(1, 8):
+        running = running + values[i]
+    assert np.asarray(running).tobytes() != want.tobytes()  # the control: association shows
+
+
+def test_arrival_ranks_accept_the_orders_that_keep_the_tree():
+    from mindpipe_jax.parallel.pipeline.runtime.ticks import arrival_ranks
+
+    for name, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("zbv", 2)):
+        assert arrival_ranks(make_plan(get_schedule(name, 2, 8, v))) is not None, name
+    with pytest.raises(ValueError, match="power-of-two microbatch count"):
+        pipeline_grads(stage_fns(tiny_gpt(2)[0]), get_schedule("1f1b", 2, 6), make_mesh(
+            ParallelConfig(pipe=2, data=4, tensor=1)), deterministic=True)
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default_emitters  # bitwise across programs: as users compile them
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("interleaved", 2), ("zbv", 2)])
+def test_deterministic_pipeline_grads_are_the_same_bits_on_1_and_4_data_devices(name, v):
+    """``pipeline_grads(deterministic=True)`` with 8 units of 2 rows: on pipe2 x data1 (8
+    microbatches) and pipe2 x data4 (2 each) the loss and gradients equal the unpipelined
+    ones and each other bit for bit (GPipe adds its microbatches in reverse; the
+    V-shaped ZB-V holds two chunks per device)."""
+    from mindpipe_jax.train.step import unit_microbatches
+
+    model, params = tiny_gpt(4)
+    tokens = np.random.default_rng(3).integers(0, 64, (16, 9)).astype(np.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    ref_loss, ref_grads = reference(model, params, inputs[None], targets[None])
+    results = []
+    for data in (1, 4):
+        m = 8 // data
+        mesh = make_mesh(ParallelConfig(pipe=2, data=data, tensor=1), jax.devices()[:2 * data])
+        run = pipeline_grads(stage_fns(model), get_schedule(name, 2, m, v), mesh, deterministic=True)
+        micro = unit_microbatches({"inputs": inputs, "targets": targets}, m, data)
+        with jax.set_mesh(mesh):
+            loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], micro["inputs"],
+                                       micro["targets"])
+        assert_matches(loss, grads, ref_loss, ref_grads)
+        results.append([np.asarray(x).tobytes() for x in jax.tree.leaves((loss, grads))])
+    assert results[0] == results[1]

@@ -2,7 +2,7 @@
 
 Reduction
 ---------
-``pairwise_sum`` sums a leading axis in one balanced order. ``reduce_round`` is
+``pairwise_sum`` (``parallel/ordered_sum.py``) sums a leading axis in one balanced order. ``reduce_round`` is
 a round's exchange inside the step's ``shard_map``: each device holds the
 gradients of its W slots summed over its own contiguous virtual shards (the
 lower levels of the pairwise tree over the V shards); one ``all_to_all`` gives
@@ -38,19 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mindpipe_jax.config import OptimConfig
+from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.supernet.plan import AXES
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec
-
-
-def pairwise_sum(stacked):
-    """Sum the leading axis in one fixed balanced order (any length)."""
-    def one(x):
-        while x.shape[0] > 1:
-            n = x.shape[0]
-            pairs = x[0:n - n % 2:2] + x[1:n - n % 2:2]
-            x = jnp.concatenate([pairs, x[n - 1:]]) if n % 2 else pairs
-        return x[0]
-    return jax.tree.map(one, stacked)
 
 
 def global_norm(flat) -> jax.Array:

@@ -15,7 +15,9 @@ donated state. Two ways to compute the gradient:
   backend contracts mul+add into FMAs per fused expression), and the clipping
   norm is taken over replicated gradients, never fsdp shards. The parameters
   are bitwise identical too. The cost: each device holds ``virtual_shards``
-  gradient copies at the gather.
+  gradient copies at the gather. Through a pipeline each virtual shard is one
+  microbatch of one batch device (``unit_microbatches``) and the runtime sums
+  them in the same tree (``pipeline_grads(deterministic=True)``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
 from mindpipe_jax.train.noise_stats import abs_sq, adam_preconditioner, noise_statistics  # noqa: F401 (re-exported)
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
@@ -58,6 +61,16 @@ def _to_compute(spec: ModelSpec, params):
 def _split_microbatches(batch, m: int):
     # Row k·m + j goes to microbatch j, so each device keeps its own rows.
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+
+
+def unit_microbatches(batch, m: int, devices: int):
+    """The global batch as ``devices · m`` contiguous units, device ``d``'s microbatch
+    ``j`` its unit ``d · m + j`` (``pipeline_grads(deterministic=True)``): the same rows
+    form a unit on any device count, and each device's units are its own rows."""
+    def one(x):
+        units = x.reshape(devices, m, x.shape[0] // (devices * m), *x.shape[1:])
+        return jnp.swapaxes(units, 0, 1).reshape(m, x.shape[0] // m, *x.shape[1:])
+    return jax.tree.map(one, batch)
 
 
 def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bool = False):
@@ -92,15 +105,6 @@ def _accumulated_grad(spec: ModelSpec, params, batch, key, accum: int, stats: bo
     return loss / accum, grads, (jax.tree.map(lambda x: x / accum, sq) if stats else None)
 
 
-def _pairwise_sum(stacked):
-    """Sum a leading axis of power-of-two length as a fixed balanced tree."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    while n > 1:
-        stacked = jax.tree.map(lambda x: x[0::2] + x[1::2], stacked)
-        n //= 2
-    return jax.tree.map(lambda x: x[0], stacked)
-
-
 def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, stats: bool = False):
     """Loss, gradient and (with ``stats``) the virtual shards' own gradients stacked
     ``[shards, ...]`` and left sharded over the batch devices (each device keeps the
@@ -123,7 +127,7 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, 
         # rounded the Adam moments differently.)
         gathered = jax.tree.map(
             lambda x: lax.all_gather(x, BATCH_AXES, tiled=True, to="invarying"), (losses, grads))
-        loss, total = _pairwise_sum(gathered)
+        loss, total = pairwise_sum(gathered)
         out = (loss / shards, jax.tree.map(lambda g: g / shards, total))
         # The per-device shard gradients, not the gathered stack: squaring the stack here
         # cost every device a pass over all shards' gradients (2-4x the step's time on the
@@ -187,13 +191,34 @@ def check_step_config(cfg: Config, mesh) -> None:
         if n_batch & (n_batch - 1):
             raise ConfigError(f"deterministic mode needs data x fsdp x expert = {n_batch} to be a "
                               f"power of two")
-        others = {a: mesh.shape[a] for a in ("tensor", "pipe", "subnet", "expert") if mesh.shape[a] > 1}
+        others = {a: mesh.shape[a] for a in ("tensor", "subnet", "expert") if mesh.shape[a] > 1}
         if others:
-            raise ConfigError(f"deterministic mode splits only the batch (data, fsdp); got "
-                              f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+            got = ", ".join(f"{a}={n}" for a, n in others.items())
+            raise ConfigError(f"deterministic mode splits only the batch (data, fsdp) and the pipeline's "
+                              f"stages; got {got}; set them to 1")
+        if mesh.shape["pipe"] > 1:
+            check_deterministic_pipeline(cfg.parallel, tr.virtual_shards, n_batch, mesh.shape["fsdp"])
         if tr.grad_accum != 1:
             raise ConfigError(f"deterministic mode already accumulates over train.virtual_shards; "
                               f"set train.grad_accum=1 (got {tr.grad_accum})")
+
+
+def check_deterministic_pipeline(par, virtual_shards: int, n_batch: int, fsdp: int) -> None:
+    """Deterministic mode through a pipeline: each virtual shard is one microbatch of one
+    batch device (``pipeline_grads(deterministic=True)``); a ConfigError otherwise."""
+    if par.microbatches * n_batch != virtual_shards:
+        raise ConfigError(f"deterministic mode through a pipeline runs each virtual shard as one microbatch: "
+                          f"parallel.microbatches={par.microbatches} x fsdp x data ({n_batch}) must equal "
+                          f"train.virtual_shards={virtual_shards}; set parallel.microbatches="
+                          f"{max(virtual_shards // n_batch, 1)} (or train.virtual_shards="
+                          f"{par.microbatches * n_batch})")
+    if par.grad_sync_mode != "end" or par.grad_sync_dtype != "fp32":
+        raise ConfigError(f"deterministic mode through a pipeline sums the gradients after the last tick in "
+                          f"fp32; got parallel.grad_sync={par.grad_sync!r}, grad_sync_dtype="
+                          f"{par.grad_sync_dtype!r}: set grad_sync='end' and grad_sync_dtype='fp32'")
+    if par.fsdp_gather != "step" and fsdp > 1:
+        raise ConfigError(f"deterministic mode through a pipeline gathers fsdp weights once per step; got "
+                          f"parallel.fsdp_gather={par.fsdp_gather!r}: set it to 'step'")
 
 
 def _check_moe(cfg: Config, mesh) -> None:
@@ -274,10 +299,13 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
                          fuse_mode=par.fuse_ticks, fsdp_gather=par.fsdp_gather,
                          split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1),
-                         gradient_groups=groups)
+                         gradient_groups=groups, deterministic=cfg.train.deterministic)
 
     def grad_fn(params, batch):
-        micro = _split_microbatches(batch, par.microbatches)
+        if cfg.train.deterministic:  # the same units on any number of batch devices
+            micro = unit_microbatches(batch, par.microbatches, mesh.shape["data"] * mesh.shape["fsdp"])
+        else:
+            micro = _split_microbatches(batch, par.microbatches)
         embed_p, stack, head_p = model.split(params)
         loss, grads = run(embed_p, stack, head_p, micro["inputs"], micro["targets"])
         if groups > 1:

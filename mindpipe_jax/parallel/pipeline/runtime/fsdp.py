@@ -206,6 +206,21 @@ def gather_ends(tree, splits):
     return jax.tree.map(one, tree, splits)
 
 
+def local_piece(tree, splits):
+    """This device's piece of each whole embedding or head leaf, as its ``EndSplit``
+    stores it (device ``(f, s)`` keeps piece ``f · pipe + s``: what
+    ``sum_over_pipe_then_mean``'s reduce-scatters leave)."""
+    def one(g, split):
+        if not split.axes:
+            return g
+        index, count = 0, 1
+        for axis in split.axes:  # major first
+            index, count = index * lax.axis_size(axis) + lax.axis_index(axis), count * lax.axis_size(axis)
+        size = g.shape[split.dim] // count
+        return lax.dynamic_slice_in_dim(g, index * size, size, axis=split.dim)
+    return jax.tree.map(one, tree, splits)
+
+
 def sum_over_pipe_then_mean(tree, splits, batch, wire_dtype=jnp.float32):
     """An embedding's or head's gradient (its owners' contributions, zeros elsewhere):
     summed over ``pipe`` and averaged over the batch axes, each device keeping its

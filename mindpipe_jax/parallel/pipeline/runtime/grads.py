@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.parallel import overlap
+from mindpipe_jax.parallel.ordered_sum import ordered_sum
 from mindpipe_jax.parallel.pipeline.runtime import fsdp, ringsync
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.runtime.spmd import (
@@ -52,7 +53,7 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
 from mindpipe_jax.parallel.pipeline.runtime.tickloop import OwnedShards, run_ticks_with_sync
 from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
-from mindpipe_jax.parallel.pipeline.runtime.ticks import make_tick
+from mindpipe_jax.parallel.pipeline.runtime.ticks import arrival_ranks, make_tick
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
 from mindpipe_jax.parallel.pipeline.schedules.sync import sync_points
 
@@ -87,12 +88,48 @@ def _in_lockstep(body, lockstep: bool):
     return run
 
 
+def _ordered_results(acc, dims, ends, embed_p, chunks, head_p, *, groups: int, levels: int, per_group: int,
+                     n_batch: int):
+    """``pipeline_grads(deterministic=True)``'s results from its pairwise accumulators:
+    each accumulator's top row (the device's units summed as a balanced tree), summed
+    over the batch devices in device order (``ordered_sum``), then each device's
+    storage piece. The same shapes as the other paths'. Every unit's gradient already
+    carries 1 / per_group (the loss seed); the scales are powers of two, so exact."""
+    v = jax.tree.leaves(chunks)[0].shape[0]
+
+    def tops(x, n):  # [n · levels, ...] -> each accumulator's top row, [n, ...]
+        x = x.reshape(n, levels, *x.shape[1:]) if n * levels > 1 else x[None, None]
+        return x[:, -1]
+
+    def batch_mean(tree):
+        return jax.tree.map(lambda x: x / n_batch, ordered_sum(tree, BATCH))
+
+    loss = ordered_sum(lax.psum(tops(acc["loss"], groups), AXIS), BATCH) / (per_group * n_batch)
+    out = {}
+    for name, params in (("embed", embed_p), ("head", head_p)):
+        # One owner per leaf (zeros elsewhere): the sum over pipe is exact in any order.
+        g = batch_mean(lax.psum(jax.tree.map(lambda x: tops(x, groups), acc[name]), AXIS))
+        splits = jax.tree.map(lambda e: fsdp.EndSplit(e.dim + 1, e.axes), ends[name])
+        g = fsdp.local_piece(g, splits)  # with the group axis leading
+        out[name] = jax.tree.map(lambda x, p: (x if groups > 1 else x[0]).astype(p.dtype), g, params)
+    blocks = batch_mean(jax.tree.map(lambda x: tops(x, groups * v), acc["blocks"]))  # [G · v, width, ...]
+    blocks = fsdp.local_shard(blocks, dims["blocks"], offset=2)
+    d_blocks = jax.tree.map(lambda g, x: g.reshape(groups, v, *g.shape[1:]).astype(x.dtype)[None], blocks,
+                            chunks)
+    if groups == 1:  # [1, v, width, ...]
+        d_blocks = jax.tree.map(lambda g: g[:, 0], d_blocks)
+        loss = loss[0]
+    # Nothing downstream fuses into the sums: their bits are the promise. (One barrier
+    # per leaf: a barrier's outputs vary over every axis any of its operands does.)
+    return jax.tree.map(lax.optimization_barrier, (loss, out["embed"], d_blocks, out["head"]))
+
+
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    layout: StageLayout | None = None, nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
                    fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True,
-                   gradient_groups: int = 1):
+                   gradient_groups: int = 1, deterministic: bool = False):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets, block_context=None) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -149,6 +186,18 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     with ``grad_sync="end"``, fp32, even stages and fsdp weights gathered once per step
     only. (The SPara step through a pipeline keeps its subnets apart with it, and the
     train step's noise statistics its two halves.)
+    ``deterministic``: the gradients' and the loss's bits do not depend on how many
+    batch devices (``data`` x ``fsdp``) there are, only on the units: each device's
+    microbatches are its contiguous units of the global batch (the caller cuts rows
+    so: ``deterministic_microbatches``), every unit's gradient is computed by the same
+    task program on any layout, and they are added in one balanced tree over the
+    units' global order: on each device over its microbatches as they finish
+    (``ticks._pairwise_add``: log2(m)+1 accumulators instead of one), then over the
+    devices in order (``ordered_sum``: every device's sum gathered unreduced). Needs a
+    power-of-two microbatch count (per gradient group), ``grad_sync="end"``, fp32, fsdp
+    weights gathered once per step and a schedule whose weight gradients reach each
+    accumulator in an order that keeps the tree (``ticks.arrival_ranks``: in order, as
+    1F1B and the zero-bubble ones add them, or reversed, as GPipe does).
     """
     if fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"fsdp_gather {fsdp_gather!r} is not one of {', '.join(FSDP_GATHERS)}")
@@ -174,6 +223,19 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                        or wire != jnp.float32 or (fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1)):
         raise ValueError(f"gradient_groups={groups} needs m={m} divisible by it, grad_sync='end' (got "
                          f"{grad_sync!r}), fp32 sync, even stages and fsdp weights gathered once per step")
+    levels, ranks = 1, None
+    if deterministic:
+        per_group = m // groups
+        if per_group & (per_group - 1) or grad_sync != "end" or wire != jnp.float32 or \
+                (fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1):
+            raise ValueError(f"deterministic=True needs a power-of-two microbatch count per gradient group "
+                             f"(got {per_group}), grad_sync='end' (got {grad_sync!r}), fp32 sync and fsdp "
+                             f"weights gathered once per step")
+        levels = per_group.bit_length()
+        ranks = arrival_ranks(plan, groups)
+        if ranks is None:
+            raise ValueError(f"deterministic=True: schedule {schedule.name!r} adds some accumulator's "
+                             f"microbatches in an order that changes their balanced tree")
     if layout is not None and (layout.p, layout.v) != (p, v):
         raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
@@ -236,13 +298,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         g_buf = _vary(jnp.full((plan.g_slots, *h.shape), fill, h.dtype))
         def zeros(tree, lead=()):  # the accumulators: one per gradient group (G > 1)
             return jax.tree.map(lambda x: jnp.zeros((*lead, *x.shape), jnp.float32), tree)
-        lead = (groups,) if groups > 1 else ()
-        blocks_acc = jax.tree.map(lambda x: jnp.zeros((groups * v, *x.shape[1:]), jnp.float32), chunks)
+        rows = groups * levels  # accumulators per part (levels > 1: pairwise, ticks._pairwise_add)
+        lead = (rows,) if rows > 1 else ()
+        blocks_acc = jax.tree.map(lambda x: jnp.zeros((rows * v, *x.shape[1:]), jnp.float32), chunks)
         acc = _vary({"embed": zeros(embed_p, lead), "head": zeros(head_p, lead), "blocks": blocks_acc,
                      "loss": jnp.zeros(lead, jnp.float32)})
         res_buf = _vary(tasks.residual_buffers())
         stash_buf = _vary(tasks.stash_buffers())
-        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter, groups=groups)
+        tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter, groups=groups,
+                         levels=levels, ranks=ranks)
 
         def mean_of_chunk(grads):
             """A chunk's gradient averaged over the batch axes, each device keeping its fsdp
@@ -251,6 +315,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                 return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
             return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
         carry = (acc, x_buf, g_buf, res_buf, stash_buf)
+        if deterministic:
+            acc = lax.scan(tick, carry, jnp.arange(plan.num_ticks))[0][0]
+            return _ordered_results(acc, dims, ends, embed_p, chunks, head_p, groups=groups, levels=levels,
+                                    per_group=m // groups, n_batch=n_batch)
         if groups > 1:  # every group's gradients averaged after the last tick (grad_sync="end")
             acc = lax.scan(tick, carry, jnp.arange(plan.num_ticks))[0][0]
             loss = lax.pmean(lax.psum(acc["loss"], AXIS), BATCH) / (m // groups)

@@ -95,12 +95,62 @@ def _after(x, before):
     return x if before is None else lax.optimization_barrier((x, before))[0]
 
 
-def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None, groups: int = 1):
+def _pairwise_add(acc, base, unit, value):
+    """Add ``value``, the ``unit``-th (from 0, in order) of a group's contributions, to the
+    group's pairwise accumulator: ``acc`` rows ``base .. base + levels - 1`` hold the sums
+    of the finished power-of-two blocks of units (a binary counter). The unit closes as
+    many blocks as ``unit`` has trailing one bits; their sum goes one level up. After
+    2^k units row ``base + k`` holds ``parallel.ordered_sum.pairwise_sum`` of them, bit
+    for bit, with k + 1 rows instead of 2^k."""
+    closes = lax.population_count(unit ^ (unit + 1)) - 1  # trailing one bits of unit
+    value = jax.tree.map(lambda a, u: u.astype(a.dtype), acc, value)
+    total = lax.fori_loop(0, closes, lambda lvl, x: jax.tree.map(jnp.add, _take(acc, base + lvl), x), value)
+    return jax.tree.map(lambda a, x: _put(a, base + closes, x), acc, total)
+
+
+def arrival_ranks(plan: Plan, groups: int = 1) -> dict | None:
+    """Per (part, accumulator) of ``_gates``: ``[ticks, p]`` int, the place of each add
+    among its accumulator's adds (ticks in order; within a tick the backward part before
+    the weight part, as ``make_tick`` adds them), for ``_pairwise_add``. None when some
+    accumulator's arrival order would change the balanced tree over its microbatches:
+    every aligned block of 2^k arrivals must be an aligned block of 2^k microbatches
+    (in order, reversed as GPipe's backward runs, or any order that keeps the blocks;
+    addition commutes, so the same pairs give the same bits)."""
+    per_group = plan.fused.schedule.num_microbatches // groups
+    gates = _gates(plan)
+    ranks = {key: np.zeros(gate.shape, np.int32) for key, gate in gates.items()}
+    arrived: dict = {}
+    for t in range(plan.num_ticks):
+        for (i, name), gate in sorted(gates.items()):
+            for s in np.flatnonzero(gate[t]):
+                mb = int(plan.parts[i].microbatch[t, s])
+                chunk = int(plan.parts[i].chunk[t, s]) if name == "chunk" else 0
+                order = arrived.setdefault((name, s, chunk, mb // per_group), [])
+                ranks[(i, name)][t, s] = len(order)
+                order.append(mb % per_group)
+    for order in arrived.values():
+        size = 1
+        while size <= len(order):
+            for at in range(0, len(order) - size + 1, size):
+                block = sorted(order[at:at + size])
+                if block[0] % size or block != list(range(block[0], block[0] + size)):
+                    return None
+            size *= 2
+    return ranks
+
+
+def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None, groups: int = 1,
+              levels: int = 1, ranks: dict | None = None):
     """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``.
 
     ``groups`` > 1: the m microbatches are that many consecutive groups, each with its own
     accumulators (``pipeline_grads(gradient_groups=...)``): ``acc["blocks"]`` leaves are
     ``[groups · v, ...]`` (group-major), the others ``[groups, ...]``.
+
+    ``levels`` > 1: each accumulator is that many rows (``_pairwise_add``, the pipeline's
+    deterministic mode): row ``(group · v + chunk) · levels + level`` of ``acc["blocks"]``,
+    ``group · levels + level`` of the others; ``ranks`` (``arrival_ranks``) places each
+    contribution among its accumulator's.
 
     ``per_chunk``: the stage's layers kept as ``fsdp`` shards through the loop (``fsdp.py``),
     a pair ``(gather, scatter)``: ``gather(c)`` all-gathers chunk ``c``'s layers whole,
@@ -119,6 +169,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     branch_fns = [tasks.forward_branches(), tasks.backward_branches(), tasks.weight_branches()]
     gate_tables = _gates(plan)
     gates = {k: jnp.asarray(g) for k, g in gate_tables.items()}
+    rank_tables = {k: jnp.asarray(r) for k, r in (ranks or {}).items()}
     send = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.send.items()}
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
@@ -191,7 +242,11 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         for (i, name), gate in gates.items():
             made_here = made[(i, name)]
             group = cells[i]["microbatch"] // per_group
-            if name == "chunk":
+            if levels > 1:  # pairwise: the group's rows, this microbatch's place among them
+                at = ((cells[i]["chunk"] + v * group) if name == "chunk" else group) * levels
+                unit = rank_tables[(i, name)][t, stage_idx]
+                add = lambda a, g=made_here, b=at, u=unit: _pairwise_add(a, b, u, g)  # noqa: E731
+            elif name == "chunk":
                 at = cells[i]["chunk"] + (v * group if groups > 1 else 0)
                 add = lambda a, g=made_here, c=at: _add_at(a, c, g)  # noqa: E731
             elif groups > 1:
