@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import mindpipe_jax as mp
+from mindpipe_jax.models import build_model
 from mindpipe_jax.train.reconfigure import build_layout
 from mindpipe_jax.train.state import init_train_state
 from mindpipe_jax.train.step import adam_preconditioner, model_loss, noise_statistics
@@ -319,3 +320,33 @@ def test_noise_every_computes_the_statistics_on_every_nth_step_only():
             assert all(np.isnan(float(b[k])) for k in names)
     with pytest.raises(mp.ConfigError, match="tuner.noise_every=0 must be > 0"):
         mp.Config().replace("tuner.noise_every=0")
+
+
+def test_pipeline_statistics_of_a_moe_model():
+    """MoE through a 1F1B pipeline (pipe2 x data4, 2 microbatches) with the statistics: the
+    step's two halves are its two microbatches, each the mean over the 4 data devices of
+    the gradient of the MoE loss (routing, capacity and load-balancing loss) on that
+    device's 2 rows. Checked against those gradients computed one by one on one device."""
+    cfg = mp.Config().replace(*TINY, "model.n_experts=4", "model.top_k=2", "parallel.pipe=2",
+                              "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2")
+    layout = build_layout(cfg, lambda c: (lambda rngs: build_model(c.model, rngs)))
+    state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+    tokens = np.random.default_rng(1).integers(0, 256, (16, 33)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = jax.device_get(state["params"])
+    step, _ = layout.compile()
+    _, metrics = step(state, layout.batches(batch))
+    metrics = jax.device_get(metrics)
+
+    grad = jax.jit(jax.grad(lambda p, b: model_loss(layout.spec, p, b, None)))
+    sq = lambda t: sum(float(np.sum(np.square(x, dtype=np.float64))) for x in jax.tree.leaves(t))  # noqa: E731
+    # Row k·2 + j is microbatch j's; the data devices split it into blocks of 2 rows.
+    halves = []
+    for j in range(2):
+        rows = np.arange(j, 16, 2)
+        per_device = [grad(params, {k: v[rows[2 * d:2 * d + 2]] for k, v in batch.items()}) for d in range(4)]
+        halves.append(jax.tree.map(lambda *g: np.mean(g, axis=0), *per_device))
+    assert int(metrics["micro_batch"]) == 8
+    assert float(metrics["micro_grad_sq"]) == pytest.approx(np.mean([sq(g) for g in halves]), rel=1e-4)
+    assert float(metrics["grad_norm"]) ** 2 == pytest.approx(
+        sq(jax.tree.map(lambda *g: np.mean(g, axis=0), *halves)), rel=1e-4)

@@ -191,3 +191,55 @@ def test_adamw_on_the_tree_is_the_raveled_lazy_adamw(spec_create, shared):
     moved = np.asarray(spec.ravel(p2))[:n] != np.asarray(spec.ravel(params))[:n]
     selected = np.append(np.asarray(units).reshape(-1), shared)[spec.unit_of[:n]]
     assert not moved[~selected].any() and moved[selected].mean() > 0.99
+
+
+def _trained_through_pipe(spec, create, *, semantics, data, deterministic):
+    """Two steps of the 4 subnets through a 1F1B pipeline of 2 stages on 2 x ``data`` devices
+    (each device's 8 / data virtual shards its microbatches), the state on the host."""
+    par = ParallelConfig(pipe=2, data=data, tensor=1, microbatches=8 // data)
+    mesh = make_mesh(par, jax.devices()[:2 * data])
+    step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
+                         global_batch=16, optim=OPTIM, total_steps=10, deterministic=deterministic,
+                         virtual_shards=8)
+    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
+    for seed in (1, 2):
+        state, metrics = step(state, step.plan(SUBNETS), tiny_batch(16, seed))
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves}, np.asarray(metrics["loss"])
+
+
+def _differing(a, b):
+    return [k for k in a if a[k].tobytes() != b[k].tobytes()]
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default_emitters  # bitwise across programs: as users compile them
+def test_deterministic_spara_through_the_pipeline_is_bitwise_equal_on_2_4_8_devices(spec_create):
+    """``train.deterministic``: two steps on pipe2 x data1 / data2 / data4 end with the same
+    parameters, moments and losses bit for bit (``sync``, the 4 subnets in one pass; and
+    ``sequential`` on 2 and 8 devices). The control: the same pipelines without it differ
+    between 2 and 8 devices, so the comparison can tell."""
+    spec, create = spec_create
+    for semantics, counts in (("sync", (1, 2, 4)), ("sequential", (1, 4))):
+        runs = {d: _trained_through_pipe(spec, create, semantics=semantics, data=d, deterministic=True)
+                for d in counts}
+        (ref, ref_loss), n = runs[1], len(runs[1][0])
+        assert n >= 10  # params, both moments and the counts
+        for d in counts[1:]:
+            state, loss = runs[d]
+            assert not _differing(ref, state), (semantics, d, _differing(ref, state))
+            assert loss.tobytes() == ref_loss.tobytes(), (semantics, d, loss, ref_loss)
+    plain = [_trained_through_pipe(spec, create, semantics="sync", data=d, deterministic=False)[0]
+             for d in (1, 4)]
+    assert _differing(*plain), "plain pipelines were bitwise equal on 2 and 8 devices: the test cannot tell"
+
+
+def test_deterministic_through_the_pipeline_needs_one_microbatch_per_virtual_shard():
+    par = ParallelConfig(pipe=2, data=4, tensor=1, microbatches=4)
+    with pytest.raises(ConfigError) as err:
+        check_pipelined(None, make_mesh(par), par, semantics="sync", subnets_per_step=4, vmap_width=1,
+                        global_batch=32, n_layers=4, deterministic=True, virtual_shards=8)
+    assert str(err.value) == (
+        "deterministic mode through a pipeline runs each virtual shard as one microbatch: "
+        "parallel.microbatches=4 x fsdp x data (4) must equal train.virtual_shards=8; set "
+        "parallel.microbatches=2 (or train.virtual_shards=16)")

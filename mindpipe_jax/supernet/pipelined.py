@@ -51,9 +51,20 @@ are raveled vectors split over (subnet, pipe, fsdp, data) (``layout.moment_axes`
 same state as the other SPara steps, so a checkpoint restores onto any of them);
 during a step they are unraveled into the parameters' tree and layout once, and the
 lazy AdamW updates run leaf by leaf on each device's own shards (``adamw_tree``: the
-raveled update's formula). Sums over microbatches and data
-devices are the runtime's (``psum``): no bitwise promise across device counts here,
-unlike ``spara.py``.
+raveled update's formula).
+
+Bits
+----
+With ``train.deterministic=true`` the parameters are bitwise the same on any number of
+batch devices (``fsdp`` x ``data``) for a given pipeline (stages, schedule): each
+device's microbatches are its contiguous virtual shards of every subnet's batch
+(``parallel.microbatches`` x fsdp x data = ``train.virtual_shards``), and the runtime
+sums them in one balanced tree over the shards' global order
+(``pipeline_grads(deterministic=True)``); everything after it (norms, clipping, the
+subnet-order mean, AdamW) is elementwise or a reduction whose program does not
+depend on the batch devices. Changing the number of stages changes which layers one
+stage's program fuses, and so the last bits. Without it, the sums over microbatches
+and data devices are the runtime's (``psum``), as in any pipelined step.
 """
 
 from __future__ import annotations
@@ -78,6 +89,7 @@ from mindpipe_jax.supernet.optimizer import adamw_tree, clip
 from mindpipe_jax.supernet.plan import DATA_AXES, check_axes, check_semantics, data_devices, step_waves
 from mindpipe_jax.supernet.spec import SupernetSpec
 from mindpipe_jax.train.state import lr_schedule
+from mindpipe_jax.train.step import check_deterministic_pipeline, unit_microbatches
 
 __all__ = ["PIPELINE_SEMANTICS", "PipelinedPlan", "PipelinedStep", "check_pipelined", "stage_fns",
            "supports_pipeline"]
@@ -109,7 +121,8 @@ def stage_fns(spec: SupernetSpec) -> StageFns:
 
 
 def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, semantics: str,
-                    subnets_per_step: int, vmap_width: int, global_batch: int, n_layers: int) -> None:
+                    subnets_per_step: int, vmap_width: int, global_batch: int, n_layers: int,
+                    deterministic: bool = False, virtual_shards: int = 0) -> None:
     """What SPara through a pipeline supports; a ConfigError naming the value otherwise."""
     check_axes(mesh, "supernet training through a pipeline", pipe_ok=True)
     check_semantics(semantics)
@@ -142,6 +155,8 @@ def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, sem
     if global_batch % rows:
         raise ConfigError(f"train.global_batch={global_batch} must be divisible by parallel.microbatches x "
                           f"fsdp x data = {par.microbatches} x {data_devices(mesh)} = {rows}")
+    if deterministic:
+        check_deterministic_pipeline(par, virtual_shards, data_devices(mesh), mesh.shape["fsdp"])
     if par.stage_layers or par.repartition_after:
         raise ConfigError("parallel.stage_layers / repartition_after are for `mindpipe train`; a supernet's "
                           "blocks are split evenly over the stages: leave them unset")
@@ -173,10 +188,12 @@ class PipelinedStep:
 
     def __init__(self, spec: SupernetSpec, mesh, par: ParallelConfig, *, semantics: str,
                  subnets_per_step: int, vmap_width: int, global_batch: int, optim: OptimConfig,
-                 total_steps: int):
+                 total_steps: int, deterministic: bool = False, virtual_shards: int = 0):
         n_layers = jax.tree.leaves(spec.abstract_params["blocks"])[0].shape[0]
         check_pipelined(spec, mesh, par, semantics=semantics, subnets_per_step=subnets_per_step,
-                        vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers)
+                        vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers,
+                        deterministic=deterministic, virtual_shards=virtual_shards)
+        self.deterministic = deterministic
         if set(spec.abstract_params) != set(PARTS):
             raise ConfigError(f"a supernet through a pipeline has parameters {list(PARTS)} at its top level; "
                               f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
@@ -190,7 +207,7 @@ class PipelinedStep:
                                    grad_sync=par.grad_sync_mode,
                                    sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                                    grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks,
-                                   gradient_groups=self.per_pass)
+                                   gradient_groups=self.per_pass, deterministic=deterministic)
         self.microbatches = par.microbatches
         self.optim, self.lr = optim, lr_schedule(optim, total_steps)
         shardings = state_shardings(mesh, spec)
@@ -252,9 +269,13 @@ class PipelinedStep:
         module, k = self.spec.module, self.k
         lr = self.lr(state["step"])
         m = self.microbatches
-        # Row b goes to microbatch b mod m: a device's rows stay on it (a reshape to
-        # [m, B/m] would move the split from the rows to the microbatch axis).
-        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+        if self.deterministic:  # device d's microbatch j: virtual shard d·m + j of the batch
+            micro = unit_microbatches(batch, m, data_devices(self.mesh))
+        else:
+            # Row b goes to microbatch b mod m: a device's rows stay on it (a reshape to
+            # [m, B/m] would move the split from the rows to the microbatch axis).
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1),
+                                 batch)
         conditions = jax.vmap(module.stage_conditions)(subnets)  # [K, layers, C]
         units = jax.vmap(module.units)(subnets)  # [K, *unit_grid]
         spec, params = self.spec, state["params"]

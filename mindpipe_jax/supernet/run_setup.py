@@ -99,7 +99,8 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
     sn, tr, par = cfg.supernet, cfg.train, cfg.parallel
     piped = PipelinedStep(spec, mesh, par, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
                           vmap_width=sn.vmap_width, global_batch=tr.global_batch, optim=cfg.optim,
-                          total_steps=tr.steps)
+                          total_steps=tr.steps, deterministic=tr.deterministic,
+                          virtual_shards=tr.virtual_shards)
     t0 = time.perf_counter()
     compiled = ""
     if compile_with is not None:
