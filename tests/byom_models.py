@@ -370,3 +370,105 @@ class PositionsInLayers(nnx.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return x @ self.table[...].T
+
+
+class MixerBlock(nnx.Module):
+    """A mixer block, no attention: RMSNorm, a causal running mean gated per channel, then
+    one of two FFN candidates (relu or tanh); skipped entirely when not kept."""
+
+    def __init__(self, d, f, rngs):
+        from mindpipe_jax.supernet import Candidate
+
+        init = nnx.initializers.normal(0.1)
+        self.norm = _ones((d,), ("embed",))
+        self.gate = _param(rngs, (d,), ("embed",), std=0.5)
+        self.w_in = Candidate(init(rngs.params(), (2, d, f)), out_sharding=(None, "embed", "mlp"),
+                              eager_sharding=False)
+        self.w_out = Candidate(init(rngs.params(), (2, f, d)), out_sharding=(None, "mlp", "embed"),
+                               eager_sharding=False)
+
+    def __call__(self, h, keep, op):
+        x = rms_norm(h, self.norm[...])
+        x = x + jnp.tanh(self.gate[...]) * jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1)[:, None]
+        pick = jax.nn.one_hot(op, 2, dtype=x.dtype)
+        z = x @ jnp.einsum("c,cdf->df", pick, self.w_in[...])
+        y = jnp.where(op == 0, jax.nn.relu(z), jnp.tanh(z)) @ jnp.einsum("c,cfd->fd", pick, self.w_out[...])
+        return jnp.where(keep, h + y, h)
+
+
+class MixerEmbed(nnx.Module):
+    def __init__(self, vocab, d, rngs):
+        self.table = _param(rngs, (vocab, d), ("vocab", "embed"), std=0.1)
+
+    def __call__(self, tokens):
+        return jax.nn.one_hot(tokens, self.table.shape[0], dtype=jnp.float32) @ self.table[...]
+
+
+class MixerHead(nnx.Module):
+    def __init__(self, vocab, d, rngs):
+        self.norm = _ones((d,), ("embed",))
+        self.out = _param(rngs, (d, vocab), ("embed", "vocab"), std=0.1)
+
+    def __call__(self, h):
+        return rms_norm(h, self.norm[...]) @ self.out[...]
+
+
+class MixerSupernet(nnx.Module):
+    """A user's supernet of another family than SuperGPT, written against the pipeline's
+    supernet protocol (``embed`` / ``blocks`` / ``head``, ``stage_conditions``,
+    ``conditioned_block``, ``head_loss``): attention-free mixer blocks, each of which a
+    subnet keeps or skips on its own (not a depth prefix) and runs with a relu or tanh
+    FFN; stacked with ``nnx.vmap`` over a "layers" axis, as Flax users stack layers."""
+
+    def __init__(self, rngs, vocab=64, d=16, layers=4, f=32):
+        from mindpipe_jax.supernet import Gene, SearchSpace
+
+        genes = []
+        for i in range(layers):
+            genes += [Gene(f"keep{i}", ("yes", "no"), ordered=False), Gene(f"op{i}", ("relu", "tanh"),
+                                                                            ordered=False)]
+        self.space = SearchSpace(tuple(genes))
+        self.layers, self.d, self.f, self.vocab = layers, d, f, vocab
+        self.embed = MixerEmbed(vocab, d, rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs):
+            return MixerBlock(d, f, rngs)
+
+        self.blocks = stack(rngs)
+        self.head = MixerHead(vocab, d, rngs)
+
+    @property
+    def unit_grid(self):
+        return (self.layers, 2)
+
+    def stage_conditions(self, subnet):
+        genes = jnp.asarray(subnet).reshape(self.layers, 2)
+        return jnp.stack([genes[:, 0] == 0, genes[:, 1]], axis=1).astype(jnp.float32)  # (keep, op)
+
+    def units(self, subnet):
+        c = self.stage_conditions(subnet)
+        return (c[:, :1] > 0) & (c[:, 1:].astype(jnp.int32) == jnp.arange(2)[None, :])
+
+    @staticmethod
+    def conditioned_block(block, h, condition):
+        return block(h, condition[0] > 0, condition[1].astype(jnp.int32))
+
+    @staticmethod
+    def head_loss(head, h, targets):
+        return optax.softmax_cross_entropy_with_integer_labels(head(h), targets).mean()
+
+    def loss(self, inputs, targets, subnet):
+        graphdef, layers = nnx.split(self.blocks)
+
+        def body(h, xs):
+            layer, condition = xs
+            return self.conditioned_block(nnx.merge(graphdef, layer), h, condition), None
+
+        h, _ = jax.lax.scan(body, self.embed(inputs), (layers, self.stage_conditions(subnet)))
+        return self.head_loss(self.head, h, targets)
+
+    def active_params(self, subnet):
+        kept = int(np.sum(np.asarray(self.stage_conditions(subnet))[:, 0]))
+        return 2 * self.vocab * self.d + self.d + kept * (2 * self.d + 2 * self.d * self.f)

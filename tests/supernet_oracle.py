@@ -176,3 +176,62 @@ def sequential_reference(params, subnets, batches, optim, total_steps, space, op
         else:
             raise ValueError(semantics)
     return params, losses
+
+
+def lazy_adamw_reference(params, loss_and_grad, candidate, decay, units_of, subnets, batches, optim,
+                         total_steps, semantics="sequential"):
+    """``sequential_reference`` for any supernet, from its own loss: ``loss_and_grad(params,
+    subnet, batch)`` (plain ``jax.value_and_grad`` of the module's loss), each subnet's
+    gradient clipped on its own (optax); ``candidate`` / ``decay``: trees of bool like
+    ``params`` (a candidate leaf's leading axes are the unit grid; decayed leaves get
+    AdamW's weight decay); ``units_of(subnet)``: bool[unit grid], the units it runs. Each
+    unit's slices of the candidate leaves have their own ``scale_by_adam`` state and count,
+    the other leaves one. Returns the params and the losses."""
+    flat, treedef = jax.tree.flatten(jax.tree.map(np.array, params))
+    cand, dec = jax.tree.leaves(candidate), jax.tree.leaves(decay)
+    unit_idx = [i for i, c in enumerate(cand) if c]
+    shared_idx = [i for i, c in enumerate(cand) if not c]
+    adam = optax.scale_by_adam(optim.b1, optim.b2, optim.eps)
+    clip = optax.clip_by_global_norm(optim.clip_norm)
+    schedule = optax.warmup_cosine_decay_schedule(optim.lr, optim.lr, 0, total_steps,
+                                                  optim.lr * optim.min_lr_ratio)
+    grid = np.asarray(units_of(subnets[0])).shape
+    unit_states = {u: adam.init([flat[i][u] for i in unit_idx]) for u in np.ndindex(*grid)}
+    shared_state = [adam.init([flat[i] for i in shared_idx])]
+
+    def step_on(weights, grads, state, lr, decays):
+        updates, state = adam.update(grads, state)
+        return [np.asarray(w - lr * (u + optim.weight_decay * w * d))
+                for w, u, d in zip(weights, updates, decays, strict=True)], state
+
+    def clipped(subnet, batch):
+        loss, grads = loss_and_grad(jax.tree.unflatten(treedef, flat), subnet, batch)
+        grads = clip.update(grads, clip.init(grads))[0]
+        units = {tuple(int(i) for i in u) for u in np.argwhere(np.asarray(units_of(subnet)))}
+        return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], units
+
+    def apply(grads, units, lr):
+        for u in sorted(units):
+            new, unit_states[u] = step_on([flat[i][u] for i in unit_idx], [grads[i][u] for i in unit_idx],
+                                          unit_states[u], lr, [dec[i] for i in unit_idx])
+            for i, w in zip(unit_idx, new, strict=True):
+                flat[i][u] = w
+        new, shared_state[0] = step_on([flat[i] for i in shared_idx], [grads[i] for i in shared_idx],
+                                       shared_state[0], lr, [dec[i] for i in shared_idx])
+        for i, w in zip(shared_idx, new, strict=True):
+            flat[i] = w
+
+    losses = []
+    for t, batch in enumerate(batches):
+        lr = float(schedule(t))
+        if semantics == "sequential":
+            for subnet in subnets:
+                loss, grads, units = clipped(subnet, batch)
+                losses.append(loss)
+                apply(grads, units, lr)
+        else:  # sync: every subnet at the step's weights, one update from the mean
+            each = [clipped(subnet, batch) for subnet in subnets]
+            losses += [loss for loss, _, _ in each]
+            mean = [sum(g[i] for _, g, _ in each) / len(each) for i in range(len(flat))]
+            apply(mean, set().union(*[u for _, _, u in each]), lr)
+    return jax.tree.unflatten(treedef, flat), np.asarray(losses)

@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from supernet_oracle import sequential_reference
+from byom_models import MixerSupernet
+from flax import nnx
+from supernet_oracle import lazy_adamw_reference, sequential_reference
 from supernet_tiny import CFG, OPS, OPTIM, SUBNETS, make_tiny, tiny_batch
 
 import mindpipe_jax as mp
@@ -243,3 +245,57 @@ def test_deterministic_through_the_pipeline_needs_one_microbatch_per_virtual_sha
         "deterministic mode through a pipeline runs each virtual shard as one microbatch: "
         "parallel.microbatches=4 x fsdp x data (4) must equal train.virtual_shards=8; set "
         "parallel.microbatches=2 (or train.virtual_shards=16)")
+
+
+# (keep, op) per block, keep = 0; no subnet runs block 3's tanh candidate.
+MIXER_SUBNETS = np.array([[0, 0, 0, 1, 1, 0, 0, 0],
+                          [1, 0, 0, 0, 0, 0, 1, 1],
+                          [0, 1, 1, 1, 0, 1, 0, 0],
+                          [0, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("semantics,layout,schedule", [
+    ("sync", dict(pipe=2, data=4, tensor=1), "1f1b"),
+    ("sequential", dict(pipe=2, data=2, tensor=2), "zb-h1"),
+], ids=["sync-pipe2xdata4-1f1b", "sequential-pipe2xdata2xtensor2-zbh1"])
+def test_a_user_supernet_of_another_family_through_the_pipeline(semantics, layout, schedule):
+    """A supernet the project did not design (``byom_models.MixerSupernet``: attention-free
+    mixer blocks each kept or skipped on its own, relu/tanh FFN candidates, RMSNorm) through
+    the pipeline, two steps of 4 subnets, against ``lazy_adamw_reference``: plain
+    ``jax.value_and_grad`` of the module's own loss, optax clipping and Adam per unit."""
+    spec, create = supernet_spec(MixerSupernet, 0)
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, clip_norm=0.5, eps=1e-3, weight_decay=0.1)
+    par = ParallelConfig(**layout, microbatches=2, schedule=schedule)
+    mesh = make_mesh(par)
+    step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
+                         global_batch=16, optim=optim, total_steps=10)
+    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(2):
+        toks = rng.integers(0, 64, (16, 17)).astype(np.int32)
+        batches.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, step.plan(MIXER_SUBNETS), batch)
+        losses.append(np.asarray(metrics["loss"]))
+
+    module = MixerSupernet(nnx.Rngs(0))
+    graphdef = nnx.graphdef(module)
+    loss_and_grad = jax.jit(jax.value_and_grad(
+        lambda p, subnet, b: nnx.merge(graphdef, p).loss(b["inputs"], b["targets"], subnet)))
+    params = jax.jit(create)()
+    candidate = jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("w_in", "w_out"), params)
+    decay = jax.tree_util.tree_map_with_path(
+        lambda path, _: path[-1].key in ("w_in", "w_out", "table", "out"), params)
+    grad_of = lambda p, s, b: loss_and_grad(p, jnp.asarray(s), b)  # noqa: E731
+    want, want_losses = lazy_adamw_reference(params, grad_of, candidate, decay, module.units, MIXER_SUBNETS,
+                                             batches, optim, 10, semantics)
+    np.testing.assert_allclose(np.concatenate(losses), want_losses, rtol=1e-5)
+    for (path, got), w in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0],
+                              jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    moved = np.asarray(jax.device_get(state["params"]["blocks"]["w_in"])) != np.asarray(
+        params["blocks"]["w_in"])
+    assert moved[0, 0].any() and not moved[3, 1].any()  # a unit no subnet ran stays as it was
