@@ -7,7 +7,10 @@ pipeline (``pipelined.py``) on pipe=2 x data=4 and pipe=4 x data=2; ``sync`` on
 subnet=2 x data=4 and through the pipeline, where the subnets are its microbatches: on
 subnet=2 x pipe=2 x data=2 (each subnet group's 2 subnets through its own pipeline,
 which runs in lockstep there, ``needs_lockstep``) and on pipe=2 x data=4 (all 4 subnets
-in one pass). 1F1B with 4 microbatches per subnet. Per layout:
+in one pass); ``sequential`` on pipe=2 x fsdp=4 with the weights kept split over fsdp
+into the pipeline (gathered once per step on their stage, gradients reduce-scattered)
+and, beside it, handed to the pipeline whole. 1F1B with 4 microbatches per subnet.
+Per layout:
 
 * what a device keeps between steps (its shards of the parameters and the AdamW
   moments, summed over the state's arrays as placed);
@@ -20,7 +23,8 @@ What to read: the pipeline splits the stored blocks over ``pipe``; in ``sequenti
 subnet drains the pipeline before the next, a bubble of (p-1)/(m+p-1) of its time; in
 ``sync`` a pass holds n subnets, (p-1)/(n·m+p-1).
 
-Usage: ``python benchmarks/spara_pipeline.py [--repeats 3] [--steps 3] [--out FILE]``.
+Usage: ``python benchmarks/spara_pipeline.py [--repeats 3] [--steps 3] [--only TEXT] [--out FILE]``
+(``--only``: the layouts whose name contains TEXT).
 """
 
 from __future__ import annotations
@@ -57,10 +61,13 @@ from mindpipe_jax.supernet.pipelined import PipelinedStep  # noqa: E402
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=4, seq_len=32)
 K, BATCH, MICRO = 4, 32, 4
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0)
-# name -> (mesh axes, semantics)
+# name -> (mesh axes, semantics[, PipelinedStep options])
 LAYOUTS = {"sequential: data8 (no pipe)": (dict(data=8), "sequential"),
            "sequential: pipe2 x data4": (dict(pipe=2, data=4), "sequential"),
            "sequential: pipe4 x data2": (dict(pipe=4, data=2), "sequential"),
+           "sequential: pipe2 x fsdp4": (dict(pipe=2, fsdp=4), "sequential"),
+           "sequential: pipe2 x fsdp4, whole": (dict(pipe=2, fsdp=4), "sequential",
+                                                dict(keep_fsdp_sharded=False)),
            "sync: subnet2 x data4 (no pipe)": (dict(subnet=2, data=4), "sync"),
            "sync: subnet2 x pipe2 x data2": (dict(subnet=2, pipe=2, data=2), "sync"),
            "sync: pipe2 x data4": (dict(pipe=2, data=4), "sync")}
@@ -71,7 +78,7 @@ def _batch(seed):
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
-def build(spec, create, layout: dict, semantics: str):
+def build(spec, create, layout: dict, semantics: str, options: dict | None = None):
     """(run(state, subnets, batch) -> state, compiled program, fresh state) for a layout."""
     par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule="1f1b")
     mesh = make_mesh(par)
@@ -80,7 +87,7 @@ def build(spec, create, layout: dict, semantics: str):
     batch = _batch(0)
     if layout.get("pipe", 1) > 1:
         step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=K, vmap_width=1,
-                             global_batch=BATCH, optim=OPTIM, total_steps=100)
+                             global_batch=BATCH, optim=OPTIM, total_steps=100, **(options or {}))
         compiled = step.compile(fresh(), step.plan(subnets), batch)
 
         def run(state, subs, b):
@@ -107,8 +114,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default="", help="only the layouts whose name contains this")
     parser.add_argument("--out", default=None, help="also write the report to this file")
     args = parser.parse_args()
+    layouts = {name: how for name, how in LAYOUTS.items() if args.only in name}
+    if not layouts:
+        raise SystemExit(f"--only {args.only!r} matches no layout; layouts: {', '.join(LAYOUTS)}")
 
     def make(rngs):
         return SuperGPT(CFG, ops=("gelu", "silu", "tanh"), ffn_widths=(128, 256), depths=(2, 3, 4), rngs=rngs)
@@ -119,8 +130,8 @@ def main() -> None:
         print(f"SuperGPT d_model {CFG.d_model}, {CFG.n_layers} layers, {spec.num_params:,} parameters "
               f"({spec.num_params * 4 / 1e6:.2f} MB fp32); sequential, K={K}, batch {BATCH}, "
               f"{MICRO} microbatches per subnet through the pipeline (1F1B)")
-        built = {name: build(spec, create, *how) for name, how in LAYOUTS.items()}
-        times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+        built = {name: build(spec, create, *how) for name, how in layouts.items()}
+        times: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.repeats):  # interleaved: the machine's load hits every layout alike
             for name, (run, _, fresh) in built.items():
                 state = run(fresh(), draws[0], _batch(0))  # warm-up
@@ -142,7 +153,7 @@ def main() -> None:
                   f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
             where[name] = ops
         print("\nwhere the bytes go (device 0, MB per step, by collective and the mesh axes it spans):")
-        for name, (layout, _) in LAYOUTS.items():
+        for name, (layout, *_) in layouts.items():
             mesh = make_mesh(ParallelConfig(**{"tensor": 1, **layout}))
             ids = np.vectorize(lambda d: d.id)(mesh.devices)
             rows = defaultdict(float)

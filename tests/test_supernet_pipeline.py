@@ -77,8 +77,11 @@ def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_creat
     ("sync", dict(pipe=2, data=4, tensor=1), "1f1b", "end"),
     ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b", "end"),
     ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "chunk"),
+    ("sequential", dict(pipe=2, fsdp=2, data=2, tensor=1), "1f1b", "end"),
+    ("sync", dict(pipe=2, fsdp=4, tensor=1), "zb-h1", "end"),
 ], ids=["sync-subnet2xpipe2xtensor2", "sync-pipe2xdata4-all-subnets-one-pass",
-        "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1-chunk-sync"])
+        "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1-chunk-sync",
+        "sequential-pipe2xfsdp2xdata2", "sync-pipe2xfsdp4-zbh1"])
 def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule, grad_sync):
     """Two steps of K = 4 subnets, 4 microbatches each, against the plain-optax loop:
     ``sequential`` is training them one after another (each its own clipped AdamW step),
@@ -101,9 +104,12 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
     np.testing.assert_allclose(np.concatenate(losses), want_losses, rtol=1e-5)
     got, want = (np.asarray(spec.ravel(p)) for p in (state["params"], want))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    # The blocks stay split over pipe between steps: a device holds its stage's layers.
+    # The blocks stay split over pipe between steps: a device holds its stage's layers
+    # (and with fsdp its share of them).
     w_in = state["params"]["blocks"]["ffn"]["w_in"]
     assert w_in.addressable_shards[0].data.shape[0] == CFG.n_layers // 2, w_in.sharding.spec
+    fsdp = layout.get("fsdp", 1)
+    assert w_in.addressable_shards[0].data.size * 2 * fsdp == w_in.size, w_in.sharding.spec
 
 
 @pytest.mark.parametrize("layout,keys,message", [

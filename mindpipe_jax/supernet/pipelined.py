@@ -43,12 +43,14 @@ Semantics
 sliced steps run it).
 
 Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
-shapes do not go through a pipeline). With ``fsdp`` the stored weights enter the
-pipeline whole (no ``param_specs``: the runtime's kept-sharded FSDP path is not used).
-Parameters are stored as the rules table says (blocks split over ``pipe`` by their
-``layers`` axis). Between steps the AdamW moments
-are raveled vectors split over (subnet, pipe, fsdp, data) (``layout.moment_axes``: the
-same state as the other SPara steps, so a checkpoint restores onto any of them);
+shapes do not go through a pipeline). Parameters are stored as the rules table says
+(blocks split over ``pipe`` by their ``layers`` axis, ``embed``-named dimensions over
+``fsdp``); with ``fsdp`` they enter the pipeline as stored, each stage gathers its
+weights once per step and the gradients leave reduce-scattered over ``fsdp`` (the
+runtime's ``param_specs``), except in deterministic mode (below). Between steps the
+AdamW moments are raveled vectors split over (subnet, pipe, fsdp, data)
+(``layout.moment_axes``: the same state as the other SPara steps, so a checkpoint
+restores onto any of them);
 during a step they are unraveled into the parameters' tree and layout once, and the
 lazy AdamW updates run leaf by leaf on each device's own shards (``adamw_tree``: the
 raveled update's formula).
@@ -184,11 +186,14 @@ class PipelinedStep:
 
     The same state (``layout.state_shardings``), batch (split over ``DATA_AXES``) and
     metrics (per-subnet ``loss`` and ``grad_norm``, ``lr``) as the other SPara steps;
-    ``plan`` is ``self.plan(subnets)``. One program, compiled on first call."""
+    ``plan`` is ``self.plan(subnets)``. One program, compiled on first call.
+    ``keep_fsdp_sharded=False`` hands the pipeline whole weights even with fsdp (what
+    deterministic mode does; the benchmark's baseline)."""
 
     def __init__(self, spec: SupernetSpec, mesh, par: ParallelConfig, *, semantics: str,
                  subnets_per_step: int, vmap_width: int, global_batch: int, optim: OptimConfig,
-                 total_steps: int, deterministic: bool = False, virtual_shards: int = 0):
+                 total_steps: int, deterministic: bool = False, virtual_shards: int = 0,
+                 keep_fsdp_sharded: bool = True):
         n_layers = jax.tree.leaves(spec.abstract_params["blocks"])[0].shape[0]
         check_pipelined(spec, mesh, par, semantics=semantics, subnets_per_step=subnets_per_step,
                         vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers,
@@ -203,8 +208,18 @@ class PipelinedStep:
         self.per_pass = subnets_per_step // mesh.shape["subnet"] if semantics == "sync" else 1
         schedule = get_schedule(par.schedule, mesh.shape["pipe"], self.per_pass * par.microbatches,
                                 par.virtual_stages)
+        self._params_layout = param_shardings(mesh, spec)
+        # Weights stored split over fsdp stay so going into the pipeline: gathered once per
+        # step on their stage, gradients reduce-scattered back (the runtime's kept-sharded
+        # path). Deterministic mode takes them whole: its gradients are then the same
+        # replicated values on every split of the batch devices, and so are the norms.
+        specs = None
+        if mesh.shape["fsdp"] > 1 and not deterministic and keep_fsdp_sharded:
+            layout = self._params_layout
+            specs = {"embed": layout["embed"], "blocks": {"weights": layout["blocks"]},
+                     "head": layout["head"]}
         self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat,
-                                   grad_sync=par.grad_sync_mode,
+                                   param_specs=specs, grad_sync=par.grad_sync_mode,
                                    sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                                    grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks,
                                    gradient_groups=self.per_pass, deterministic=deterministic)
@@ -213,7 +228,6 @@ class PipelinedStep:
         shardings = state_shardings(mesh, spec)
         rows = NamedSharding(mesh, P(DATA_AXES))
         rep = NamedSharding(mesh, P())
-        self._params_layout = param_shardings(mesh, spec)
         self._compiled = None
         self._step = jax.jit(self._step_fn, in_shardings=(shardings, rep, rows),
                              out_shardings=(shardings, rep), donate_argnums=(0,))
