@@ -201,11 +201,12 @@ def test_adamw_on_the_tree_is_the_raveled_lazy_adamw(spec_create, shared):
     assert not moved[~selected].any() and moved[selected].mean() > 0.99
 
 
-def _trained_through_pipe(spec, create, *, semantics, data, deterministic):
-    """Two steps of the 4 subnets through a 1F1B pipeline of 2 stages on 2 x ``data`` devices
-    (each device's 8 / data virtual shards its microbatches), the state on the host."""
-    par = ParallelConfig(pipe=2, data=data, tensor=1, microbatches=8 // data)
-    mesh = make_mesh(par, jax.devices()[:2 * data])
+def _trained_through_pipe(spec, create, *, semantics, data, deterministic, fsdp=1):
+    """Two steps of the 4 subnets through a 1F1B pipeline of 2 stages on 2 x ``fsdp`` x
+    ``data`` devices (each device's 8 / (fsdp x data) virtual shards its microbatches), the
+    state on the host."""
+    par = ParallelConfig(pipe=2, fsdp=fsdp, data=data, tensor=1, microbatches=8 // (fsdp * data))
+    mesh = make_mesh(par, jax.devices()[:2 * fsdp * data])
     step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
                          global_batch=16, optim=OPTIM, total_steps=10, deterministic=deterministic,
                          virtual_shards=8)
@@ -223,13 +224,14 @@ def _differing(a, b):
 @pytest.mark.slow
 @pytest.mark.xla_default_emitters  # bitwise across programs: as users compile them
 def test_deterministic_spara_through_the_pipeline_is_bitwise_equal_on_2_4_8_devices(spec_create):
-    """``train.deterministic``: two steps on pipe2 x data1 / data2 / data4 end with the same
-    parameters, moments and losses bit for bit (``sync``, the 4 subnets in one pass; and
-    ``sequential`` on 2 and 8 devices). The control: the same pipelines without it differ
-    between 2 and 8 devices, so the comparison can tell."""
+    """``train.deterministic``: two steps on pipe2 x data1 / data2 / data4 / fsdp4 end with
+    the same parameters, moments and losses bit for bit (``sync``, the 4 subnets in one
+    pass; and ``sequential`` on 2 and 8 devices). The control: the same pipelines without
+    it differ between 2 and 8 devices, so the comparison can tell."""
     spec, create = spec_create
-    for semantics, counts in (("sync", (1, 2, 4)), ("sequential", (1, 4))):
-        runs = {d: _trained_through_pipe(spec, create, semantics=semantics, data=d, deterministic=True)
+    for semantics, counts in (("sync", (1, 2, 4, "fsdp4")), ("sequential", (1, 4))):
+        runs = {d: _trained_through_pipe(spec, create, semantics=semantics, deterministic=True,
+                                         **(dict(data=1, fsdp=4) if d == "fsdp4" else dict(data=d)))
                 for d in counts}
         (ref, ref_loss), n = runs[1], len(runs[1][0])
         assert n >= 10  # params, both moments and the counts

@@ -43,6 +43,12 @@ def param_shardings(mesh, spec: SupernetSpec):
     return _rules_layout(mesh, spec, "storage")
 
 
+def compute_shardings(mesh, spec: SupernetSpec):
+    """The rules' compute layout of the parameters: whole over ``fsdp`` (``tensor``
+    and, for stacked blocks, ``pipe`` as stored)."""
+    return _rules_layout(mesh, spec, "compute")
+
+
 def moment_axes(mesh) -> tuple[str, ...]:
     """The axes the raveled AdamW moments are split over: ``AXES``, and ``pipe`` when the
     step runs through a pipeline (``pipelined.py``)."""
@@ -65,7 +71,7 @@ def tensor_split(params, mesh, spec: SupernetSpec):
     when tensor = 1."""
     if mesh.shape["tensor"] == 1:
         return params
-    layout = _rules_layout(mesh, spec, "compute")
+    layout = compute_shardings(mesh, spec)
     manual = set(AXES)
 
     def one(x, sharding):

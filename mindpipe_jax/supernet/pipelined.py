@@ -64,8 +64,10 @@ device's microbatches are its contiguous virtual shards of every subnet's batch
 sums them in one balanced tree over the shards' global order
 (``pipeline_grads(deterministic=True)``); everything after it (norms, clipping, the
 subnet-order mean, AdamW) is elementwise or a reduction whose program does not
-depend on the batch devices. Changing the number of stages changes which layers one
-stage's program fuses, and so the last bits. Without it, the sums over microbatches
+depend on the batch devices (the norms are taken over gradients whole over fsdp).
+Changing the number of stages changes which layers one stage's program fuses, and
+``subnet`` > 1 runs its groups' pipelines vmapped (batched matmuls): both change the
+last bits. Without it, the sums over microbatches
 and data devices are the runtime's (``psum``), as in any pipelined step.
 """
 
@@ -86,7 +88,7 @@ from mindpipe_jax.config import OptimConfig, ParallelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.runtime import StageFns, pipeline_grads
-from mindpipe_jax.supernet.layout import param_shardings, state_shardings
+from mindpipe_jax.supernet.layout import compute_shardings, param_shardings, state_shardings
 from mindpipe_jax.supernet.optimizer import adamw_tree, clip
 from mindpipe_jax.supernet.plan import DATA_AXES, check_axes, check_semantics, data_devices, step_waves
 from mindpipe_jax.supernet.spec import SupernetSpec
@@ -209,6 +211,7 @@ class PipelinedStep:
         schedule = get_schedule(par.schedule, mesh.shape["pipe"], self.per_pass * par.microbatches,
                                 par.virtual_stages)
         self._params_layout = param_shardings(mesh, spec)
+        self._compute_layout = compute_shardings(mesh, spec)
         # Weights stored split over fsdp stay so going into the pipeline: gathered once per
         # step on their stage, gradients reduce-scattered back (the runtime's kept-sharded
         # path). Deterministic mode takes them whole: its gradients are then the same
@@ -271,6 +274,11 @@ class PipelinedStep:
         g = {"blocks": g["blocks"]["weights"], "embed": g["embed"], "head": g["head"]}
         if n == 1:  # one gradient group: the runtime's plain (unbatched) results
             loss, g = loss[None], jax.tree.map(lambda x: x[None], g)
+        if self.deterministic:
+            # Norms of gradients whole over fsdp (as the rules compute in), never of fsdp
+            # shards: partial sums over 4 shards rounded otherwise than over 2 (measured).
+            g = jax.tree.map(lambda x, s: lax.with_sharding_constraint(
+                x, NamedSharding(self.mesh, P(None, *s.spec))), g, self._compute_layout)
         norms = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
                              for x in jax.tree.leaves(g)))
         return loss, norms, clip(g, norms, self.optim.clip_norm)
