@@ -188,8 +188,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     train step's noise statistics its two halves.)
     ``deterministic``: the gradients' and the loss's bits do not depend on how many
     batch devices (``data`` x ``fsdp``) there are, only on the units: each device's
-    microbatches are its contiguous units of the global batch (the caller cuts rows
-    so: ``deterministic_microbatches``), every unit's gradient is computed by the same
+    microbatches are its contiguous units of the global batch (the caller cuts the rows
+    so, as ``train/step.py``'s ``unit_microbatches`` does), every unit's gradient is computed by the same
     task program on any layout, and they are added in one balanced tree over the
     units' global order: on each device over its microbatches as they finish
     (``ticks._pairwise_add``: log2(m)+1 accumulators instead of one), then over the

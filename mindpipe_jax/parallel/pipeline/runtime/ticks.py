@@ -96,12 +96,13 @@ def _after(x, before):
 
 
 def _pairwise_add(acc, base, unit, value):
-    """Add ``value``, the ``unit``-th (from 0, in order) of a group's contributions, to the
-    group's pairwise accumulator: ``acc`` rows ``base .. base + levels - 1`` hold the sums
-    of the finished power-of-two blocks of units (a binary counter). The unit closes as
-    many blocks as ``unit`` has trailing one bits; their sum goes one level up. After
-    2^k units row ``base + k`` holds ``parallel.ordered_sum.pairwise_sum`` of them, bit
-    for bit, with k + 1 rows instead of 2^k."""
+    """Add ``value``, a group's contribution number ``unit`` (from 0, in arrival order),
+    to the group's pairwise accumulator: ``acc`` rows ``base .. base + levels - 1`` hold
+    the sums of the finished power-of-two blocks of contributions (a binary counter).
+    This one closes as many blocks as ``unit`` has trailing one bits; their sum goes one
+    level up. After 2^k contributions row ``base + k`` holds
+    ``parallel.ordered_sum.pairwise_sum`` of them, bit for bit, with k + 1 rows instead
+    of 2^k."""
     closes = lax.population_count(unit ^ (unit + 1)) - 1  # trailing one bits of unit
     value = jax.tree.map(lambda a, u: u.astype(a.dtype), acc, value)
     total = lax.fori_loop(0, closes, lambda lvl, x: jax.tree.map(jnp.add, _take(acc, base + lvl), x), value)
