@@ -105,11 +105,11 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
     got, want = (np.asarray(spec.ravel(p)) for p in (state["params"], want))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The blocks stay split over pipe between steps: a device holds its stage's layers
-    # (and with fsdp its share of them).
+    # (and with fsdp and tensor its share of them: w_in is stored P(pipe, -, fsdp, tensor)).
     w_in = state["params"]["blocks"]["ffn"]["w_in"]
     assert w_in.addressable_shards[0].data.shape[0] == CFG.n_layers // 2, w_in.sharding.spec
-    fsdp = layout.get("fsdp", 1)
-    assert w_in.addressable_shards[0].data.size * 2 * fsdp == w_in.size, w_in.sharding.spec
+    split = 2 * layout.get("fsdp", 1) * layout.get("tensor", 1)
+    assert w_in.addressable_shards[0].data.size * split == w_in.size, w_in.sharding.spec
 
 
 @pytest.mark.parametrize("layout,keys,message", [
