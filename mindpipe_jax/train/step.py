@@ -31,15 +31,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
-from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
 from mindpipe_jax.train.noise_stats import abs_sq, adam_preconditioner, noise_statistics  # noqa: F401 (re-exported)
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
+from mindpipe_jax.train.step_checks import (  # noqa: F401 (re-exported: the step's config checks)
+    BATCH_AXES,
+    check_deterministic_pipeline,
+    check_pipeline_depth,
+    check_step_config,
+)
 
 # The batch splits over these (the rules table's "batch"): expert devices run the
 # dense layers data-parallel; expert=1 for every model but an MoE one.
-BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def model_loss(spec: ModelSpec, params, batch, key):
@@ -140,106 +144,6 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, 
     return fn(params, vbatch, key)
 
 
-def check_step_config(cfg: Config, mesh) -> None:
-    """Batch divisibility for the mesh; deterministic-mode requirements."""
-    tr = cfg.train
-    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    stages = mesh.shape["pipe"] * cfg.parallel.virtual_stages
-    layers = cfg.parallel.stage_layers
-    # The sum of stage_layers and the divisibility of the depth are checked against the
-    # model that was built (check_pipeline_depth), not model.n_layers.
-    if layers and (len(layers) != stages or min(layers) < 0):
-        raise ConfigError(
-            f"parallel.stage_layers={list(layers)} must be {stages} counts >= 0 (pipe x virtual_stages)")
-    remat = cfg.parallel.stage_remat
-    if not isinstance(remat, str) and len(remat) != stages:
-        raise ConfigError(f"parallel.stage_remat={list(remat)} must list {stages} policies (pipe x "
-                          f"virtual_stages), one per global stage, or be one policy for all")
-    if mesh.shape["subnet"] > 1:
-        # Refuse rather than silently replicate the work over an axis the step ignores.
-        raise ConfigError(
-            f"parallel subnet={mesh.shape['subnet']}: the train step does not use this axis (it "
-            f"belongs to `mindpipe supernet` / mp.train_supernet); set it to 1")
-    _check_moe(cfg, mesh)
-    # The tuner's space check passes a shape-only mesh stand-in.
-    platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else jax.default_backend()
-    if cfg.model.attention == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs; this mesh's devices are "
-                          f"{platform}: use model.attention=xla")
-    if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
-        raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
-                          f"between pipeline stages; it needs parallel.pipe > 1")
-    if mesh.shape["pipe"] > 1:
-        if cfg.model.dropout > 0:
-            raise ConfigError(f"model.dropout={cfg.model.dropout}: the pipeline runtime does not apply "
-                              f"dropout yet; set model.dropout=0 with parallel.pipe>1")
-        if tr.grad_accum != 1:
-            raise ConfigError(f"train.grad_accum={tr.grad_accum}: with parallel.pipe>1 the pipeline's "
-                              f"parallel.microbatches already accumulate; set train.grad_accum=1")
-    micro = tr.grad_accum * cfg.parallel.microbatches
-    if tr.global_batch % (n_batch * micro):
-        raise ConfigError(
-            f"train.global_batch={tr.global_batch} must be divisible by data x fsdp x expert x "
-            f"grad_accum x microbatches = {mesh.shape['data']} x {mesh.shape['fsdp']} x "
-            f"{mesh.shape['expert']} x {tr.grad_accum} x {cfg.parallel.microbatches} = {n_batch * micro}")
-    if tr.deterministic:
-        if tr.global_batch % tr.virtual_shards or tr.virtual_shards % n_batch:
-            raise ConfigError(
-                f"deterministic mode needs train.global_batch={tr.global_batch} divisible by "
-                f"train.virtual_shards={tr.virtual_shards}, and virtual_shards divisible by "
-                f"data x fsdp x expert = {n_batch}")
-        if n_batch & (n_batch - 1):
-            raise ConfigError(f"deterministic mode needs data x fsdp x expert = {n_batch} to be a "
-                              f"power of two")
-        others = {a: mesh.shape[a] for a in ("tensor", "subnet", "expert") if mesh.shape[a] > 1}
-        if others:
-            got = ", ".join(f"{a}={n}" for a, n in others.items())
-            raise ConfigError(f"deterministic mode splits only the batch (data, fsdp) and the pipeline's "
-                              f"stages; got {got}; set them to 1")
-        if mesh.shape["pipe"] > 1:
-            check_deterministic_pipeline(cfg.parallel, tr.virtual_shards, n_batch, mesh.shape["fsdp"])
-        if tr.grad_accum != 1:
-            raise ConfigError(f"deterministic mode already accumulates over train.virtual_shards; "
-                              f"set train.grad_accum=1 (got {tr.grad_accum})")
-
-
-def check_deterministic_pipeline(par, virtual_shards: int, n_batch: int, fsdp: int) -> None:
-    """Deterministic mode through a pipeline: each virtual shard is one microbatch of one
-    batch device (``pipeline_grads(deterministic=True)``); a ConfigError otherwise."""
-    if par.microbatches * n_batch != virtual_shards:
-        raise ConfigError(f"deterministic mode through a pipeline runs each virtual shard as one microbatch: "
-                          f"parallel.microbatches={par.microbatches} x fsdp x data ({n_batch}) must equal "
-                          f"train.virtual_shards={virtual_shards}; set parallel.microbatches="
-                          f"{max(virtual_shards // n_batch, 1)} (or train.virtual_shards="
-                          f"{par.microbatches * n_batch})")
-    if par.grad_sync_mode != "end" or par.grad_sync_dtype != "fp32":
-        raise ConfigError(f"deterministic mode through a pipeline sums the gradients after the last tick in "
-                          f"fp32; got parallel.grad_sync={par.grad_sync!r}, grad_sync_dtype="
-                          f"{par.grad_sync_dtype!r}: set grad_sync='end' and grad_sync_dtype='fp32'")
-    if par.fsdp_gather != "step" and fsdp > 1:
-        raise ConfigError(f"deterministic mode through a pipeline gathers fsdp weights once per step; got "
-                          f"parallel.fsdp_gather={par.fsdp_gather!r}: set it to 'step'")
-
-
-def _check_moe(cfg: Config, mesh) -> None:
-    """The expert axis needs an MoE model whose experts it divides; in a pipeline the
-    experts stay on their stage's devices (no expert axis)."""
-    experts, ep = cfg.model.n_experts, mesh.shape["expert"]
-    if ep > 1 and experts == 0:
-        raise ConfigError(f"parallel.expert={ep} splits the experts of a Mixture-of-Experts model, but "
-                          f"model.n_experts=0 (dense GPT); set model.n_experts to a multiple of {ep} "
-                          f"or parallel.expert=1")
-    if experts and experts % ep:
-        raise ConfigError(f"model.n_experts={experts} must be divisible by parallel.expert={ep}")
-    if experts and mesh.shape["pipe"] > 1 and ep > 1:
-        raise ConfigError(f"model.n_experts={experts} with parallel.pipe={mesh.shape['pipe']}: a pipeline "
-                          f"stage keeps all its experts on each of its devices (expert parallelism "
-                          f"inside a stage is not built); set parallel.expert=1 or parallel.pipe=1")
-    if experts and cfg.model.collective_matmul and mesh.shape["tensor"] > 1:
-        raise ConfigError(f"model.collective_matmul=true is not built for MoE blocks "
-                          f"(model.n_experts={experts}); set model.collective_matmul=false")
-
-
 def pipeline_model(spec: ModelSpec, seq_len: int):
     """The model as the vPipe runtime runs it (``contract.PipelineModel``)."""
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
@@ -247,26 +151,6 @@ def pipeline_model(spec: ModelSpec, seq_len: int):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     return PipelineModel(spec.merge(shapes), shapes, spec.merge, tokens)
-
-
-def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None = None,
-                         group: int = 1) -> None:
-    """The depth of the model that was built against the stages. ``model``: the name of a
-    user's model (its stack's depth, not ``model.n_layers``, counts); None for the
-    built-in one, whose depth is ``model.n_layers``."""
-    layers = cfg.parallel.stage_layers
-    depth = (f"model.n_layers={units}" if model is None else
-             f"the layer stack of model {model} has {units} units"
-             + (f" (groups of {group} layers)" if group > 1 else ""))
-    if layers and sum(layers) != units:
-        raise ConfigError(f"parallel.stage_layers={list(layers)} sums to {sum(layers)}, but {depth}; "
-                          f"list {stages} counts summing to {units}")
-    if not layers and units % stages:
-        v = cfg.parallel.virtual_stages
-        split = f"parallel.pipe x parallel.virtual_stages = {stages // v} x {v} = {stages}"
-        rule = f" must be divisible by {split}" if model is None else f", not a multiple of {split}"
-        raise ConfigError(f"{depth}{rule}; change the depth or list the units per stage in "
-                          f"parallel.stage_layers")
 
 
 def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
