@@ -9,13 +9,16 @@ subnet=2 x pipe=2 x data=2 (each subnet group's 2 subnets through its own pipeli
 which runs in lockstep there, ``needs_lockstep``) and on pipe=2 x data=4 (all 4 subnets
 in one pass); ``sequential`` on pipe=2 x fsdp=4 with the weights kept split over fsdp
 into the pipeline (gathered once per step on their stage, gradients reduce-scattered)
-and, beside it, handed to the pipeline whole. 1F1B with 4 microbatches per subnet.
-Per layout:
+and, beside it, handed to the pipeline whole; and, on pipe=2 x data=4, both semantics
+on the pipeline's sliced path (``pipelined_sliced.py``: each pass at its subnets' FFN
+width and heads, rounded to the ladder; depth masked). 1F1B with 4 microbatches per
+subnet. Per layout:
 
 * what a device keeps between steps (its shards of the parameters and the AdamW
   moments, summed over the state's arrays as placed);
 * the compiled step's temporary bytes (XLA's ``memory_analysis``);
 * the bytes a device sends per step (``parallel/collectives.py``, the compiled HLO);
+  (neither for the sliced rows: a step there is several programs, one per pass);
 * the step's wall time: median and spread over ``--repeats`` interleaved rounds of
   ``--steps`` steps (after one warm-up step).
 
@@ -57,6 +60,7 @@ from mindpipe_jax.supernet import (  # noqa: E402
 )
 from mindpipe_jax.supernet.layout import state_shardings  # noqa: E402
 from mindpipe_jax.supernet.pipelined import PipelinedStep  # noqa: E402
+from mindpipe_jax.supernet.pipelined_sliced import SlicedPipelinedStep  # noqa: E402
 
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=4, seq_len=32)
 K, BATCH, MICRO = 4, 32, 4
@@ -70,7 +74,9 @@ LAYOUTS = {"sequential: data8 (no pipe)": (dict(data=8), "sequential"),
                                                 dict(keep_fsdp_sharded=False)),
            "sync: subnet2 x data4 (no pipe)": (dict(subnet=2, data=4), "sync"),
            "sync: subnet2 x pipe2 x data2": (dict(subnet=2, pipe=2, data=2), "sync"),
-           "sync: pipe2 x data4": (dict(pipe=2, data=4), "sync")}
+           "sync: pipe2 x data4": (dict(pipe=2, data=4), "sync"),
+           "sequential: pipe2 x data4, sliced": (dict(pipe=2, data=4), "sequential", dict(sliced=True)),
+           "sync: pipe2 x data4, sliced": (dict(pipe=2, data=4), "sync", dict(sliced=True))}
 
 
 def _batch(seed):
@@ -78,13 +84,29 @@ def _batch(seed):
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
-def build(spec, create, layout: dict, semantics: str, options: dict | None = None):
-    """(run(state, subnets, batch) -> state, compiled program, fresh state) for a layout."""
+def build(spec, create, layout: dict, semantics: str, options: dict | None = None, draws=()):
+    """(run(state, subnets, batch) -> state, compiled program or None, fresh state) for a
+    layout; a sliced step has run every draw once (its programs compiled before timing)."""
     par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule="1f1b")
     mesh = make_mesh(par)
     fresh = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))
     subnets = np.asarray(spec.space.validate(np.zeros((K, len(spec.space.genes)), np.int32)))
     batch = _batch(0)
+    options = dict(options or {})
+    if options.pop("sliced", False):
+        step = SlicedPipelinedStep(spec, mesh, par, levels=4, semantics=semantics, subnets_per_step=K,
+                                   vmap_width=1, global_batch=BATCH, optim=OPTIM, total_steps=100)
+
+        def run(state, subs, b):
+            return step(state, step.plan(subs), b)[0]
+
+        state = fresh()
+        for draw in draws:
+            state = run(state, draw, batch)
+        jax.block_until_ready(state)
+        print(f"  {semantics}, sliced: {step.programs} programs for {len(draws)} draws; sizes (width, heads) "
+              f"{sorted(set(s for d in draws for s in step.plan(d).sizes))}")
+        return run, None, fresh
     if layout.get("pipe", 1) > 1:
         step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=K, vmap_width=1,
                              global_batch=BATCH, optim=OPTIM, total_steps=100, **(options or {}))
@@ -130,7 +152,7 @@ def main() -> None:
         print(f"SuperGPT d_model {CFG.d_model}, {CFG.n_layers} layers, {spec.num_params:,} parameters "
               f"({spec.num_params * 4 / 1e6:.2f} MB fp32); sequential, K={K}, batch {BATCH}, "
               f"{MICRO} microbatches per subnet through the pipeline (1F1B)")
-        built = {name: build(spec, create, *how) for name, how in layouts.items()}
+        built = {name: build(spec, create, *how, draws=draws) for name, how in layouts.items()}
         times: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.repeats):  # interleaved: the machine's load hits every layout alike
             for name, (run, _, fresh) in built.items():
@@ -145,15 +167,21 @@ def main() -> None:
               f"{'s/step median (min-max)':>26}")
         where = {}
         for name, (_, compiled, fresh) in built.items():
+            t = times[name]
+            if compiled is None:
+                print(f"{name:<34} {stored_bytes(fresh()) / 1e6:>9.2f} MB {'-':>10} {'-':>10} "
+                      f"{np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
+                continue
             temp = compiled.memory_analysis().temp_size_in_bytes
             ops = collectives(compiled.as_text())
             sent = per_device_bytes(ops, 8).get(0, 0.0)
-            t = times[name]
             print(f"{name:<34} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
                   f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
             where[name] = ops
         print("\nwhere the bytes go (device 0, MB per step, by collective and the mesh axes it spans):")
         for name, (layout, *_) in layouts.items():
+            if name not in where:
+                continue
             mesh = make_mesh(ParallelConfig(**{"tensor": 1, **layout}))
             ids = np.vectorize(lambda d: d.id)(mesh.devices)
             rows = defaultdict(float)

@@ -12,6 +12,8 @@ gradient through the pipeline is compared with ``jax.value_and_grad`` of its los
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,7 @@ from mindpipe_jax.supernet import init_state, search_checkpoint, supernet_spec, 
 from mindpipe_jax.supernet.layout import state_shardings
 from mindpipe_jax.supernet.optimizer import adamw, adamw_tree
 from mindpipe_jax.supernet.pipelined import PipelinedStep, check_pipelined, stage_fns
+from mindpipe_jax.supernet.pipelined_sliced import SlicedPipelinedStep, pipeline_size
 
 pytestmark = pytest.mark.xdist_group("supernet_pipeline")
 
@@ -72,28 +75,36 @@ def test_one_subnet_through_the_pipeline_has_the_gradient_of_its_loss(spec_creat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("semantics,layout,schedule,grad_sync", [
-    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b", "end"),
-    ("sync", dict(pipe=2, data=4, tensor=1), "1f1b", "end"),
-    ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b", "end"),
-    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "chunk"),
-    ("sequential", dict(pipe=2, fsdp=2, data=2, tensor=1), "1f1b", "end"),
-    ("sync", dict(pipe=2, fsdp=4, tensor=1), "zb-h1", "end"),
+@pytest.mark.parametrize("semantics,layout,schedule,grad_sync,sliced", [
+    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b", "end", False),
+    ("sync", dict(pipe=2, data=4, tensor=1), "1f1b", "end", False),
+    ("sequential", dict(pipe=2, data=2, tensor=2), "1f1b", "end", False),
+    ("sequential", dict(pipe=2, data=4, tensor=1), "zb-h1", "chunk", False),
+    ("sequential", dict(pipe=2, fsdp=2, data=2, tensor=1), "1f1b", "end", False),
+    ("sync", dict(pipe=2, fsdp=4, tensor=1), "zb-h1", "end", False),
+    ("sync", dict(subnet=2, pipe=2, tensor=2, data=1), "1f1b", "end", True),
+    ("sequential", dict(pipe=2, fsdp=2, data=2, tensor=1), "zb-h1", "chunk", True),
 ], ids=["sync-subnet2xpipe2xtensor2", "sync-pipe2xdata4-all-subnets-one-pass",
         "sequential-pipe2xdata2xtensor2", "sequential-pipe2xdata4-zbh1-chunk-sync",
-        "sequential-pipe2xfsdp2xdata2", "sync-pipe2xfsdp4-zbh1"])
-def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule, grad_sync):
+        "sequential-pipe2xfsdp2xdata2", "sync-pipe2xfsdp4-zbh1",
+        "sliced-sync-subnet2xpipe2xtensor2", "sliced-sequential-pipe2xfsdp2xdata2-zbh1-chunk-sync"])
+def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, layout, schedule, grad_sync,
+                                                      sliced):
     """Two steps of K = 4 subnets, 4 microbatches each, against the plain-optax loop:
     ``sequential`` is training them one after another (each its own clipped AdamW step),
     ``sync`` one averaged update per step with each subnet's gradient clipped on its own:
     the subnets are the pipeline's microbatches (all 4 in one pass on pipe2 x data4, 2 per
-    subnet group on subnet2), their gradients kept apart. The last case syncs each chunk's
-    gradient over data behind the ticks (AFAPAB's ring) under ZB-H1's split backward."""
+    subnet group on subnet2), their gradients kept apart. ZB-H1 with ``chunk`` syncs each
+    chunk's gradient over data behind the ticks (AFAPAB's ring) under its split backward.
+    ``sliced``: each pass at its subnets' size (``pipelined_sliced.py``); on subnet2 x
+    tensor2 the sizes are rounded to even head counts and the groups padded (3 sizes over
+    4 subnets); on fsdp2 the sliced weights enter kept sharded."""
     spec, create = spec_create
     par = ParallelConfig(**layout, microbatches=4, schedule=schedule, grad_sync=grad_sync)
     mesh = make_mesh(par)
-    step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
-                         global_batch=16, optim=OPTIM, total_steps=10)
+    kind = partial(SlicedPipelinedStep, levels=4) if sliced else PipelinedStep
+    step = kind(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
+                global_batch=16, optim=OPTIM, total_steps=10)
     state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     losses = []
     for seed in (1, 2):
@@ -106,10 +117,49 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The blocks stay split over pipe between steps: a device holds its stage's layers
     # (and with fsdp and tensor its share of them: w_in is stored P(pipe, -, fsdp, tensor)).
+    if sliced:  # tensor2 rounds the heads up to even counts: (64, 3) -> (64, 4), (128, 3) -> (128, 4)
+        plan = step.plan(SUBNETS)
+        assert len(set(plan.sizes)) == (3 if layout["tensor"] == 2 else 4), plan.sizes
+        # One program per (size, pass length), cached: the second step compiled nothing.
+        assert step.programs == len({(p[0], p[1].shape[1]) for p in plan.passes}) + 2
     w_in = state["params"]["blocks"]["ffn"]["w_in"]
     assert w_in.addressable_shards[0].data.shape[0] == CFG.n_layers // 2, w_in.sharding.spec
     split = 2 * layout.get("fsdp", 1) * layout.get("tensor", 1)
     assert w_in.addressable_shards[0].data.size * split == w_in.size, w_in.sharding.spec
+
+
+def test_a_sliced_pass_costs_its_size(spec_create):
+    """The weights enter the pipeline cut to the pass's size: XLA's FLOP count of a pass
+    program (lowered, not compiled) grows with the size, the full-size pass costs what the
+    masked step's pass does, and on tensor2 odd head counts round up to even."""
+    spec, create = spec_create
+    par = ParallelConfig(pipe=2, data=4, tensor=1, microbatches=4)
+    mesh = make_mesh(par)
+    sizes = dict(subnets_per_step=4, vmap_width=1, global_batch=16, optim=OPTIM, total_steps=10)
+    step = SlicedPipelinedStep(spec, mesh, par, levels=4, semantics="sequential", **sizes)
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                         jax.eval_shape(lambda: init_state(spec, create())), state_shardings(mesh, spec))
+    tokens = jax.ShapeDtypeStruct((16, CFG.seq_len), np.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    plan = step.plan(SUBNETS)
+    with jax.set_mesh(mesh):
+        rest = jax.eval_shape(step._start, state["params"], state["opt"])[1]
+        rest = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), rest,
+                            {k: v for k, v in step._carry_shardings.items() if k != "params"})
+        carry = {"params": state["params"], **rest}
+        flops = {size: step._pass(size, 1).lower(carry, state["step"], rows, valid, index, used, batch)
+                 .cost_analysis()["flops"] for size, rows, valid, index, used in plan.passes}
+        masked = PipelinedStep(spec, mesh, par, semantics="sequential", **sizes)
+        one = jax.jit(lambda p, c, b: masked._grads(p, c, masked._micro(b)))
+        conditions = jnp.zeros((1, CFG.n_layers, 4))
+        masked_flops = one.lower(state["params"], conditions, batch).cost_analysis()["flops"]
+    assert plan.sizes == ((64, 3), (128, 4), (128, 3), (32, 1))
+    assert flops[(32, 1)] < flops[(64, 3)] < flops[(128, 3)] < flops[(128, 4)], flops
+    assert flops[(32, 1)] < 0.7 * flops[(128, 4)], flops  # embed and head (vocab 256) are not sliced
+    # The full-size pass: the masked pass plus the padding and the update.
+    assert masked_flops <= flops[(128, 4)] < 1.3 * masked_flops, (masked_flops, flops)
+    assert pipeline_size(spec.module, SUBNETS[0], 4, tensor=2) == (64, 4)
+    assert pipeline_size(spec.module, SUBNETS[3], 4, tensor=2) == (32, 2)
 
 
 @pytest.mark.parametrize("layout,keys,message", [
@@ -201,15 +251,15 @@ def test_adamw_on_the_tree_is_the_raveled_lazy_adamw(spec_create, shared):
     assert not moved[~selected].any() and moved[selected].mean() > 0.99
 
 
-def _trained_through_pipe(spec, create, *, semantics, data, deterministic, fsdp=1):
+def _trained_through_pipe(spec, create, *, semantics, data, deterministic, fsdp=1, sliced=False):
     """Two steps of the 4 subnets through a 1F1B pipeline of 2 stages on 2 x ``fsdp`` x
     ``data`` devices (each device's 8 / (fsdp x data) virtual shards its microbatches), the
-    state on the host."""
+    state on the host; ``sliced``: each pass at its subnets' size."""
     par = ParallelConfig(pipe=2, fsdp=fsdp, data=data, tensor=1, microbatches=8 // (fsdp * data))
     mesh = make_mesh(par, jax.devices()[:2 * fsdp * data])
-    step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
-                         global_batch=16, optim=OPTIM, total_steps=10, deterministic=deterministic,
-                         virtual_shards=8)
+    kind = partial(SlicedPipelinedStep, levels=4) if sliced else PipelinedStep
+    step = kind(spec, mesh, par, semantics=semantics, subnets_per_step=4, vmap_width=1,
+                global_batch=16, optim=OPTIM, total_steps=10, deterministic=deterministic, virtual_shards=8)
     state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
     for seed in (1, 2):
         state, metrics = step(state, step.plan(SUBNETS), tiny_batch(16, seed))
@@ -226,11 +276,13 @@ def _differing(a, b):
 def test_deterministic_spara_through_the_pipeline_is_bitwise_equal_on_2_4_8_devices(spec_create):
     """``train.deterministic``: two steps on pipe2 x data1 / data2 / data4 / fsdp4 end with
     the same parameters, moments and losses bit for bit (``sync``, the 4 subnets in one
-    pass; and ``sequential`` on 2 and 8 devices). The control: the same pipelines without
-    it differ between 2 and 8 devices, so the comparison can tell."""
+    pass; ``sequential`` on 2 and 8 devices; and ``sync`` sliced, 4 passes of one size
+    each, on 2 and 8 devices). The control: the same pipelines without it differ between
+    2 and 8 devices, so the comparison can tell."""
     spec, create = spec_create
-    for semantics, counts in (("sync", (1, 2, 4, "fsdp4")), ("sequential", (1, 4))):
-        runs = {d: _trained_through_pipe(spec, create, semantics=semantics, deterministic=True,
+    for semantics, counts, sliced in (("sync", (1, 2, 4, "fsdp4"), False), ("sequential", (1, 4), False),
+                                      ("sync", (1, 4), True)):
+        runs = {d: _trained_through_pipe(spec, create, semantics=semantics, deterministic=True, sliced=sliced,
                                          **(dict(data=1, fsdp=4) if d == "fsdp4" else dict(data=d)))
                 for d in counts}
         (ref, ref_loss), n = runs[1], len(runs[1][0])

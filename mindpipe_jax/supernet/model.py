@@ -306,6 +306,13 @@ class SuperGPT(nnx.Module):
         size = (round_up(max(w for w, _ in own), widths), round_up(max(h for _, h in own), heads))
         return (size,) * len(own)
 
+    @staticmethod
+    def slice_blocks(blocks: dict, size: tuple[int, int]) -> dict:
+        """The stacked blocks' parameters (a pure dict, leading layer axis) cut to one
+        ``(ffn width, heads)`` size: what a subnet of that size reads of them (the
+        pipeline's sliced path, ``pipelined_sliced.py``)."""
+        return slice_pure_block(blocks, *size, lead=1)
+
     def sliced_loss(self, inputs, targets, subnet, shape, unroll: bool = False):
         """The subnet's mean loss computed from slices of the weights (``shape``: static,
         ``((width, heads), ...)`` per block run; ``subnet`` may be traced).
@@ -354,15 +361,20 @@ class SuperGPT(nnx.Module):
 def _slice_block(state, width: int, n_heads: int, lead: int):
     """A block's state (``lead`` leading layer axes) cut to ``width`` FFN units and
     ``n_heads`` heads: a fresh state, the input is not changed."""
-    pure = nnx.to_pure_dict(state)
-    attn, ffn, ax = pure["attn"], pure["ffn"], (slice(None),) * lead
+    nnx.replace_by_pure_dict(state, slice_pure_block(nnx.to_pure_dict(state), width, n_heads, lead))
+    return state
+
+
+def slice_pure_block(pure: dict, width: int, n_heads: int, lead: int) -> dict:
+    """A block's parameters as a pure dict (``lead`` leading layer axes) cut to ``width``
+    FFN units and ``n_heads`` heads: a new dict, the input is not changed."""
+    attn, ffn, ax = dict(pure["attn"]), dict(pure["ffn"]), (slice(None),) * lead
     attn["qkv"] = attn["qkv"][(*ax, slice(None), slice(None), slice(0, n_heads))]
     attn["qkv_bias"] = attn["qkv_bias"][(*ax, slice(None), slice(0, n_heads))]
     attn["out"] = attn["out"][(*ax, slice(0, n_heads))]
     ffn["w_in"], ffn["b_in"] = ffn["w_in"][..., :width], ffn["b_in"][..., :width]
     ffn["w_out"] = ffn["w_out"][(*ax, slice(None), slice(0, width))]
-    nnx.replace_by_pure_dict(state, pure)
-    return state
+    return {**pure, "attn": attn, "ffn": ffn}
 
 
 def ladder(choices, levels: int) -> tuple[int, ...]:

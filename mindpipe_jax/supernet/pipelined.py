@@ -42,8 +42,9 @@ Semantics
 ``operator-causal`` is not offered here (its waves have varying sizes; the masked and
 sliced steps run it).
 
-Subnets run masked (every block computes at the supernet's size; ``sliced.py``'s
-shapes do not go through a pipeline). Parameters are stored as the rules table says
+Subnets run masked here (every block computes at the supernet's size);
+``pipelined_sliced.py`` builds on this class to run each pass at its subnets' width
+and heads (the default where the supernet offers it). Parameters are stored as the rules table says
 (blocks split over ``pipe`` by their ``layers`` axis, ``embed``-named dimensions over
 ``fsdp``); with ``fsdp`` they enter the pipeline as stored, each stage gathers its
 weights once per step and the gradients leave reduce-scattered over ``fsdp`` (the
@@ -208,8 +209,6 @@ class PipelinedStep:
         # A pass carries one subnet (sequential) or a subnet group's K/S subnets, each
         # parallel.microbatches microbatches, its gradient kept apart (sync).
         self.per_pass = subnets_per_step // mesh.shape["subnet"] if semantics == "sync" else 1
-        schedule = get_schedule(par.schedule, mesh.shape["pipe"], self.per_pass * par.microbatches,
-                                par.virtual_stages)
         self._params_layout = param_shardings(mesh, spec)
         self._compute_layout = compute_shardings(mesh, spec)
         # Weights stored split over fsdp stay so going into the pipeline: gathered once per
@@ -221,11 +220,7 @@ class PipelinedStep:
             layout = self._params_layout
             specs = {"embed": layout["embed"], "blocks": {"weights": layout["blocks"]},
                      "head": layout["head"]}
-        self._run = pipeline_grads(stage_fns(spec), schedule, mesh, remat=par.stage_remat,
-                                   param_specs=specs, grad_sync=par.grad_sync_mode,
-                                   sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
-                                   grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks,
-                                   gradient_groups=self.per_pass, deterministic=deterministic)
+        self.par, self._param_specs, self._runs = par, specs, {}
         self.microbatches = par.microbatches
         self.optim, self.lr = optim, lr_schedule(optim, total_steps)
         shardings = state_shardings(mesh, spec)
@@ -259,6 +254,20 @@ class PipelinedStep:
 
     # --- the program ---------------------------------------------------------------------------
 
+    def _run_for(self, n: int):
+        """The runtime for a pass of ``n`` subnets (n·m microbatches, n gradient groups)."""
+        if n not in self._runs:
+            par = self.par
+            schedule = get_schedule(par.schedule, self.mesh.shape["pipe"], n * par.microbatches,
+                                    par.virtual_stages)
+            self._runs[n] = pipeline_grads(
+                stage_fns(self.spec), schedule, self.mesh, remat=par.stage_remat,
+                param_specs=self._param_specs, grad_sync=par.grad_sync_mode,
+                sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
+                grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks, gradient_groups=n,
+                deterministic=self.deterministic)
+        return self._runs[n]
+
     def _grads(self, params, conditions, micro):
         """A pass of ``conditions`` (``[n, layers, C]``: n subnets' rows) through the
         pipeline, each subnet on the whole batch as ``microbatches`` microbatches (the
@@ -269,8 +278,8 @@ class PipelinedStep:
         n, m = conditions.shape[0], self.microbatches
         rows = {"condition": jnp.repeat(jnp.swapaxes(conditions, 0, 1), m, axis=1)}  # [layers, n·m, C]
         tokens = jax.tree.map(lambda x: jnp.tile(x, (n,) + (1,) * (x.ndim - 1)), micro)
-        loss, g = self._run(params["embed"], {"weights": params["blocks"]}, params["head"], tokens["inputs"],
-                            tokens["targets"], rows)
+        loss, g = self._run_for(n)(params["embed"], {"weights": params["blocks"]}, params["head"],
+                                   tokens["inputs"], tokens["targets"], rows)
         g = {"blocks": g["blocks"]["weights"], "embed": g["embed"], "head": g["head"]}
         if n == 1:  # one gradient group: the runtime's plain (unbatched) results
             loss, g = loss[None], jax.tree.map(lambda x: x[None], g)
@@ -287,29 +296,36 @@ class PipelinedStep:
         """``tree`` (shaped like the parameters) in the parameters' stored layout."""
         return jax.tree.map(lambda x, s: lax.with_sharding_constraint(x, s), tree, self._params_layout)
 
+    def _micro(self, batch):
+        """The batch as ``[m, rows/m, ...]`` microbatches."""
+        m = self.microbatches
+        if self.deterministic:  # device d's microbatch j: virtual shard d·m + j of the batch
+            return unit_microbatches(batch, m, data_devices(self.mesh))
+        # Row b goes to microbatch b mod m: a device's rows stay on it (a reshape to
+        # [m, B/m] would move the split from the rows to the microbatch axis).
+        return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+
+    def _unraveled_moments(self, opt):
+        """The moments in the parameters' tree and layout for the step (each stage updates
+        its own blocks with no communication), raveled again at its end."""
+        return {name: self._placed(self.spec.unravel(opt[name], jnp.float32)) for name in ("mu", "nu")}
+
+    def _update(self, lr, params, grads, moments, count, used):
+        """Lazy AdamW on each device's own shards; the results in the stored layout."""
+        params, moments, count = adamw_tree(self.spec, params, grads, moments, count, used, True, lr,
+                                            self.optim)
+        return self._placed(params), {n: self._placed(t) for n, t in moments.items()}, count
+
     def _step_fn(self, state, subnets, batch):
         module, k = self.spec.module, self.k
         lr = self.lr(state["step"])
-        m = self.microbatches
-        if self.deterministic:  # device d's microbatch j: virtual shard d·m + j of the batch
-            micro = unit_microbatches(batch, m, data_devices(self.mesh))
-        else:
-            # Row b goes to microbatch b mod m: a device's rows stay on it (a reshape to
-            # [m, B/m] would move the split from the rows to the microbatch axis).
-            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1),
-                                 batch)
+        micro = self._micro(batch)
         conditions = jax.vmap(module.stage_conditions)(subnets)  # [K, layers, C]
         units = jax.vmap(module.units)(subnets)  # [K, *unit_grid]
         spec, params = self.spec, state["params"]
-        # The moments in the parameters' tree and layout for the step (each stage updates
-        # its own blocks with no communication), raveled again at its end.
-        moments = {name: self._placed(spec.unravel(state["opt"][name], jnp.float32)) for name in ("mu", "nu")}
+        moments = self._unraveled_moments(state["opt"])
         count = state["opt"]["count"]
-
-        def update(params, grads, moments, count, used):
-            params, moments, count = adamw_tree(spec, params, grads, moments, count, used, True, lr,
-                                                self.optim)
-            return self._placed(params), {n: self._placed(t) for n, t in moments.items()}, count
+        update = partial(self._update, lr)
 
         if self.semantics == "sync":
             # One pass: each subnet group's K/S subnets are its pipeline's microbatches

@@ -24,6 +24,7 @@ from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.pipelined import PipelinedStep
+from mindpipe_jax.supernet.pipelined_sliced import SlicedPipelinedStep, supports_sliced_pipeline
 from mindpipe_jax.supernet.plan import DATA_AXES
 from mindpipe_jax.supernet.sliced import SlicedStep, supports_slicing
 from mindpipe_jax.supernet.spara import (
@@ -94,13 +95,21 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
 
 
 def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> ConfiguredStep:
-    """Through the pipeline (``pipelined.py``): one program, compiled ahead of time when
-    ``compile_with`` is given."""
+    """Through the pipeline: sliced (``pipelined_sliced.py``, each pass at its subnets'
+    width and heads, programs compiled on first use) where the supernet offers it; else
+    masked (``pipelined.py``: one program, compiled ahead of time when ``compile_with``
+    is given)."""
     sn, tr, par = cfg.supernet, cfg.train, cfg.parallel
-    piped = PipelinedStep(spec, mesh, par, semantics=sn.semantics, subnets_per_step=sn.subnets_per_step,
-                          vmap_width=sn.vmap_width, global_batch=tr.global_batch, optim=cfg.optim,
-                          total_steps=tr.steps, deterministic=tr.deterministic,
-                          virtual_shards=tr.virtual_shards)
+    sizes = dict(semantics=sn.semantics, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
+                 global_batch=tr.global_batch, optim=cfg.optim, total_steps=tr.steps,
+                 deterministic=tr.deterministic, virtual_shards=tr.virtual_shards)
+    if sn.ladder_levels and supports_sliced_pipeline(spec.module):
+        sliced = SlicedPipelinedStep(spec, mesh, par, levels=sn.ladder_levels, **sizes)
+        return ConfiguredStep(sliced.plan, sliced,
+                              f"through the pipeline ({par.schedule}, {par.microbatches} microbatches per "
+                              f"subnet), sliced (each pass at its subnets' FFN width and heads, depth "
+                              f"masked; <= {sliced.max_programs} programs, compiled on first use)")
+    piped = PipelinedStep(spec, mesh, par, **sizes)
     t0 = time.perf_counter()
     compiled = ""
     if compile_with is not None:
@@ -109,9 +118,10 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
         piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens})
         compiled = f", compiled in {time.perf_counter() - t0:.1f}s"
+    why = ("supernet.ladder_levels=0" if not sn.ladder_levels
+           else f"{type(spec.module).__name__} has no sliced path")
     return ConfiguredStep(piped.plan, piped, f"through the pipeline ({par.schedule}, {par.microbatches} "
-                                             f"microbatches per subnet; masked: the sliced path does not run "
-                                             f"through a pipeline{compiled})")
+                                             f"microbatches per subnet), masked ({why}{compiled})")
 
 
 def _resolve_data(data, cfg: Config) -> TokenSplits:
