@@ -103,8 +103,13 @@ class TunerConfig:
     (B/b0) x efficiency(B), ``sqrt`` = sqrt(B/b0), ``linear`` = B/b0, ``none`` = 1.
     ``ema`` smooths the noise estimate per step; ``warmup`` steps pass
     before the first decision. ``amortize``: a switch must also pay back its
-    recompile (the last compile time) within the remaining ``train.steps``; false
-    switches on the predicted gain alone (demos, tests of switching).
+    recompile (the last compile time; nothing for a candidate the run has already
+    run, whose compiled step the loop keeps) within the remaining ``train.steps``;
+    false switches on the predicted gain alone (demos, tests of switching).
+    ``probe``: steps after a switch to a candidate the run had not measured before
+    the tuner decides again, on the times it has now measured (a prediction that was
+    wrong is undone then, not ``every`` steps later; the way back compiles nothing);
+    0 = at the next regular decision.
     ``noise_every``: the train step computes the noise statistics on every
     ``noise_every``-th step only (the others report NaN, which the estimate skips):
     they cost a few passes over the gradients, which on a small model is a
@@ -127,6 +132,7 @@ class TunerConfig:
     warmup: int = 50
     amortize: bool = True
     noise_every: int = 1
+    probe: int = 20
 
     def __post_init__(self):
         _check_numbers(self, "tuner")
@@ -134,10 +140,10 @@ class TunerConfig:
         _check(self.threshold >= 0, f"tuner.threshold={self.threshold} must be >= 0")
         _check(all(b > 0 for b in self.batch_sizes),
                f"tuner.batch_sizes={list(self.batch_sizes)} must all be > 0")
-        for key in ("min_batch", "max_batch", "base_batch", "warmup"):
+        for key in ("min_batch", "max_batch", "base_batch", "warmup", "probe"):
             value = getattr(self, key)
             _check(value >= 0, f"tuner.{key}={value} must be >= 0"
-                   + ("" if key == "warmup" else " (0 = from train.global_batch)"))
+                   + ("" if key in ("warmup", "probe") else " (0 = from train.global_batch)"))
         _check(not (self.min_batch and self.max_batch) or self.min_batch <= self.max_batch,
                f"tuner.min_batch={self.min_batch} must be <= tuner.max_batch={self.max_batch}")
         _check(0.0 <= self.ema < 1.0, f"tuner.ema={self.ema} must be in [0, 1)")

@@ -182,6 +182,7 @@ CASES = [
     ("tuner decision interval", ["tuner.every=0"], "tuner.every=0", None),
     ("tuner threshold", ["tuner.threshold=-0.1"], "tuner.threshold=-0.1", None),
     ("tuner ema", ["tuner.ema=1.0"], "tuner.ema=1.0", None),
+    ("tuner probe", ["tuner.probe=-5"], "tuner.probe=-5", None),
     ("tuner learning-rate rule", ["tuner.lr_scaling=cubic"], "'cubic'", None),
     ("tuner batch sizes", ["tuner.batch_sizes=[16, 0]"], "tuner.batch_sizes=[16, 0]", None),
     ("tuner batch range", ["tuner.min_batch=64", "tuner.max_batch=32"], "tuner.min_batch=64", None),

@@ -126,6 +126,33 @@ def test_a_switch_must_pay_back_its_compile_before_the_run_ends():
     assert tuner_with(0.5 * saves).decide(290) is None
 
 
+def test_a_wrong_prediction_is_checked_soon_and_the_way_back_compiles_nothing():
+    cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
+                              "tuner.enabled=true", "tuner.every=100", "tuner.warmup=100", "tuner.probe=20",
+                              "train.steps=1000", "tuner.batch_sizes=[16, 32, 64]")
+    b16, b32, b64 = (Candidate(data=8, global_batch=b) for b in (16, 32, 64))
+    # The model thinks every batch costs the same step time: B32 and B64 look cheap.
+    tuner = OnlineTuner(cfg, b16, 8, step_model=PreferStub(lambda c: True))
+    tuner.restart(0, 30.0)  # the first compile took 30 s: the price of a new candidate
+    _feed(tuner, b_noise=16.0, steps=20, b_small=8, b_big=16)
+    tuner.observe([], 1.0, 100)  # B16 measured at 1.0 s a step
+    assert tuner.switch_cost(b16) == 0.0 and tuner.switch_cost(b32) == 30.0
+    d = tuner.decide(100)
+    assert d is not None and d.after == b64 and "against ~30.0 s to switch" in d.reason
+    tuner.accept(d, cfg.replace("train.global_batch=64"), 30.0)
+    # 20 steps after the first one (whose time is discarded) the tuner decides again, off the
+    # regular period; only once.
+    assert [s for s in range(101, 200) if tuner.due(s)] == [121]
+    tuner.observe([], 9.0, 101)  # the discarded first step (the compile's)
+    tuner.observe([], 6.0, 121)  # measured: 6x B16's time, not the predicted 1x
+    back = tuner.decide(121)
+    # B16 (measured) is best again, and going back to it costs no compile.
+    assert back is not None and back.after == b16 and "against ~0.0 s to switch" in back.reason
+    tuner.accept(back, cfg, 0.0)  # the loop reports the kept program: nothing compiled
+    assert tuner.switch_cost_s == 30.0  # a kept program's 0 s is not the price of a new one
+    assert [s for s in range(122, 300) if tuner.due(s)] == [200]  # B16 had run: no probe
+
+
 def test_decisions_trust_measurements_and_anchor_the_model_to_them():
     cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
                               "tuner.enabled=true", "tuner.batch_sizes=[16, 32]")
@@ -196,6 +223,43 @@ def test_scaled_updates_scale_the_learning_rate_and_keep_the_state_shape():
 
 
 # --- switching in place ------------------------------------------------------------
+
+@pytest.mark.xla_default_emitters  # bitwise across programs
+def test_a_tuned_step_takes_its_gain_at_run_time_and_is_compiled_once():
+    """The gain is an argument of the tuned step: after ``set_gain`` the same program
+    steps exactly as a program compiled with that gain as a constant (``scale_updates``
+    on the default step), and switching back to a kept layout compiles nothing."""
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "train.steps=4")
+    rng = np.random.default_rng(0)
+    splits = TokenSplits(rng.integers(0, 256, 40_000).astype(np.uint16),
+                         rng.integers(0, 256, 4_000).astype(np.uint16), 256, "random")
+    tuned = build_layout(cfg, _gpt, 1.0)
+    plain = build_layout(cfg, _gpt)
+    step, compile_s = tuned.compile()
+    assert compile_s > 0 and tuned.compile() == (step, 0.0)  # kept: asked again, nothing compiled
+    feed = make_feed(splits, plain)
+    batches = [plain.batches(next(feed.loader)) for _ in range(2)]
+    feed.close()
+
+    def fresh():
+        return init_train_state(plain.spec, plain.create, plain.tx, plain.mesh, 0, plain.shardings)
+
+    state = fresh()
+    for gain, batch in zip((1.0, 1.7), batches, strict=True):
+        tuned.set_gain(gain)
+        state, _ = step(state, batch)
+    ref = fresh()
+    for gain, batch in zip((1.0, 1.7), batches, strict=True):
+        constant = jax.jit(plain.make_step(tx=scale_updates(plain.tx, gain)), donate_argnums=0)
+        with jax.set_mesh(plain.mesh):
+            ref, _ = constant(ref, batch)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(leaves(state), leaves(ref), strict=True))
+    # A switch back to the kept layout reuses it (and its program) under the new gain.
+    feed = make_feed(splits, tuned)
+    state, again, feed = switch(state, tuned, feed, cfg, 0.5, factory_for=_gpt, splits=splits, reuse=tuned)
+    feed.close()
+    assert again is tuned and again.lr_gain == 0.5 and again.compile() == (step, 0.0)
+
 
 def _gpt(cfg):
     return lambda rngs: mp.GPT(cfg.model, rngs=rngs)

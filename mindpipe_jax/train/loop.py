@@ -172,7 +172,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     if tuned or cfg.tuner.enabled:
         gain = tuned["lr_gain"] if tuned else tuning.initial_gain(cfg)
     else:
-        gain = 1.0
+        gain = None  # no tuner: the default step, no gain argument
 
     def factory_for(run_cfg: Config):
         return model if model is not None else (lambda rngs: build_model(run_cfg.model, rngs))
@@ -184,7 +184,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     val_rows = tuned.get("initial_batch", 0) or tr.global_batch
     feed = make_feed(splits, layout, val_rows=val_rows)
     fingerprint = layout.spec.fingerprint()
-    first_step = layout.make_step()  # checks schedule and contract
+    layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
     out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
     if resume_step is not None:
@@ -223,17 +223,20 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
     tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model) if cfg.tuner.enabled else None
+    ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
 
     def reconfigure(state, layout: Layout, feed, decision):
+        ran[decision.before] = layout
         return switch(state, layout, feed, decision.after.apply(layout.cfg), decision.lr_gain,
-                      factory_for=factory_for, splits=splits, val_rows=val_rows)
+                      factory_for=factory_for, splits=splits, val_rows=val_rows,
+                      reuse=ran.get(decision.after))
 
     run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
                skipped=int(saved_meta.get("skipped_steps", 0)))
     try:
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.
-        state = run(state, layout, first_step, feed, flops=_model_flops_per_token(model, cfg),
+        state = run(state, layout, feed, flops=_model_flops_per_token(model, cfg),
                     tuner=tuner, reconfigure=reconfigure)
     finally:
         ckpt.close()  # waits for a save in flight: a stop or an error never leaves half a step
@@ -331,13 +334,13 @@ class _Run:
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
-    def __call__(self, state, layout: Layout, first_step, feed, *, flops, tuner=None, reconfigure=None):
+    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None):
         self.layout, self.feed = layout, feed
         tr = layout.cfg.train
         # train_s in each record: seconds since this call began (first compile, steps, tuner
         # switches and recompiles included), less evaluation and checkpoint saving.
         clock = _Interval()
-        step_fn, compile_s = layout.compile(step=first_step)
+        step_fn, compile_s = layout.compile()
         eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
         primary = jax.process_index() == 0

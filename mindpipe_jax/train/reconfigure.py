@@ -82,68 +82,139 @@ class Batches:
         return {"inputs": one, "targets": one}
 
 
-def scale_updates(tx: optax.GradientTransformation, gain: float) -> optax.GradientTransformation:
-    """``tx`` with its updates multiplied by ``gain`` (a compile-time constant). With
-    AdamW the update is lr x (Adam direction + weight decay x param), so this scales
-    the learning rate, weight decay included. The optimizer state keeps exactly the
-    same structure (nothing is added to it), so checkpoints do not depend on the gain."""
-    if gain == 1.0:
+def scale_updates(tx: optax.GradientTransformation, gain) -> optax.GradientTransformation:
+    """``tx`` with its updates multiplied by ``gain``: a constant, or a function called
+    when the update is traced (the tuned step's gain argument, ``Layout.compile``). With
+    AdamW the update is lr x (Adam direction + weight decay x param), so this scales the
+    learning rate, weight decay included. The optimizer state keeps exactly the same
+    structure (nothing is added to it), so checkpoints do not depend on the gain."""
+    if isinstance(gain, (int, float)) and gain == 1.0:
         return tx
 
     def update(grads, opt_state, params=None):
         updates, opt_state = tx.update(grads, opt_state, params)
-        return jax.tree.map(lambda u: u * gain, updates), opt_state
+        g = gain() if callable(gain) else gain
+        return jax.tree.map(lambda u: u * g, updates), opt_state
 
     return optax.GradientTransformation(tx.init, update)
 
 
+class GainedStep:
+    """A tuned run's compiled step, ``(state, batch) -> (state, metrics)``: the program
+    takes the learning-rate gain as a third argument, read from its layout at each call,
+    so a layout switched away from and back to under another gain runs the same program."""
+
+    def __init__(self, compiled, layout: Layout):
+        self.compiled, self.layout = compiled, layout
+
+    def __call__(self, state, batch):
+        return self.compiled(state, batch, self.layout.gain_array)
+
+
 @dataclasses.dataclass
 class Layout:
-    """Everything that depends on the mesh, the batch and the learning-rate gain."""
+    """Everything that depends on the mesh and the batch. ``lr_gain``: the learning-rate
+    gain of a tuned run (an argument of its compiled step, ``set_gain``), None for a run
+    without the tuner (its step is exactly the default one)."""
 
     cfg: Config
     mesh: Any
     spec: Any  # ModelSpec
     create: Callable[[], Any] | None  # the model's initial params
-    tx: optax.GradientTransformation
+    tx: optax.GradientTransformation  # the optimizer without the gain (the state's structure)
     shardings: Any
     abstract_state: Any
     batches: Batches
-    lr_gain: float = 1.0
+    lr_gain: float | None = None
+    # What ``compile`` and ``eval_fn`` built, kept for a switch back to this layout
+    # (``dataclasses.replace``, e.g. another stage split, starts without them).
+    _step: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _compiled: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _eval: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    gain_array: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.lr_gain is not None:
+            self.set_gain(self.lr_gain)
+
+    def set_gain(self, gain: float) -> None:
+        """The learning-rate gain the compiled step applies from its next call."""
+        self.lr_gain = float(gain)
+        self.gain_array = jax.device_put(np.float32(gain), NamedSharding(self.mesh, P()))
 
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.model.seq_len
 
-    def make_step(self, cfg: Config | None = None):
+    def make_step(self, cfg: Config | None = None, tx=None):
+        """The train step (not jitted); the layout's own (no ``cfg``, no ``tx``) is built once."""
+        if cfg is None and tx is None:
+            if self._step is None:
+                self._step = make_train_step(self.spec, self.tx, self.cfg, self.mesh, self.cfg.train.steps)
+            return self._step
         cfg = cfg or self.cfg
-        return make_train_step(self.spec, self.tx, cfg, self.mesh, cfg.train.steps)
+        return make_train_step(self.spec, tx or self.tx, cfg, self.mesh, cfg.train.steps)
 
     def compile(self, cfg: Config | None = None, step=None):
         """(ahead-of-time compiled step, seconds it took); ``cfg`` changes what only the
-        step sees (a pipeline's stage split), never the mesh or the batch."""
+        step sees (a pipeline's stage split), never the mesh or the batch; ``step``: another
+        step function for this layout (untuned only: a tuned layout builds its step around
+        the gain argument). The layout's own step (neither given) is compiled once: asked
+        again, it returns that program and 0 seconds."""
+        own = cfg is None and step is None
+        if own and self._compiled is not None:
+            return self._compiled, 0.0
+        if step is not None and self.lr_gain is not None:
+            raise ValueError("a tuned layout compiles its own step around the gain: pass no step")
         t0 = time.perf_counter()
-        fn = jax.jit(step or self.make_step(cfg), in_shardings=(self.shardings, self.batches.sharding),
-                     out_shardings=(self.shardings, None), donate_argnums=0)
+        rep = NamedSharding(self.mesh, P())
+        if self.lr_gain is None:
+            fn = jax.jit(step or self.make_step(cfg), in_shardings=(self.shardings, self.batches.sharding),
+                         out_shardings=(self.shardings, None), donate_argnums=0)
+            args = (self.abstract_state, self.batches.spec())
+        else:
+            # The step is built here, outside any trace (a pipeline's sets its mesh); its
+            # optimizer reads the gain argument of the call being traced.
+            traced = []
+            step = self.make_step(cfg, scale_updates(self.tx, lambda: traced[-1]))
+
+            def gained(state, batch, gain):
+                traced.append(gain)
+                try:
+                    return step(state, batch)
+                finally:
+                    traced.pop()
+
+            fn = jax.jit(gained, in_shardings=(self.shardings, self.batches.sharding, rep),
+                         out_shardings=(self.shardings, None), donate_argnums=0)
+            gain = jax.ShapeDtypeStruct((), np.float32, sharding=rep)
+            args = (self.abstract_state, self.batches.spec(), gain)
         with jax.set_mesh(self.mesh):  # the model's activation constraints read it
-            compiled = fn.lower(self.abstract_state, self.batches.spec()).compile()
+            compiled = fn.lower(*args).compile()
+        if self.lr_gain is not None:
+            compiled = GainedStep(compiled, self)
+        if own:
+            self._compiled = compiled
         return compiled, time.perf_counter() - t0
 
     def eval_fn(self, feed: Feed):
         shardings = (self.spec.storage, feed.val_to_device.sharding)
-        return jax.jit(make_eval_step(self.spec), in_shardings=shardings)
+        if self._eval is None or self._eval[0] != shardings:
+            self._eval = (shardings, jax.jit(make_eval_step(self.spec), in_shardings=shardings))
+        return self._eval[1]
 
 
-def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: float = 1.0) -> Layout:
+def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: float | None = None) -> Layout:
     """Mesh → model spec → optimizer → state shardings for ``cfg`` (nothing allocated).
-    ``factory_for(cfg)`` is the model (or its factory) the config describes."""
+    ``factory_for(cfg)`` is the model (or its factory) the config describes; ``lr_gain``
+    a tuned run's learning-rate gain (None: no tuner, the default step)."""
     mesh = make_mesh(cfg.parallel)
     check_step_config(cfg, mesh)
     with jax.set_mesh(None):  # abstract shapes keep logical names; an ambient mesh would bind them
         example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
         spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed, example)
         spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
-    tx = scale_updates(make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask), lr_gain)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
     shardings = state_shardings_for(spec, tx, mesh)
     return Layout(cfg, mesh, spec, create, tx, shardings, abstract_train_state(spec, tx, mesh, shardings),
                   Batches(mesh, cfg.train.global_batch, cfg.model.seq_len), lr_gain)
@@ -193,13 +264,19 @@ def rebatched(data_state: dict, global_batch: int) -> dict:
 
 
 def switch(state, layout: Layout, feed: Feed, cfg: Config, lr_gain: float, *,
-           factory_for: Callable[[Config], Any], splits: TokenSplits, val_rows: int = 0):
+           factory_for: Callable[[Config], Any], splits: TokenSplits, val_rows: int = 0,
+           reuse: Layout | None = None):
     """Move a running job to ``cfg`` (another candidate's config) with ``lr_gain``.
 
-    Returns (state on the new shardings, new layout, new feed); the old feed is
-    closed. The caller compiles the new layout's step.
+    ``reuse``: the layout this run had for ``cfg`` before (its compiled step is kept:
+    switching back compiles nothing). Returns (state on the new shardings, new layout,
+    new feed); the old feed is closed. The caller compiles the new layout's step.
     """
-    new = build_layout(cfg, factory_for, lr_gain)
+    if reuse is not None:
+        new = reuse
+        new.set_gain(lr_gain)
+    else:
+        new = build_layout(cfg, factory_for, lr_gain)
     # Same devices, another placement: a copy of the same bytes (no arithmetic).
     moved = jax.device_put(state, new.shardings)
     seen = feed.loader.step * feed.loader.global_batch

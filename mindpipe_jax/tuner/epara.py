@@ -25,6 +25,13 @@ candidate, scaled by the current candidate's measured time, so the model's absol
 error cancels. And a switch must pay for itself: the time it saves over the
 remaining steps, at the predicted gain, must exceed what the last compile took.
 
+Two more keep a wrong prediction cheap (the same benchmark later went 16 -> 128 on a
+prediction and trained 100 steps at a batch 3x slower than predicted, then paid a
+recompile to come back): the loop keeps the compiled step of every candidate the
+run has run (the learning-rate gain is an argument of the program, not a constant),
+so going back costs no compile; and ``tuner.probe`` steps after a switch to a
+candidate the run had not run, the tuner decides again on the times it now has.
+
 Without a noise estimate (a pipeline whose halves the runtime cannot keep apart, a
 single microbatch, or too few steps yet) the efficiency of another batch size is
 unknown, so only candidates with the current batch are compared (their efficiency is
@@ -178,6 +185,10 @@ class OnlineTuner:
         self._discard_until = -1  # time of the first step after a (re)compile is not representative
         self.switch_cost_s = 0.0  # what a switch costs: the last compile time the loop reported
         self._times: dict[Candidate, list[float]] = {}  # this run's step times per candidate
+        # Candidates this process has run: the loop keeps their compiled steps, so going
+        # back to one compiles nothing (train/loop.py).
+        self._ran: set[Candidate] = {current}
+        self._probe_at = -1  # the early decision after a switch to an unmeasured candidate
 
     # -- what is compared ------------------------------------------------------
     def _candidates(self) -> list[Candidate]:
@@ -216,14 +227,19 @@ class OnlineTuner:
         """A new step program runs from ``step``: discard the time of its first step.
         ``compile_s``: what compiling it took, the price of the next switch."""
         self._discard_until = step + 1
-        if compile_s is not None and math.isfinite(compile_s) and compile_s >= 0:
+        if compile_s is not None and math.isfinite(compile_s) and compile_s > 0:  # 0: a kept program
             self.switch_cost_s = float(compile_s)
 
     def fetch_due(self, step: int) -> bool:
         return step == self._discard_until or self.due(step)
 
     def due(self, step: int) -> bool:
-        return step >= self.cfg.tuner.warmup and step % self.cfg.tuner.every == 0
+        return step == self._probe_at or (step >= self.cfg.tuner.warmup and step % self.cfg.tuner.every == 0)
+
+    def switch_cost(self, c: Candidate) -> float:
+        """Seconds a switch to ``c`` costs the run: nothing to compile for a candidate it
+        has run (the loop kept that program), else the last compile time."""
+        return 0.0 if c in self._ran else self.switch_cost_s
 
     def observe(self, metrics: list[dict], seconds_per_step: float | None, last_step: int) -> None:
         """Fetched steps' metrics (host values) and their mean measured step time."""
@@ -276,21 +292,23 @@ class OnlineTuner:
         bn = self.b_noise
         anchor = self._anchor()
         now = self.step_time(self.current, anchor)
-        best, best_e = None, math.nan
+        # Reaching the same progress at 1 + gain the rate saves remaining x gain / (1 + gain).
+        remaining = max(self.cfg.train.steps - step, 0) * now if now > 0 else 0.0
+        best, gain, best_t, saves = None, 0.0, math.nan, 0.0
         if now > 0:
-            best_e = now_e = self._entropyput(self.current, now, bn)
+            now_e = self._entropyput(self.current, now, bn)
             for c in self.candidates:
                 if c == self.current or (bn is None and c.global_batch != self.current.global_batch):
                     continue
                 t = self.step_time(c, anchor)
-                if t > 0 and (e := self._entropyput(c, t, bn)) > best_e:
-                    best, best_e, best_t = c, e, t
-        gain = best_e / now_e - 1 if best is not None else 0.0
-        # Reaching the same progress at 1 + gain the rate saves remaining x gain / (1 + gain).
-        remaining = max(self.cfg.train.steps - step, 0) * now if now > 0 else 0.0
-        saves = remaining * gain / (1 + gain) if best is not None else 0.0
-        if best is not None and self.cfg.tuner.amortize and saves <= self.switch_cost_s:
-            best = None  # it would not pay back the recompile before the run ends
+                if not t > 0:
+                    continue
+                g = self._entropyput(c, t, bn) / now_e - 1
+                s = remaining * g / (1 + g) if g > 0 else 0.0
+                # The best candidate that pays back its switch (its compile, if the run has
+                # not run it) before the run ends.
+                if g > gain and (not self.cfg.tuner.amortize or s > self.switch_cost(c)):
+                    best, gain, best_t, saves = c, g, t, s
         index = self.candidates.index(best) if best is not None else -1
         if jax.process_count() > 1:  # every process must make process 0's choice
             from jax.experimental import multihost_utils
@@ -304,8 +322,8 @@ class OnlineTuner:
         eff = (lambda c: efficiency(c.global_batch, bn, self.b0)) if bn is not None else (lambda c: 1.0)
         reason = (f"predicted {best.global_batch / best_t:,.1f} samples/s x efficiency {eff(best):.3f} vs "
                   f"{self.current.global_batch / now:,.1f} x {eff(self.current):.3f} now; saves "
-                  f"~{saves:.1f} s of the remaining {remaining:.1f} s against ~{self.switch_cost_s:.1f} s "
-                  f"to switch")
+                  f"~{saves:.1f} s of the remaining {remaining:.1f} s against "
+                  f"~{self.switch_cost(best):.1f} s to switch")
         rule = self.cfg.tuner.lr_scaling
         # Without a noise estimate only the mesh can change (same batch): the AdaScale rules keep
         # their gain.
@@ -320,6 +338,10 @@ class OnlineTuner:
         self.decisions += 1
         self.note = self._noise_note()
         self.restart(decision.step, compile_s)
+        if self.cfg.tuner.probe and decision.after not in self._ran:  # a prediction: check it soon
+            # (after the first step, whose time is discarded); the same step on every process
+            self._probe_at = decision.step + 1 + self.cfg.tuner.probe
+        self._ran.add(decision.after)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps so ``train.resume=true`` continues as tuned (JSON)."""
