@@ -17,8 +17,9 @@ subnet. Per layout:
 * what a device keeps between steps (its shards of the parameters and the AdamW
   moments, summed over the state's arrays as placed);
 * the compiled step's temporary bytes (XLA's ``memory_analysis``);
-* the bytes a device sends per step (``parallel/collectives.py``, the compiled HLO);
-  (neither for the sliced rows: a step there is several programs, one per pass);
+* the bytes a device sends per step (``parallel/collectives.py``, the compiled HLO).
+  A sliced step is several programs (start, one per pass, finish): its temp is the
+  largest of theirs and its bytes their sum, for the plan of the first draw;
 * the step's wall time: median and spread over ``--repeats`` interleaved rounds of
   ``--steps`` steps (after one warm-up step).
 
@@ -106,7 +107,8 @@ def build(spec, create, layout: dict, semantics: str, options: dict | None = Non
         jax.block_until_ready(state)
         print(f"  {semantics}, sliced: {step.programs} programs for {len(draws)} draws; sizes (width, heads) "
               f"{sorted(set(s for d in draws for s in step.plan(d).sizes))}")
-        return run, None, fresh
+        # Its programs for the first draw's plan (start, one per pass, finish), for the columns.
+        return run, step.compile(fresh(), step.plan(draws[0]), batch), fresh
     if layout.get("pipe", 1) > 1:
         step = PipelinedStep(spec, mesh, par, semantics=semantics, subnets_per_step=K, vmap_width=1,
                              global_batch=BATCH, optim=OPTIM, total_steps=100, **(options or {}))
@@ -168,12 +170,9 @@ def main() -> None:
         where = {}
         for name, (_, compiled, fresh) in built.items():
             t = times[name]
-            if compiled is None:
-                print(f"{name:<34} {stored_bytes(fresh()) / 1e6:>9.2f} MB {'-':>10} {'-':>10} "
-                      f"{np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")
-                continue
-            temp = compiled.memory_analysis().temp_size_in_bytes
-            ops = collectives(compiled.as_text())
+            programs = compiled if isinstance(compiled, list) else [compiled]  # the sliced step: several
+            temp = max(p.memory_analysis().temp_size_in_bytes for p in programs)
+            ops = [op for p in programs for op in collectives(p.as_text())]
             sent = per_device_bytes(ops, 8).get(0, 0.0)
             print(f"{name:<34} {stored_bytes(fresh()) / 1e6:>9.2f} MB {temp / 1e6:>7.2f} MB "
                   f"{sent / 1e6:>7.2f} MB {np.median(t):>12.3f} ({min(t):.3f}-{max(t):.3f})")

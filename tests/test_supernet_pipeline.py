@@ -142,13 +142,11 @@ def test_a_sliced_pass_costs_its_size(spec_create):
     tokens = jax.ShapeDtypeStruct((16, CFG.seq_len), np.int32)
     batch = {"inputs": tokens, "targets": tokens}
     plan = step.plan(SUBNETS)
+    programs = step.lower(state, plan, batch)  # start, one per pass, finish
+    assert len(programs) == plan.num_passes + 2
+    flops = {size: program.cost_analysis()["flops"]
+             for (size, *_), program in zip(plan.passes, programs[1:-1], strict=True)}
     with jax.set_mesh(mesh):
-        rest = jax.eval_shape(step._start, state["params"], state["opt"])[1]
-        rest = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), rest,
-                            {k: v for k, v in step._carry_shardings.items() if k != "params"})
-        carry = {"params": state["params"], **rest}
-        flops = {size: step._pass(size, 1).lower(carry, state["step"], rows, valid, index, used, batch)
-                 .cost_analysis()["flops"] for size, rows, valid, index, used in plan.passes}
         masked = PipelinedStep(spec, mesh, par, semantics="sequential", **sizes)
         one = jax.jit(lambda p, c, b: masked._grads(p, c, masked._micro(b)))
         conditions = jnp.zeros((1, CFG.n_layers, 4))

@@ -180,10 +180,26 @@ class SlicedPipelinedStep(PipelinedStep):
             params = carry.pop("params")
             return self._finish(step, params, carry, plan.used)
 
-    def lower(self, state, plan, batch):
-        raise NotImplementedError("the sliced pipelined step is several programs, compiled on first use")
+    def lower(self, state, plan: SlicedPipelinedPlan, batch) -> list:
+        """The programs a step of ``plan`` runs, in order, lowered for these (possibly
+        abstract) arguments: start, one per pass, finish. (The step itself compiles them
+        on first use; this is for inspection: FLOPs, memory, collectives.)"""
+        with jax.set_mesh(self.mesh):
+            params, opt, step = state["params"], state["opt"], state["step"]
+            programs = [self._start.lower(params, opt)]
+            shapes = jax.eval_shape(self._start, params, opt)
+            carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 {"params": shapes[0], **shapes[1]}, self._carry_shardings)
+            for size, rows, valid, index, used in plan.passes:
+                programs.append(self._pass(size, rows.shape[1]).lower(carry, step, rows, valid, index, used,
+                                                                      batch))
+            rest = {k: v for k, v in carry.items() if k != "params"}
+            programs.append(self._finish.lower(step, carry["params"], rest, plan.used))
+        return programs
 
-    compile = lower
+    def compile(self, state, plan: SlicedPipelinedPlan, batch) -> list:
+        """``lower``'s programs compiled (for inspection; the step runs its own)."""
+        return [program.compile() for program in self.lower(state, plan, batch)]
 
     # --- the programs --------------------------------------------------------------------------
 
