@@ -17,6 +17,8 @@ compared with the same config trained in this single process:
 * a 2-stage 1F1B pipeline across the processes (stage 0 on process 0's
   devices, stage 1 on process 1's), the same comparison;
 * deterministic mode on data=8: bitwise equal;
+* the online tuner switching the batch mid-run: process 0's decision taken by both
+  (the same switch at the same step as one process), then equal to one process;
 * a coordinator port taken by another program: one line and exit 4 on both
   processes, well within the timeout; the coordinator binds the IP address given.
 
@@ -247,6 +249,29 @@ def test_deterministic_mode_is_bitwise_across_processes(tmp_path, cache):
     _finish(_launch([*MH, *DETERMINISTIC, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path))
     single = _single_process(tmp_path, DETERMINISTIC)
     _compare(_state(single, DETERMINISTIC), _state(out, DETERMINISTIC), bitwise=True)
+
+
+# The online tuner with the default step model: a batch not yet run is predicted from
+# the measured one with a fixed overhead share, so the choice depends on the noise
+# estimate only (random synthetic tokens: B_noise ~400-650 here, far above the ~290
+# where B32 starts to beat B16), never on this machine's timing.
+TUNED = ["parallel.data=8", "parallel.tensor=1", "train.grad_accum=2", "tuner.enabled=true",
+         "tuner.batch_sizes=[32]", "tuner.ema=0.5", "tuner.warmup=4", "tuner.every=4", "tuner.threshold=0",
+         "tuner.amortize=false"]
+
+
+def test_a_tuner_switch_is_taken_alike_on_both_processes(tmp_path, cache):
+    """Process 0 decides and broadcasts (``OnlineTuner.decide``): both processes switch to
+    B32 after the same step (a process left at B16 would hang the next collective), and
+    the cluster ends where one process making the same decision ends."""
+    out = tmp_path / "cluster"
+    _finish(_launch([*MH, *TUNED, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path))
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    switched = [(r["step"], r["tuner"]["to"]) for r in records if "tuner" in r]
+    single = _single_process(tmp_path, TUNED)
+    assert switched and switched == [(h["step"], h["tuner"]["to"]) for h in single.history if "tuner" in h]
+    assert switched[0][1].endswith("B32") and records[-1]["tuner/batch"] == 32
+    _compare(_state(single, TUNED), _state(out, TUNED), bitwise=False)
 
 
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_timeout(tmp_path, cache):

@@ -140,7 +140,10 @@ class Layout:
     def set_gain(self, gain: float) -> None:
         """The learning-rate gain the compiled step applies from its next call."""
         self.lr_gain = float(gain)
-        self.gain_array = jax.device_put(np.float32(gain), NamedSharding(self.mesh, P()))
+        # Built from the host value on every process (the mesh may span several; every
+        # process applies process 0's decision, so the value is the same on each).
+        value = np.float32(gain)
+        self.gain_array = jax.make_array_from_callback((), NamedSharding(self.mesh, P()), lambda _: value)
 
     @property
     def tokens_per_step(self) -> int:
