@@ -195,6 +195,39 @@ def test_preconditioner_is_found_only_in_adam_states():
     assert adam_preconditioner(two.init(params), 0.9, 1e-3) is None
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("adam", [True, False])
+def test_fused_statistics_equal_the_per_leaf_ones(stacked, adam):
+    """The train step's ``fused`` statistics (all leaves concatenated, summed by rows)
+    against the same sums leaf by leaf and against float64 numpy: leaves of odd sizes,
+    together more than one row of the fused sum, a stack sharded or not."""
+    rng = np.random.default_rng(3)
+    shapes = {"a": (37,), "b": (5, 301), "c": (2, 3, 7), "d": (1,)}
+    params = {k: jnp.zeros(v, jnp.float32) for k, v in shapes.items()}
+    tx = optax.adamw(1e-3, b2=0.99, eps=1e-6) if adam else optax.sgd(0.1)
+    optim = types.SimpleNamespace(b2=0.99, eps=1e-6)
+    opt = tx.init(params)
+    for _ in range(20):  # settled: at count 20 this gradient is 0.01 / (1 - 0.99**20) = 5.5% of v_hat
+        g = {k: jnp.asarray(rng.normal(size=v), jnp.float32) for k, v in shapes.items()}
+        opt = tx.update(g, opt, params)[1]
+    parts = {k: rng.normal(size=(4, *v)).astype(np.float32) for k, v in shapes.items()}
+    grads = {k: jnp.asarray(v.mean(0)) for k, v in parts.items()}
+    micro = ({k: jnp.asarray(v) for k, v in parts.items()} if stacked
+             else {k: jnp.asarray((v**2).mean(0)) for k, v in parts.items()})
+    fused = noise_statistics(micro, grads, opt, optim, stacked=stacked, fused=True)
+    leafwise = noise_statistics(micro, grads, opt, optim, stacked=stacked)
+    assert set(fused) == set(leafwise) == ({"micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq"}
+                                           if adam else {"micro_grad_sq"})
+    for k in leafwise:
+        assert float(fused[k]) == pytest.approx(float(leafwise[k]), rel=1e-6), k
+    want = np.mean([sum(np.sum(np.float64(v[i]) ** 2) for v in parts.values()) for i in range(4)])
+    assert float(fused["micro_grad_sq"]) == pytest.approx(want, rel=1e-6)
+    if adam:
+        p = {k: np.float64(v) for k, v in adam_preconditioner(opt, 0.99, 1e-6).items()}
+        want = sum(np.sum((np.float64(grads[k]) * p[k]) ** 2) for k in shapes)
+        assert float(fused["precond_grad_sq"]) == pytest.approx(want, rel=1e-6)
+
+
 def test_noise_kind_change_restarts_the_estimate():
     noise = NoiseScale(ema=0.5)
     plain = {"micro_batch": 8, "batch": 16, "micro_grad_sq": 3.0, "grad_norm": math.sqrt(2.0)}
@@ -300,12 +333,15 @@ def test_noise_every_computes_the_statistics_on_every_nth_step_only():
     every1, _ = layout.compile()
     every3, _ = layout.compile(step=layout.make_step(cfg.replace("tuner.noise_every=3")))
     names = ("micro_grad_sq", "precond_micro_grad_sq", "precond_grad_sq")
-    def state_at(step):  # a fresh state at ``step``, with Adam settled (count 99)
+    def state_at(step):  # a fresh state at ``step``, with Adam settled (count 99, v = 1e-4)
         state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
         state["step"] = jax.device_put(jnp.asarray(step, state["step"].dtype), state["step"].sharding)
         clip, (adam, *rest) = state["opt"]
         count = jax.device_put(jnp.int32(99), adam.count.sharding)
-        state["opt"] = (clip, (adam._replace(count=count), *rest))
+        # (with v = 0, as init leaves it, P is ~1/eps wherever this step's gradient is
+        # ~0, and |P g_b|^2 is those few elements' ratios of rounding noise)
+        nu = jax.tree.map(lambda v: jnp.full_like(v, 1e-4), adam.nu)
+        state["opt"] = (clip, (adam._replace(count=count, nu=nu), *rest))
         return state
 
     for step in range(4):

@@ -298,6 +298,9 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
     stats = bool(cfg.tuner.enabled if noise_stats is None else noise_stats) and n_micro >= 2
 
     grad_fn = make_grad_fn(spec, cfg, mesh, stats)
+    # The statistics sum all leaves at once where gradients and moments are whole on
+    # every device (noise_statistics' ``fused``), leaf by leaf where they are sharded.
+    fused = all(s.is_fully_replicated for s in jax.tree.leaves((spec.storage, spec.compute)))
 
     def train_step(state, batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -326,7 +329,7 @@ def make_train_step(spec: ModelSpec, tx, cfg: Config, mesh, total_steps: int,
             if not stacked:  # (a stack stays where it was computed)
                 micro_sq = jax.tree.map(jax.lax.with_sharding_constraint, micro_sq, layout)
             metrics.update(_noise_statistics_every(
-                lambda: noise_statistics(micro_sq, grads, opt, cfg.optim, stacked=stacked),
+                lambda: noise_statistics(micro_sq, grads, opt, cfg.optim, stacked=stacked, fused=fused),
                 state["step"], cfg.tuner.noise_every), micro_batch=jnp.int32(rows // n_micro),
                 batch=jnp.int32(rows))
         return new_state, metrics
