@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.dispatch import throttle
 from mindpipe_jax.supernet.layout import state_shardings
 from mindpipe_jax.supernet.pipelined import PipelinedStep
 from mindpipe_jax.supernet.plan import DATA_AXES, step_waves
@@ -175,8 +176,9 @@ class SlicedPipelinedStep(PipelinedStep):
             step = state["step"]
             params, rest = self._start(state["params"], state["opt"])
             carry = {"params": params, **rest}
-            for size, rows, valid, index, used in plan.passes:
-                carry = self._pass(size, rows.shape[1])(carry, step, rows, valid, index, used, batch)
+            for i, (size, rows, valid, index, used) in enumerate(plan.passes):
+                program = self._pass(size, rows.shape[1])
+                carry = program(throttle(i + 1, carry), step, rows, valid, index, used, batch)
             params = carry.pop("params")
             return self._finish(step, params, carry, plan.used)
 

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.dispatch import throttle
 from mindpipe_jax.supernet.layout import STATE_SPECS, state_shardings, tensor_split
 from mindpipe_jax.supernet.optimizer import adamw, pairwise_sum, reduce_round
 from mindpipe_jax.supernet.plan import (
@@ -195,9 +196,9 @@ class SlicedStep:
         """One step. ``state`` is consumed (its buffers are donated), as with ``jit_step``."""
         subnets = jnp.asarray(plan.subnets)
         carry = self._start(state)  # holds the parameters the rounds read (gathered once)
-        for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
+        for i, (shape, slot_subnet, slot_valid, wave_end) in enumerate(plan.rounds):
             rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
-            carry = self._round(shape)(carry, state["step"], rnd, subnets, batch)
+            carry = self._round(shape)(throttle(i + 1, carry), state["step"], rnd, subnets, batch)
         return self._finish(state["step"], carry, plan.used)
 
     def flops(self, state, plan: SlicedPlan, batch) -> float:

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import Config
 from mindpipe_jax.data import Loader
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.supernet.pipelined import check_pipelined
@@ -216,12 +217,14 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
                 "model": type(spec.module).__name__}
     # Signals stop the loop only where a checkpoint keeps its work.
     signals = StopSignals(jax.process_count() > 1) if ckpt is not None else contextlib.nullcontext()
+    window = DispatchWindow()  # a bounded look-ahead (parallel/dispatch.py: XLA:CPU deadlocks past it)
     try:
         with signals:
             for step in range(start, tr.steps):
                 plan = make_plan(sampler(step))
                 batch = {k: _global_array(v, rows) for k, v in next(loader).items()}
                 state, metrics = step_fn(state, plan, batch)
+                window.push(metrics)
                 waves_sum, since, done = waves_sum + plan.num_waves, since + 1, step + 1
                 stop = signals.reached(done) if ckpt is not None else None
                 if done % tr.log_every == 0 or done == tr.steps:

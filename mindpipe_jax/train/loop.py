@@ -42,6 +42,7 @@ from mindpipe_jax.config import Config, DataConfig
 from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
+from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.train.checkpoint import (
@@ -358,10 +359,12 @@ class _Run:
         # Metrics of the steps not yet seen on the host: fetched together (one sync)
         # at a logging, evaluation, checkpoint or tuner step, so no step is left unchecked.
         pending: list[tuple[int, dict]] = []
+        window = DispatchWindow()  # a bounded look-ahead (parallel/dispatch.py: XLA:CPU deadlocks past it)
         since_log, since_fetch = _Interval(), _Interval()  # step time for the log, for the tuner
         with StopSignals(jax.process_count() > 1) as signals:
             for step in range(start, tr.steps):
                 state, metrics = step_fn(state, layout.batches(next(self.feed.loader)))
+                window.push(metrics)
                 pending.append((step + 1, metrics))
                 since_log.add(layout.tokens_per_step)
                 since_fetch.add(layout.tokens_per_step)
