@@ -92,7 +92,7 @@ VAL_SEQUENCES = 128  # every run evaluates on the same first 128 validation wind
 DEFAULTS = dict(target_loss=1.75, max_seconds=100.0, max_steps=20000, eval_every=10,
                 batches="8,16,32", lrs="1e-3,3e-3,1e-2", fixed_lrs="", ladder="8,16,32,64,128",
                 tuner_every=100, tuner_warmup=100, tuner_threshold=0.1, history_out="",
-                lr_rule="sqrt_adascale", noise_every=1, tuner_probe=20,
+                lr_rule="sqrt_adascale", noise_every=1, tuner_probe=20, tuner_prepare=1,
                 skip_fixed=False, tuner_lr=0.0, online_model="costmodel", repeats=3)
 
 
@@ -124,6 +124,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuner-probe", type=int, default=d["tuner_probe"],
                         help="steps after a switch to an unrun candidate before the tuner decides again "
                              "(tuner.probe; 0 = at the next regular decision)")
+    parser.add_argument("--tuner-prepare", type=int, choices=(0, 1), default=d["tuner_prepare"],
+                        help="1: compile the candidate the tuner is likely to pick next in the background "
+                             "(tuner.prepare)")
     parser.add_argument("--lr-rule", default=d["lr_rule"], choices=tuple(_RULES),
                         help="the online arm's learning-rate rule (tuner.lr_scaling)")
     parser.add_argument("--noise-every", type=int, default=d["noise_every"],
@@ -229,7 +232,8 @@ def run_one(name: str, splits, batch: int, lr: float, args, tmp: Path, tuner: bo
                       f"tuner.every={_opt(args, 'tuner_every')}",
                       f"tuner.warmup={_opt(args, 'tuner_warmup')}",
                       f"tuner.threshold={_opt(args, 'tuner_threshold')}",
-                      f"tuner.probe={_opt(args, 'tuner_probe')}"]
+                      f"tuner.probe={_opt(args, 'tuner_probe')}",
+                      f"tuner.prepare={'true' if _opt(args, 'tuner_prepare') else 'false'}"]
     out_dir = tmp / name.replace(" ", "_")
     watcher = _Watcher(out_dir / "metrics.jsonl", target, max_s)
     watcher.start()
@@ -344,6 +348,9 @@ def _guards(args, cfg, online_model: str) -> list[str]:
             f"noise statistics  : every {_opt(args, 'noise_every')} steps (tuner.noise_every)",
             f"early re-decision : {_opt(args, 'tuner_probe')} steps after a switch to a batch not run before "
             "(tuner.probe; the way back to a batch already run compiles nothing)",
+            f"compile ahead     : {'on' if _opt(args, 'tuner_prepare') else 'off'} (tuner.prepare: the batch "
+            "with the best positive predicted gain that does not switch yet is compiled in a background "
+            "thread; steps timed meanwhile are not used)",
             f"other             : tuner.amortize={tc.amortize} (a switch must pay back its recompile), "
             f"tuner.ema={tc.ema}; measured step times first, unmeasured candidates relative to the "
             "current one"]
@@ -376,7 +383,10 @@ def run_online_comparison(args) -> dict:
           "wall = the whole run incl. set-up and evaluations\n")
     print("### guards (the online tuner's settings)")
     print("Fixed before this run: these are the script's defaults and were not tuned on this run or "
-          "changed after seeing its results. Changed on 2026-12-03, before this evaluation, from what the "
+          "changed after seeing its results. Changed later on 2026-12-03, before this evaluation, from the "
+          "2026-12-03 run's histories (3 compiles of 3-5 s per online run, steps 30% slower with the noise "
+          "statistics): compiling ahead (tuner.prepare, new) and the noise statistics summed over all leaves "
+          "at once. Changed earlier on 2026-12-03, before that evaluation, from what the "
           "histories of the 2026-12-02 run showed (a 16 -> 128 switch kept 100 steps at a batch 3x slower "
           "than predicted; every switch, back ones too, recompiled): the early re-decision after a switch "
           "to a batch not run before (tuner.probe=20, new) and the kept compiled steps (a switch back "

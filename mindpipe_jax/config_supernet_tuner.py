@@ -110,6 +110,10 @@ class TunerConfig:
     the tuner decides again, on the times it has now measured (a prediction that was
     wrong is undone then, not ``every`` steps later; the way back compiles nothing);
     0 = at the next regular decision.
+    ``prepare``: at a decision that keeps the run as it is, compile in a background
+    thread the candidate not yet run with the best positive predicted gain (one that
+    does not yet clear ``threshold`` or pay back its compile), so that when it does, the
+    switch costs no compile; step times measured while it compiles are not used.
     ``noise_every``: the train step computes the noise statistics on every
     ``noise_every``-th step only (the others report NaN, which the estimate skips):
     they cost a few passes over the gradients, which on a small model is a
@@ -133,6 +137,7 @@ class TunerConfig:
     amortize: bool = True
     noise_every: int = 1
     probe: int = 20
+    prepare: bool = True
 
     def __post_init__(self):
         _check_numbers(self, "tuner")

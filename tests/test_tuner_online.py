@@ -126,6 +126,31 @@ def test_a_switch_must_pay_back_its_compile_before_the_run_ends():
     assert tuner_with(0.5 * saves).decide(290) is None
 
 
+def test_a_candidate_that_does_not_pay_back_yet_is_compiled_ahead_then_costs_nothing():
+    cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
+                              "tuner.enabled=true", "tuner.every=10", "tuner.warmup=10", "train.steps=300",
+                              "tuner.batch_sizes=[16, 32, 64, 128]")
+    cur = Candidate(data=8, global_batch=16)
+    model = MeasuredThroughput()
+    for b in (16, 32, 64, 128):
+        model.observe(dataclasses.replace(cur, global_batch=b), 1.0 + 0.01 * b)
+    tuner = OnlineTuner(cfg, cur, 8, step_model=model)
+    tuner.restart(0, 1e6)  # a compile no switch can pay back
+    _feed(tuner, b_noise=100.0, steps=20, b_small=8, b_big=16)
+    assert tuner.decide(10) is None
+    ahead = tuner.to_prepare()  # the best gain, compiled ahead by the loop
+    assert ahead is not None and ahead.global_batch > 16 and tuner.to_prepare() is None  # handed out once
+    tuner.prepared(ahead)
+    assert tuner.switch_cost(ahead) == 0.0
+    d = tuner.decide(20)
+    assert d is not None and d.after == ahead and "against ~0.0 s to switch" in d.reason
+    assert tuner.to_prepare() is None  # a switch names nothing to compile ahead
+    off = OnlineTuner(cfg.replace("tuner.prepare=false"), cur, 8, step_model=model)
+    off.restart(0, 1e6)
+    _feed(off, b_noise=100.0, steps=20, b_small=8, b_big=16)
+    assert off.decide(10) is None and off.to_prepare() is None
+
+
 def test_a_wrong_prediction_is_checked_soon_and_the_way_back_compiles_nothing():
     cfg = mp.Config().replace(*TINY, "train.grad_accum=2", "parallel.data=8", "parallel.tensor=1",
                               "tuner.enabled=true", "tuner.every=100", "tuner.warmup=100", "tuner.probe=20",
@@ -413,6 +438,46 @@ def test_resume_after_a_switch_continues_with_the_switched_config(batch_switch_r
         assert x.tobytes() == y.tobytes()
     assert resumed.history[-1]["loss"] == full.history[-1]["loss"]
     assert resumed.history[-1]["tuner/b_noise"] == full.history[-1]["tuner/b_noise"]
+
+
+class FlipStub(PreferStub):
+    """B32 predicted at 2.2x B16's samples/s the first time it is asked about, 8x after.
+    Times the efficiency ratio eff(32)/eff(16) = (B_noise + 16)/(B_noise + 32), in
+    [0.5, 0.68) for any B_noise under 18 (this run's is ~1), the first decision finds a
+    gain in [0.1, 0.5): positive, below ``tuner.threshold=0.5`` (no switch, B32 compiled
+    ahead); the second one a gain >= 3 (a switch)."""
+
+    def __init__(self):
+        super().__init__(lambda c: False)
+        self.asked = 0
+
+    def step_time(self, c):
+        if c.global_batch != 32:
+            return 1.0
+        self.asked += 1
+        return 2 / (2.2 if self.asked == 1 else 8.0)
+
+
+@pytest.mark.slow
+def test_a_switch_to_a_layout_compiled_ahead_compiles_nothing_and_trains_the_same(tmp_path, capsys):
+    common = (*TINY, "train.steps=12", "train.grad_accum=2", "train.log_every=2", "train.checkpoint_every=0",
+              "tuner.enabled=true", "tuner.every=4", "tuner.warmup=4", "tuner.threshold=0.5", "tuner.ema=0.5",
+              "tuner.batch_sizes=[16, 32]", "parallel.data=8", "parallel.tensor=1", "tuner.amortize=false",
+              "tuner.probe=0")
+    ahead = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'ahead'}",
+                     step_model=FlipStub())
+    out = capsys.readouterr().out
+    assert re.search(r"step 4 \| tuner: compiling .*B32 in the background", out), out
+    decisions = [h for h in ahead.history if "tuner" in h]
+    assert [h["step"] for h in decisions] == [8] and decisions[0]["tuner"]["to"].endswith("B32")
+    assert re.search(r"step 8 \| tuner: B 16 -> 32, .* \| compiled in 0\.0s", out), out  # the prepared one
+    plain = mp.train(None, None, mp.Config(), *common, "tuner.prepare=false",
+                     f"train.out_dir={tmp_path / 'plain'}", step_model=FlipStub())
+    out = capsys.readouterr().out
+    assert "in the background" not in out and not re.search(r"compiled in 0\.0s", out)
+    assert [h["step"] for h in plain.history if "tuner" in h] == [8]
+    for x, y in zip(leaves(ahead.state), leaves(plain.state), strict=True):
+        assert x.tobytes() == y.tobytes()
 
 
 def test_candidate_of_reads_the_real_mesh():

@@ -54,6 +54,7 @@ from mindpipe_jax.train.checkpoint import (
     restore_verified,
 )
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
+from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
@@ -225,12 +226,16 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
     tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model) if cfg.tuner.enabled else None
     ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
+    # candidates compiled ahead in the background (tuner.prepare)
+    preparer = Preparer(factory_for) if tuner is not None and cfg.tuner.prepare else None
 
     def reconfigure(state, layout: Layout, feed, decision):
         ran[decision.before] = layout
+        reuse = ran.get(decision.after)
+        if reuse is None and preparer is not None:
+            reuse = preparer.take(decision.after)
         return switch(state, layout, feed, decision.after.apply(layout.cfg), decision.lr_gain,
-                      factory_for=factory_for, splits=splits, val_rows=val_rows,
-                      reuse=ran.get(decision.after))
+                      factory_for=factory_for, splits=splits, val_rows=val_rows, reuse=reuse)
 
     run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
                skipped=int(saved_meta.get("skipped_steps", 0)))
@@ -238,8 +243,10 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.
         state = run(state, layout, feed, flops=_model_flops_per_token(model, cfg),
-                    tuner=tuner, reconfigure=reconfigure)
+                    tuner=tuner, reconfigure=reconfigure, preparer=preparer)
     finally:
+        if preparer is not None:
+            preparer.close()
         ckpt.close()  # waits for a save in flight: a stop or an error never leaves half a step
         writer.close()
         run.feed.close() if run.feed is not None else feed.close()
@@ -335,7 +342,7 @@ class _Run:
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
-    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None):
+    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None, preparer=None):
         self.layout, self.feed = layout, feed
         tr = layout.cfg.train
         # train_s in each record: seconds since this call began (first compile, steps, tuner
@@ -382,8 +389,12 @@ class _Run:
                     pending.clear()
                     self._check_finite(list(steps), values)
                     if tuner is not None:
-                        tuner.observe(values, since_fetch.per_step(), done)
+                        # (steps timed while a layout compiled alongside ran slower than they do)
+                        quiet = preparer is None or not preparer.busy()
+                        tuner.observe(values, since_fetch.per_step() if quiet else None, done)
                         since_fetch.reset()
+                        for candidate, _ in preparer.finished() if preparer is not None else ():
+                            tuner.prepared(candidate)
                     if log_now:
                         tps = since_log.tokens / since_log.elapsed()
                         record.update({k: float(v) for k, v in values[-1].items() if k != "nonfinite_leaf"})
@@ -408,6 +419,9 @@ class _Run:
                     self.meta["config"] = layout.cfg.to_dict()
                     record.update({"tuner": decision.to_dict(), **tuner.metrics()})
                     say(f"{decision.line()} | compiled in {compile_s:.1f}s")
+                if tune_now and preparer is not None and (ahead := tuner.to_prepare()) is not None:
+                    preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
+                    say(f"step {done} | tuner: compiling {ahead.label()} in the background")
                 if eval_now:
                     with _aside(since_log, since_fetch, clock):  # evaluation is not step time
                         self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)

@@ -188,6 +188,10 @@ class OnlineTuner:
         # Candidates this process has run: the loop keeps their compiled steps, so going
         # back to one compiles nothing (train/loop.py).
         self._ran: set[Candidate] = {current}
+        # Candidates compiled ahead in the background (the loop reports them, ``prepared``):
+        # a switch to one costs no compile either.
+        self._ready: set[Candidate] = set()
+        self._next_up: Candidate | None = None  # what ``to_prepare`` hands the loop
         self._probe_at = -1  # the early decision after a switch to an unmeasured candidate
 
     # -- what is compared ------------------------------------------------------
@@ -238,8 +242,20 @@ class OnlineTuner:
 
     def switch_cost(self, c: Candidate) -> float:
         """Seconds a switch to ``c`` costs the run: nothing to compile for a candidate it
-        has run (the loop kept that program), else the last compile time."""
-        return 0.0 if c in self._ran else self.switch_cost_s
+        has run (the loop kept that program) or compiled ahead (``prepared``), else the
+        last compile time."""
+        return 0.0 if c in self._ran or c in self._ready else self.switch_cost_s
+
+    def to_prepare(self) -> Candidate | None:
+        """The candidate the last decision found most likely to be switched to later
+        (``tuner.prepare``: the best positive predicted gain among candidates neither run
+        nor compiled ahead), once; None if there is none."""
+        c, self._next_up = self._next_up, None
+        return c
+
+    def prepared(self, c: Candidate) -> None:
+        """The loop has compiled ``c`` ahead: a switch to it now costs no compile."""
+        self._ready.add(c)
 
     def observe(self, metrics: list[dict], seconds_per_step: float | None, last_step: int) -> None:
         """Fetched steps' metrics (host values) and their mean measured step time."""
@@ -295,6 +311,7 @@ class OnlineTuner:
         # Reaching the same progress at 1 + gain the rate saves remaining x gain / (1 + gain).
         remaining = max(self.cfg.train.steps - step, 0) * now if now > 0 else 0.0
         best, gain, best_t, saves = None, 0.0, math.nan, 0.0
+        ahead, ahead_gain = None, 0.0  # the best not yet compiled, whatever it saves
         if now > 0:
             now_e = self._entropyput(self.current, now, bn)
             for c in self.candidates:
@@ -309,15 +326,21 @@ class OnlineTuner:
                 # not run it) before the run ends.
                 if g > gain and (not self.cfg.tuner.amortize or s > self.switch_cost(c)):
                     best, gain, best_t, saves = c, g, t, s
+                if g > ahead_gain and c not in self._ran and c not in self._ready:
+                    ahead, ahead_gain = c, g
         index = self.candidates.index(best) if best is not None else -1
+        ahead_index = self.candidates.index(ahead) if ahead is not None else -1
         if jax.process_count() > 1:  # every process must make process 0's choice
             from jax.experimental import multihost_utils
-            index, gain = multihost_utils.broadcast_one_to_all(np.asarray([index, gain], np.float32))
-            index, gain = int(index), float(gain)
+            index, gain, ahead_index = multihost_utils.broadcast_one_to_all(
+                np.asarray([index, gain, ahead_index], np.float32))
+            index, gain, ahead_index = int(index), float(gain), int(ahead_index)
             best = self.candidates[index] if index >= 0 else None
             best_t = self.step_time(best, anchor) if best is not None else math.nan
             saves = max(self.cfg.train.steps - step, 0) * now * gain / (1 + gain)
         if best is None or not gain > self.cfg.tuner.threshold:
+            if self.cfg.tuner.prepare and ahead_index >= 0:
+                self._next_up = self.candidates[ahead_index]
             return None
         eff = (lambda c: efficiency(c.global_batch, bn, self.b0)) if bn is not None else (lambda c: 1.0)
         reason = (f"predicted {best.global_batch / best_t:,.1f} samples/s x efficiency {eff(best):.3f} vs "
@@ -338,6 +361,7 @@ class OnlineTuner:
         self.decisions += 1
         self.note = self._noise_note()
         self.restart(decision.step, compile_s)
+        self._next_up = None  # decided on the old candidate's times
         if self.cfg.tuner.probe and decision.after not in self._ran:  # a prediction: check it soon
             # (after the first step, whose time is discarded); the same step on every process
             self._probe_at = decision.step + 1 + self.cfg.tuner.probe
