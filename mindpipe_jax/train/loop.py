@@ -393,7 +393,7 @@ class _Run:
                         quiet = preparer is None or not preparer.busy()
                         tuner.observe(values, since_fetch.per_step() if quiet else None, done)
                         since_fetch.reset()
-                        for candidate, _ in preparer.finished() if preparer is not None else ():
+                        for candidate in preparer.finished() if preparer is not None else ():
                             tuner.prepared(candidate)
                     if log_now:
                         tps = since_log.tokens / since_log.elapsed()

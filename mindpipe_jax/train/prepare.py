@@ -16,7 +16,6 @@ devices, and their collectives then wait on each other).
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,20 +40,19 @@ class Preparer:
             self._jobs[key] = self._pool.submit(self._build, cfg, lr_gain)
             self._busy_since_check = True
 
-    def _build(self, cfg: Config, lr_gain: float) -> tuple[Layout, float]:
-        t0 = time.perf_counter()
+    def _build(self, cfg: Config, lr_gain: float) -> Layout:
         layout = build_layout(cfg, self.factory_for, lr_gain)
         layout.compile()  # kept by the layout: its ``compile()`` then returns it in 0 s
-        return layout, time.perf_counter() - t0
+        return layout
 
-    def finished(self) -> list[tuple[Any, float]]:
-        """(key, seconds it took) of the compiles done since the last call that succeeded."""
+    def finished(self) -> list:
+        """The keys whose compile succeeded since the last call."""
         done = []
         for key, job in self._jobs.items():
             if key not in self._reported and job.done():
                 self._reported.add(key)
                 if job.exception() is None:
-                    done.append((key, job.result()[1]))
+                    done.append(key)
         return done
 
     def busy(self) -> bool:
@@ -72,7 +70,7 @@ class Preparer:
         self._reported.discard(key)
         if job is None or job.exception() is not None:
             return None
-        return job.result()[0]
+        return job.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
