@@ -26,11 +26,9 @@ While training, the loop also
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +51,7 @@ from mindpipe_jax.train.checkpoint import (
     remove_incomplete,
     restore_verified,
 )
+from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
@@ -260,37 +259,6 @@ def _evaluate(eval_fn, params, feed, mesh) -> float:
     return float(np.mean(_host(losses)))
 
 
-class _Interval:
-    """Steps, tokens and wall time since ``reset``, less the time spent ``aside``
-    (evaluation, checkpoints, reconfiguration: not step time)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.t0, self.steps, self.tokens = time.perf_counter(), 0, 0
-
-    def add(self, tokens: int) -> None:
-        self.steps += 1
-        self.tokens += tokens
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def per_step(self) -> float | None:
-        return self.elapsed() / self.steps if self.steps else None
-
-
-@contextlib.contextmanager
-def _aside(*intervals: _Interval):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        for interval in intervals:
-            interval.t0 += time.perf_counter() - t0
-
-
 def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     """Measure the model's layer costs now and return the balanced stage split."""
     from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
@@ -347,7 +315,7 @@ class _Run:
         tr = layout.cfg.train
         # train_s in each record: seconds since this call began (first compile, steps, tuner
         # switches and recompiles included), less evaluation and checkpoint saving.
-        clock = _Interval()
+        clock = Interval()
         step_fn, compile_s = layout.compile()
         eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
@@ -367,7 +335,7 @@ class _Run:
         # at a logging, evaluation, checkpoint or tuner step, so no step is left unchecked.
         pending: list[tuple[int, dict]] = []
         window = DispatchWindow()  # a bounded look-ahead (parallel/dispatch.py: XLA:CPU deadlocks past it)
-        since_log, since_fetch = _Interval(), _Interval()  # step time for the log, for the tuner
+        since_log, since_fetch = Interval(), Interval()  # step time for the log, for the tuner
         with StopSignals(jax.process_count() > 1) as signals:
             for step in range(start, tr.steps):
                 state, metrics = step_fn(state, layout.batches(next(self.feed.loader)))
@@ -410,7 +378,7 @@ class _Run:
                 # the new layout, loader position and tuner state, so resuming is exact.
                 decision = tuner.decide(done) if tune_now and not stop and done < tr.steps else None
                 if decision is not None:
-                    with _aside(since_log, since_fetch):
+                    with aside(since_log, since_fetch):
                         state, layout, self.feed = reconfigure(state, layout, self.feed, decision)
                         step_fn, compile_s = layout.compile()
                         eval_fn = layout.eval_fn(self.feed)
@@ -423,20 +391,20 @@ class _Run:
                     preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
                     say(f"step {done} | tuner: compiling {ahead.label()} in the background")
                 if eval_now:
-                    with _aside(since_log, since_fetch, clock):  # evaluation is not step time
+                    with aside(since_log, since_fetch, clock):  # evaluation is not step time
                         self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)
                     record["val_loss"] = self.final_val
                 if save_now:
                     meta = {**self.meta, "step": done, "skipped_steps": self.skipped}
                     if tuner is not None:
                         meta["tuner"] = tuner.state_dict()
-                    with _aside(since_log, since_fetch, clock):  # saving is not step time either
+                    with aside(since_log, since_fetch, clock):  # saving is not step time either
                         self.ckpt.save(done, state, self.feed.loader.get_state(), meta, force=bool(stop))
                 par = layout.cfg.parallel
                 if par.repartition_after and done == par.repartition_after and not stop:
                     # The stage split lives only inside the step (storage keeps the [layers]
                     # axis), so moving layers between stages changes no parameter bit.
-                    with _aside(since_log, since_fetch):
+                    with aside(since_log, since_fetch):
                         mesh, cfg = layout.mesh, layout.cfg
                         stages = mesh.shape["pipe"] * par.virtual_stages
                         before = tuple(par.stage_layers) or (cfg.model.n_layers // stages,) * stages
