@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xdist_requeue
 from xla_flags import CHILD, DEFAULT_EMITTERS, FAST
 
 # The tests' models are tiny: compiling dominates their time. Every test process (and
@@ -18,6 +19,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet XLA's C++ warnings i
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_configure(config):
+    xdist_requeue.install(config)  # a crashed worker fails its test, not the whole run
 
 
 @pytest.fixture(scope="session", autouse=True)

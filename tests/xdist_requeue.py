@@ -1,0 +1,41 @@
+"""A worker crash must not hang the test run (pytest-xdist 3.x, ``--dist loadgroup``).
+
+When a worker dies (XLA aborts the process on a collective that times out), xdist's
+scope scheduler puts the dead worker's work units back in the queue, the finished ones
+included. The replacement worker is then handed units with nothing left to run and
+the controller waits for them forever: the suite never ends (CI stopped at its 90
+minutes with one crashed test). Here only what the dead worker had not run goes back,
+less the test that was running when it died, which xdist reports as failed.
+"""
+
+from __future__ import annotations
+
+
+def _requeue_unfinished(self, node):
+    """``LoadScopeScheduling.remove_node``: the test that crashed (None when the worker
+    had nothing left), its unfinished work back in the queue, the other workers fed."""
+    workload = self.assigned_work.pop(node)
+    pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+    if not pending:
+        return None
+    crashed = pending[0]  # xdist runs a unit's tests in order: the first unfinished one
+    for scope, unit in workload.items():
+        left = {nodeid: done or nodeid == crashed for nodeid, done in unit.items()}
+        if not all(left.values()):
+            self.workqueue[scope] = left
+    for other in self.assigned_work:
+        self._reschedule(other)
+    return crashed
+
+
+def install(config) -> None:
+    """Patch the controller's scheduler (workers schedule nothing)."""
+    if hasattr(config, "workerinput"):
+        return
+    try:
+        import xdist
+        from xdist.scheduler.loadscope import LoadScopeScheduling
+    except ImportError:
+        return
+    if xdist.__version__.split(".")[0] == "3":  # the scheduler this replaces
+        LoadScopeScheduling.remove_node = _requeue_unfinished
