@@ -120,8 +120,13 @@ def test_spara_through_the_pipeline_is_the_plain_loop(spec_create, semantics, la
     if sliced:  # tensor2 rounds the heads up to even counts: (64, 3) -> (64, 4), (128, 3) -> (128, 4)
         plan = step.plan(SUBNETS)
         assert len(set(plan.sizes)) == (3 if layout["tensor"] == 2 else 4), plan.sizes
-        # One program per (size, pass length), cached: the second step compiled nothing.
-        assert step.programs == len({(p[0], p[1].shape[1]) for p in plan.passes}) + 2
+        # One program per (size, pass length, depth), cached: the second step compiled nothing.
+        assert step.programs == len({(p[0], p[1].shape[1], p[5]) for p in plan.passes}) + 2
+        # A pass runs its deepest subnet's blocks (depths (1, 2): subnets 1 and 3 run 1 of
+        # the 2, and a sequential pass of either skips stage 1's block).
+        deepest = [max(int(SUBNETS[i, 0]) + 1 for i in p[3].ravel() if i < 4) for p in plan.passes]
+        assert [p[5] for p in plan.passes] == deepest
+        assert semantics != "sequential" or deepest == [2, 1, 2, 1]
     w_in = state["params"]["blocks"]["ffn"]["w_in"]
     assert w_in.addressable_shards[0].data.shape[0] == CFG.n_layers // 2, w_in.sharding.spec
     split = 2 * layout.get("fsdp", 1) * layout.get("tensor", 1)

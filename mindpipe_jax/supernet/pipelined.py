@@ -201,7 +201,7 @@ class PipelinedStep:
         check_pipelined(spec, mesh, par, semantics=semantics, subnets_per_step=subnets_per_step,
                         vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers,
                         deterministic=deterministic, virtual_shards=virtual_shards)
-        self.deterministic = deterministic
+        self.deterministic, self.n_layers = deterministic, n_layers
         if set(spec.abstract_params) != set(PARTS):
             raise ConfigError(f"a supernet through a pipeline has parameters {list(PARTS)} at its top level; "
                               f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
@@ -254,31 +254,35 @@ class PipelinedStep:
 
     # --- the program ---------------------------------------------------------------------------
 
-    def _run_for(self, n: int):
-        """The runtime for a pass of ``n`` subnets (n·m microbatches, n gradient groups)."""
-        if n not in self._runs:
+    def _run_for(self, n: int, depth: int | None = None):
+        """The runtime for a pass of ``n`` subnets (n·m microbatches, n gradient groups)
+        running the first ``depth`` blocks (None: all)."""
+        if depth is not None and depth >= self.n_layers:
+            depth = None
+        if (n, depth) not in self._runs:
             par = self.par
             schedule = get_schedule(par.schedule, self.mesh.shape["pipe"], n * par.microbatches,
                                     par.virtual_stages)
-            self._runs[n] = pipeline_grads(
-                stage_fns(self.spec), schedule, self.mesh, remat=par.stage_remat,
+            self._runs[n, depth] = pipeline_grads(
+                stage_fns(self.spec), schedule, self.mesh, remat=par.stage_remat, active_layers=depth,
                 param_specs=self._param_specs, grad_sync=par.grad_sync_mode,
                 sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                 grad_sync_dtype=par.grad_sync_dtype, fuse_mode=par.fuse_ticks, gradient_groups=n,
                 deterministic=self.deterministic)
-        return self._runs[n]
+        return self._runs[n, depth]
 
-    def _grads(self, params, conditions, micro):
+    def _grads(self, params, conditions, micro, depth: int | None = None):
         """A pass of ``conditions`` (``[n, layers, C]``: n subnets' rows) through the
         pipeline, each subnet on the whole batch as ``microbatches`` microbatches (the
         subnets one after another in the pass): per subnet its mean loss and norm (``[n]``)
         and its clipped gradient (a leading ``[n]`` on every leaf), in the parameters' tree
         (raveled only for the update: a concatenation of leaves split over different axes
-        costs a gather)."""
+        costs a gather). ``depth``: only the first blocks run (every subnet's depth <= it;
+        None: all, past a subnet's depth masked)."""
         n, m = conditions.shape[0], self.microbatches
         rows = {"condition": jnp.repeat(jnp.swapaxes(conditions, 0, 1), m, axis=1)}  # [layers, n·m, C]
         tokens = jax.tree.map(lambda x: jnp.tile(x, (n,) + (1,) * (x.ndim - 1)), micro)
-        loss, g = self._run_for(n)(params["embed"], {"weights": params["blocks"]}, params["head"],
+        loss, g = self._run_for(n, depth)(params["embed"], {"weights": params["blocks"]}, params["head"],
                                    tokens["inputs"], tokens["targets"], rows)
         g = {"blocks": g["blocks"]["weights"], "embed": g["embed"], "head": g["head"]}
         if n == 1:  # one gradient group: the runtime's plain (unbatched) results

@@ -14,19 +14,23 @@ update. Widths and heads below a pass's size are masked inside the slice, as the
 path does, so a subnet's loss and gradient are the masked path's (the same function of
 the same weights; the sums round otherwise).
 
-What is not sliced: **depth**. Every stage holds a fixed share of the blocks and runs
-the same program, so a block past a subnet's depth is still computed and discarded
-(masked) on its stage. A shallow subnet costs its width, not its depth.
+**Depth**: a pass runs only the blocks its deepest subnet runs (``sliced_shape`` has
+one entry per block a subnet runs, its first ones). Every stage keeps its share of the
+blocks; a block past the pass's depth is skipped on its stage (the runtime's
+``active_layers``: a ``cond`` on a count that depends only on the stage), so a shallow
+subnet costs its depth as well as its width. Stages in lockstep (a tensor or subnet axis
+> 1) still compute such a block and drop it, and a skipping pipeline forms its backward
+whole in B and in W (no equation-level split), as for uneven stages.
 
 Programs
 --------
 Host-driven, like ``sliced.py``: a *start* program (the moments unraveled into the
-parameters' tree, once per step), one *pass* program per ``(size, subnets in the pass)``
-met, compiled on first use and cached, and a *finish* program (the update in ``sync``,
+parameters' tree, once per step), one *pass* program per ``(size, subnets in the pass,
+depth)`` met, compiled on first use and cached, and a *finish* program (the update in ``sync``,
 the moments raveled). ``sequential`` runs one pass per subnet, in sampling order, each
 followed by that subnet's own update (the pipeline drains between subnets, as on the
-masked path): its programs are one per size, at most
-``len(width ladder) x len(head ladder)``. ``sync`` groups the step's subnets by size
+masked path): its programs are one per size and depth, at most
+``len(width ladder) x len(head ladder) x len(depths)``. ``sync`` groups the step's subnets by size
 (sizes in order of first appearance) and sends each group through the pipeline in one
 pass, split over the ``subnet`` device groups (padded with a repeat of the group's first
 subnet whose results are dropped): several shorter passes instead of one, each with
@@ -58,6 +62,8 @@ from mindpipe_jax.supernet.spec import SupernetSpec
 __all__ = ["PIPELINE_SLICED_MEMBERS", "SlicedPipelinedPlan", "SlicedPipelinedStep", "pipeline_size",
            "supports_sliced_pipeline"]
 
+# ``sliced_shape`` has one (width, heads) per block the subnet runs, and those are the
+# stack's first blocks: its length is the depth a pass runs to.
 PIPELINE_SLICED_MEMBERS = ("sliced_shape(subnet, levels)", "ladders(levels)", "slice_blocks(blocks, size)")
 
 
@@ -80,9 +86,10 @@ class SlicedPipelinedPlan:
     """A step's passes, decided on the host.
 
     ``passes``: ``(size, rows int32[S, n, genes], valid bool[S, n], index int32[S, n],
-    used bool[*unit_grid])`` in the order they run (``index``: the subnet's position in
-    the step, K for padding; ``used``: the units the pass's update touches, sequential
-    only); ``sizes``: each subnet's size; ``used``: the units any subnet reads."""
+    used bool[*unit_grid], depth)`` in the order they run (``index``: the subnet's
+    position in the step, K for padding; ``used``: the units the pass's update touches,
+    sequential only; ``depth``: the blocks it runs, its deepest subnet's); ``sizes``:
+    each subnet's size; ``used``: the units any subnet reads."""
 
     subnets: np.ndarray
     passes: tuple
@@ -119,7 +126,8 @@ class SlicedPipelinedStep(PipelinedStep):
         widths, heads = module.ladders(levels)
         sizes = len({pipeline_size_of(w, h, self.tensor, widths, heads) for w in widths for h in heads})
         passes_per_size = 1 if self.semantics == "sequential" else self.per_pass
-        self.max_programs = sizes * passes_per_size + 2
+        depths = getattr(module, "depths", None) or range(1, self.n_layers + 1)
+        self.max_programs = sizes * passes_per_size * len(depths) + 2
         self._passes: dict = {}
         params = self._params_layout
         moments = {"mu": params, "nu": params}
@@ -146,6 +154,7 @@ class SlicedPipelinedStep(PipelinedStep):
         units = np.asarray(spec.units(subnets))
         waves = step_waves(self.semantics, units, spec.shares_weights)
         sizes = tuple(pipeline_size(spec.module, s, self.levels, self.tensor) for s in subnets)
+        depths = [len(spec.module.sliced_shape(s, self.levels)) for s in subnets]
         if self.semantics == "sequential":
             members = [(sizes[i], [i]) for i in range(k)]
         else:
@@ -162,12 +171,13 @@ class SlicedPipelinedStep(PipelinedStep):
             index = np.where(valid, padded, k).astype(np.int32)
             used = units[idx].any(0)
             passes.append((size, subnets[padded].reshape(groups_s, n, -1), valid.reshape(groups_s, n),
-                           index.reshape(groups_s, n), used))
+                           index.reshape(groups_s, n), used, max(depths[i] for i in idx)))
         return SlicedPipelinedPlan(subnets, tuple(passes), sizes, waves, units.any(0))
 
     @property
     def programs(self) -> int:
-        """Programs compiled so far: one per (size, pass length) met, plus start and finish."""
+        """Programs compiled so far: one per (size, pass length, depth) met, plus start and
+        finish."""
         return len(self._passes) + 2
 
     def __call__(self, state, plan: SlicedPipelinedPlan, batch):
@@ -176,8 +186,8 @@ class SlicedPipelinedStep(PipelinedStep):
             step = state["step"]
             params, rest = self._start(state["params"], state["opt"])
             carry = {"params": params, **rest}
-            for i, (size, rows, valid, index, used) in enumerate(plan.passes):
-                program = self._pass(size, rows.shape[1])
+            for i, (size, rows, valid, index, used, depth) in enumerate(plan.passes):
+                program = self._pass(size, rows.shape[1], depth)
                 carry = program(throttle(i + 1, carry), step, rows, valid, index, used, batch)
             params = carry.pop("params")
             return self._finish(step, params, carry, plan.used)
@@ -192,9 +202,9 @@ class SlicedPipelinedStep(PipelinedStep):
             shapes = jax.eval_shape(self._start, params, opt)
             carry = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                  {"params": shapes[0], **shapes[1]}, self._carry_shardings)
-            for size, rows, valid, index, used in plan.passes:
-                programs.append(self._pass(size, rows.shape[1]).lower(carry, step, rows, valid, index, used,
-                                                                      batch))
+            for size, rows, valid, index, used, depth in plan.passes:
+                programs.append(self._pass(size, rows.shape[1], depth).lower(carry, step, rows, valid, index,
+                                                                             used, batch))
             rest = {k: v for k, v in carry.items() if k != "params"}
             programs.append(self._finish.lower(step, carry["params"], rest, plan.used))
         return programs
@@ -213,26 +223,27 @@ class SlicedPipelinedStep(PipelinedStep):
             rest["total"] = self._placed(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         return params, rest
 
-    def _pass(self, size, n: int):
-        key = (size, n)
+    def _pass(self, size, n: int, depth: int):
+        key = (size, n, depth)
         if key not in self._passes:
             rep = NamedSharding(self.mesh, P())
             self._passes[key] = jax.jit(
-                partial(self._pass_fn, size), donate_argnums=(0,),
+                partial(self._pass_fn, size, depth), donate_argnums=(0,),
                 in_shardings=(self._carry_shardings, rep, rep, rep, rep, rep, self._rows),
                 out_shardings=self._carry_shardings)
         return self._passes[key]
 
-    def _pass_fn(self, size, carry, step, rows, valid, index, used, batch):
-        """One pass at ``size``: ``rows`` (``[S, n, genes]``) through the pipeline, the S
-        subnet groups vmapped as on the masked path; each subnet's clipped gradient padded
-        back to the stored shapes, then its update (sequential) or added to the step's
-        sum in plan order (sync)."""
+    def _pass_fn(self, size, depth, carry, step, rows, valid, index, used, batch):
+        """One pass at ``size`` running the first ``depth`` blocks: ``rows`` (``[S, n,
+        genes]``) through the pipeline, the S subnet groups vmapped as on the masked path;
+        each subnet's clipped gradient padded back to the stored shapes, then its update
+        (sequential) or added to the step's sum in plan order (sync)."""
         module, params = self.spec.module, carry["params"]
         sliced = {**params, "blocks": module.slice_blocks(params["blocks"], size)}
         conditions = jax.vmap(jax.vmap(module.stage_conditions))(jnp.asarray(rows))  # [S, n, layers, C]
         conditions = lax.with_sharding_constraint(conditions, NamedSharding(self.mesh, P("subnet")))
-        losses, norms, grads = jax.vmap(partial(self._grads, sliced, micro=self._micro(batch)))(conditions)
+        losses, norms, grads = jax.vmap(partial(self._grads, sliced, micro=self._micro(batch),
+                                                depth=depth))(conditions)
         flat = rows.shape[0] * rows.shape[1]
         losses, norms, index, valid = losses.reshape(flat), norms.reshape(flat), index.reshape(flat), \
             valid.reshape(flat)

@@ -125,7 +125,8 @@ def _ordered_results(acc, dims, ends, embed_p, chunks, head_p, *, groups: int, l
 
 
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
-                   layout: StageLayout | None = None, nan_bubbles: bool = False,
+                   layout: StageLayout | None = None, active_layers: int | None = None,
+                   nan_bubbles: bool = False,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
                    fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True,
@@ -140,6 +141,12 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``remat``: one policy per global stage ("none", "dots" or "full", see the
     ``stage.py``), one name for all, or a bool (True = "full" everywhere,
     False = "none" everywhere).
+    ``active_layers``: only the stack's first ``active_layers`` layers run (a shallow
+    subnet, ``supernet/pipelined_sliced.py``): each stage skips its layers past it
+    (``cond`` on a count that depends only on the stage, so every device of the stage
+    takes the same branch; in lockstep they are computed and dropped) and their
+    gradients are zero. Each stage keeps its layers: nothing moves between stages. The
+    backward is then formed whole in B and in W, as for uneven stages.
     ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
     proves idle slots never reach the results.
     ``grad_sync``: when each chunk's gradient is averaged over the batch axes.
@@ -214,7 +221,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
     # uneven stages form the whole vjp in B and in W instead.
     plan = make_plan(schedule, remat, fuse_mode,
-                     split_backward=split_backward and (layout is None or layout.uniform),
+                     split_backward=split_backward and (layout is None or layout.uniform)
+                     and active_layers is None,
                      fuse_cost=fuse_cost)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
@@ -240,8 +248,6 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
         layout = dataclasses.replace(layout, placement=schedule.placement)
-    counts = None if layout is None or layout.uniform else jnp.asarray(layout.counts_array())
-    width = None if layout is None else layout.width
     if lockstep is None:
         lockstep = needs_lockstep(mesh)
     # XLA:CPU starts independent ops in any order per device: with collectives inside
@@ -268,7 +274,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         """Ends' splits of a gradient with a leading group axis."""
         return jax.tree.map(lambda e: fsdp.EndSplit(e.dim + 1, e.axes) if e.axes else e, splits)
 
-    def body(dims, ends, auto_specs, embed_p, blocks_p, head_p, inputs, targets, context):
+    def body(dims, ends, auto_specs, counts, width, embed_p, blocks_p, head_p, inputs, targets, context):
         stage_idx = lax.axis_index(AXIS)
         # Sharded over fsdp (the ends perhaps over pipe too) in storage: gathered once
         # per step here (fsdp.py).
@@ -356,6 +362,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         num_layers = jax.tree.leaves(blocks_p)[0].shape[0]
         stage_layout = layout or StageLayout.even(num_layers, p, v, schedule.placement)
         staged = stage_layout.to_stages(blocks_p)
+        # How many of its layers each chunk runs (None: all of them, the plain scan).
+        skips = active_layers is not None and active_layers < num_layers
+        counts = None if stage_layout.uniform and not skips else \
+            jnp.asarray(stage_layout.counts_array(active_layers if skips else None))
         if block_context is not None and (not stage_layout.uniform or set(block_context) & set(blocks_p)):
             raise ValueError("block_context needs even stages and keys other than blocks_p's")
         context = None if block_context is None else stage_layout.to_stages(block_context)
@@ -378,7 +388,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         auto_specs = {name: None if param_specs is None else jax.tree.map(
             lambda s, stacked=name == "blocks": _auto_spec(s, auto, stacked), param_specs[name],
             is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
-        fn = jax.shard_map(_in_lockstep(partial(body, dims, ends, auto_specs), lockstep), mesh=mesh,
+        fn = jax.shard_map(_in_lockstep(partial(body, dims, ends, auto_specs, counts, stage_layout.width),
+                                        lockstep), mesh=mesh,
                            axis_names=set(MANUAL),
                            in_specs=(spec_e, spec_b, spec_h, rows, rows,
                                      jax.tree.map(lambda _: P(AXIS), context)),

@@ -67,9 +67,14 @@ class StageLayout:
                 out[s, c, :n] = np.arange(start[g], start[g] + n)
         return out
 
-    def counts_array(self) -> np.ndarray:
-        """``[p, v]``: how many layers chunk ``c`` of device ``s`` runs."""
-        return np.asarray([[self.counts[g] for g in row] for row in self._placement()], np.int32)
+    def counts_array(self, depth: int | None = None) -> np.ndarray:
+        """``[p, v]``: how many layers chunk ``c`` of device ``s`` runs; with ``depth``, when
+        only the stack's first ``depth`` layers run (each stage its own layers' prefix)."""
+        runs = np.asarray(self.counts)
+        if depth is not None:
+            start = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+            runs = np.clip(depth - start, 0, runs)
+        return np.asarray([[runs[g] for g in row] for row in self._placement()], np.int32)
 
     def to_stages(self, blocks):
         """[L, ...] -> [p, v, width, ...]."""

@@ -106,28 +106,28 @@ class StageTasks:
         self.seed = _vary(jnp.asarray(1.0 / num_microbatches, jnp.float32))
 
     # ------------------------------------------------------------------ helpers
-    def chunk_params(self, chunk, gathered=None):
-        """Chunk ``chunk``'s layer parameters: ``gathered`` (what the tick gathered for the
-        task, ``fsdp.py``'s per-chunk use) or this device's copy of the stage."""
-        w = _take(self.chunks, chunk) if gathered is None else gathered
+    def chunk_params(self, chunk, layers):
+        """What ``run_layers`` takes for chunk ``chunk``: its ``layers`` (weights, and
+        context rows if any), with the number of them that run where stages are uneven."""
         if self.counts is None:
-            return w
-        return {"w": w, "n": self.counts[self.stage_idx, chunk]}
+            return layers
+        return {"w": layers, "n": self.counts[self.stage_idx, chunk]}
 
     def _params(self, op):
+        """A task's chunk: ``op["params"]`` (what the tick gathered for it, ``fsdp.py``'s
+        per-chunk use) or this device's copy, its microbatch's context rows beside."""
         task = op["task"]
-        params = self.chunk_params(task["chunk"], op.get("params"))
-        if self.context is None:
-            return params
-        rows = jax.tree.map(lambda a: lax.dynamic_index_in_dim(_take(a, task["chunk"]), task["microbatch"],
-                                                               axis=1, keepdims=False), self.context)
-        return {**params, **rows}
+        layers = _take(self.chunks, task["chunk"]) if op.get("params") is None else op["params"]
+        if self.context is not None:
+            layers = {**layers, **jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+                _take(a, task["chunk"]), task["microbatch"], axis=1, keepdims=False), self.context)}
+        return self.chunk_params(task["chunk"], layers)
 
     def weights(self, d_c):
         """The weights' part of a chunk's cotangent: without the (float0) cotangent of the
         layer count, or the context rows'."""
         if self.counts is not None:
-            return d_c["w"]
+            d_c = d_c["w"]
         return d_c if self.context is None else {k: d_c[k] for k in self.example}
 
     def zero_grads(self):
