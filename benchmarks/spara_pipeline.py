@@ -11,7 +11,7 @@ in one pass); ``sequential`` on pipe=2 x fsdp=4 with the weights kept split over
 into the pipeline (gathered once per step on their stage, gradients reduce-scattered)
 and, beside it, handed to the pipeline whole; and, on pipe=2 x data=4, both semantics
 on the pipeline's sliced path (``pipelined_sliced.py``: each pass at its subnets' FFN
-width and heads, rounded to the ladder; depth masked). 1F1B with 4 microbatches per
+width and heads, rounded to the ladder, and only to its deepest subnet's depth). 1F1B with 4 microbatches per
 subnet. Per layout:
 
 * what a device keeps between steps (its shards of the parameters and the AdamW

@@ -19,8 +19,9 @@ one entry per block a subnet runs, its first ones). Every stage keeps its share 
 blocks; a block past the pass's depth is skipped on its stage (the runtime's
 ``active_layers``: a ``cond`` on a count that depends only on the stage), so a shallow
 subnet costs its depth as well as its width. Stages in lockstep (a tensor or subnet axis
-> 1) still compute such a block and drop it, and a skipping pipeline forms its backward
-whole in B and in W (no equation-level split), as for uneven stages.
+> 1) still compute such a block and drop it. A skipping pipeline forms its backward
+whole in B and in W (no equation-level split), as for uneven stages, so under a schedule
+with W tasks (ZB-H1, ZB-V) every pass runs all blocks, masked.
 
 Programs
 --------
@@ -88,7 +89,8 @@ class SlicedPipelinedPlan:
     ``passes``: ``(size, rows int32[S, n, genes], valid bool[S, n], index int32[S, n],
     used bool[*unit_grid], depth)`` in the order they run (``index``: the subnet's
     position in the step, K for padding; ``used``: the units the pass's update touches,
-    sequential only; ``depth``: the blocks it runs, its deepest subnet's); ``sizes``:
+    sequential only; ``depth``: the blocks it runs, its deepest subnet's, or all under a
+    schedule with W tasks); ``sizes``:
     each subnet's size; ``used``: the units any subnet reads."""
 
     subnets: np.ndarray
@@ -171,7 +173,8 @@ class SlicedPipelinedStep(PipelinedStep):
             index = np.where(valid, padded, k).astype(np.int32)
             used = units[idx].any(0)
             passes.append((size, subnets[padded].reshape(groups_s, n, -1), valid.reshape(groups_s, n),
-                           index.reshape(groups_s, n), used, max(depths[i] for i in idx)))
+                           index.reshape(groups_s, n), used,
+                           max(depths[i] for i in idx) if self.skips_depth else self.n_layers))
         return SlicedPipelinedPlan(subnets, tuple(passes), sizes, waves, units.any(0))
 
     @property
