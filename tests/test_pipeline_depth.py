@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from byom_models import Llama, reference_grads, tokens
+from flax import nnx
 from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
 
 from mindpipe_jax.config import ParallelConfig
@@ -49,3 +51,31 @@ def test_the_layers_that_run_are_each_stages_own_prefix():
     np.testing.assert_array_equal(layout.counts_array(5), [[2, 1], [2, 0]])
     np.testing.assert_array_equal(layout.counts_array(8), layout.counts_array())
     np.testing.assert_array_equal(StageLayout((1, 3), 2, 1).counts_array(2), [[1], [1]])
+
+
+def test_a_grouped_query_attention_model_the_project_did_not_design():
+    """A Llama-shaped model (``byom_models``: RMSNorm, rotary, 4 heads sharing one kv
+    head) through 1F1B on pipe2 x data4 running 3 of its 4 blocks, against plain
+    ``jax.value_and_grad`` of the same model built with 3 blocks and those weights."""
+    layers, depth, m = 4, 3, 4
+    model = Llama(layers=layers, heads=4, kv_heads=1, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    shallow = Llama(layers=depth, heads=4, kv_heads=1, rngs=nnx.Rngs(1))
+    state = nnx.state(shallow, nnx.Param)
+    nnx.replace_by_pure_dict(state, {**params, "blocks": jax.tree.map(lambda x: x[:depth], params["blocks"])})
+    nnx.update(shallow, state)
+    batch = tokens(3, 16)
+    ref_loss, ref_grads = reference_grads(shallow, batch)
+    mesh = make_mesh(ParallelConfig(pipe=2, data=4, tensor=1))
+    run = pipeline_grads(stage_fns(model), get_schedule("1f1b", 2, m), mesh, remat=False, active_layers=depth)
+    split = lambda x: x.reshape(m, -1, x.shape[-1])  # noqa: E731
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], split(batch["inputs"]),
+                                   split(batch["targets"]))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for name in ("embed", "head"):
+        for got, want in zip(jax.tree.leaves(grads[name]), jax.tree.leaves(ref_grads[name]), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(ref_grads["blocks"]), strict=True):
+        np.testing.assert_allclose(got[:depth], want, rtol=1e-5, atol=1e-6)
+        assert not np.any(np.asarray(got[depth:]))
