@@ -386,3 +386,34 @@ def test_a_ctrl_c_python_cannot_raise_is_recorded_not_printed():
     finally:
         sys.unraisablehook = previous
     assert [r.exc_type for r in reports] == [ValueError]  # other reports still reach the old hook
+
+
+def test_a_ctrl_c_while_the_last_save_is_written_lets_it_finish(tmp_path, monkeypatch):
+    """The loop is over and its last checkpoint is being written: a Ctrl-C then (seen in a
+    CLI run whose 50 steps ended before the test's signal) raised KeyboardInterrupt out of
+    the wait, exit 130 with orbax's traceback and the save half written. Now the save
+    finishes and the run ends as a stop would; a second Ctrl-C stops the wait at once."""
+    from mindpipe_jax.train.signals import FinalSave
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("this test process has its own SIGINT handler")
+    original = Checkpointer.close
+
+    def close_after_a_ctrl_c(self):
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the last save is waited for
+        original(self)
+
+    monkeypatch.setattr(Checkpointer, "close", close_after_a_ctrl_c)
+    out = tmp_path / "run"
+    try:
+        result = mp.train(None, None, mp.Config(), *HERE, "train.steps=4", "train.checkpoint_every=2",
+                          f"train.out_dir={out}")
+    except KeyboardInterrupt:  # failed here, not as an interrupt of the whole test session
+        pytest.fail("a Ctrl-C during the last save escaped the run")
+    assert result.step == 4
+    assert committed_steps(out / "checkpoints") == [2, 4]
+    with pytest.raises(KeyboardInterrupt), FinalSave() as final:
+        signal.raise_signal(signal.SIGINT)
+        assert final.received == "SIGINT"
+        signal.raise_signal(signal.SIGINT)  # asked twice
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -81,7 +81,7 @@ from mindpipe_jax.train.checkpoint import (
 )
 from mindpipe_jax.train.metrics import MetricsWriter
 from mindpipe_jax.train.rundir import hold_run_dir
-from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
+from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -252,11 +252,12 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
                         f"(mindpipe supernet ... --resume)")
                     break
     finally:
-        if ckpt is not None:
-            ckpt.close()  # waits for the save in flight: an error never leaves half a step
-        if writer is not None:
-            writer.close()
-        loader.close()
+        with FinalSave(jax.process_count() > 1):  # the loop is over: a Ctrl-C now lets this finish
+            if ckpt is not None:
+                ckpt.close()  # waits for the save in flight: an error never leaves half a step
+            if writer is not None:
+                writer.close()
+            loader.close()
     result = None
     if search and stopped is None:
         result = search_subnets(spec, state["params"], splits, cfg, mesh)

@@ -56,7 +56,7 @@ from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flo
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
 from mindpipe_jax.train.rundir import hold_run_dir
-from mindpipe_jax.train.signals import StartupInterrupts, StopSignals, raise_if_interrupted
+from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
@@ -244,11 +244,12 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         state = run(state, layout, feed, flops=_model_flops_per_token(model, cfg),
                     tuner=tuner, reconfigure=reconfigure, preparer=preparer)
     finally:
-        if preparer is not None:
-            preparer.close()
-        ckpt.close()  # waits for a save in flight: a stop or an error never leaves half a step
-        writer.close()
-        run.feed.close() if run.feed is not None else feed.close()
+        with FinalSave(jax.process_count() > 1):  # the loop is over: a Ctrl-C now lets this finish
+            if preparer is not None:
+                preparer.close()
+            ckpt.close()  # waits for a save in flight: a stop or an error never leaves half a step
+            writer.close()
+            run.feed.close() if run.feed is not None else feed.close()
     return TrainResult(state, run.history, out_dir, ckpt_dir, run.final_val, run.layout.cfg,
                        run.layout.mesh, stopped=run.stopped, skipped_steps=run.skipped)
 
