@@ -63,36 +63,6 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
-class FinalSave:
-    """While a run waits for its last save to be written (its loop is over): a first
-    SIGINT or SIGTERM is noted (``received``) and the wait goes on, since the save is what
-    a stop would have asked for; a second Ctrl-C raises ``KeyboardInterrupt`` at once.
-    Without it the start-up handler, back in place once the loop's ``StopSignals`` exit,
-    turned a Ctrl-C there into exit 130 with the save half written. Several processes:
-    SIGINT only (SIGTERM stays with JAX's preemption service). Main thread only; the
-    handlers are put back on exit."""
-
-    def __init__(self, multi_process: bool = False):
-        self.multi = multi_process
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # asked twice: stop waiting
-        self.received = signal.Signals(signum).name
-
-
 class StopSignals:
     """SIGTERM and SIGINT ask the loop to stop after the current step with a checkpoint.
 
@@ -112,11 +82,14 @@ class StopSignals:
 
     def __enter__(self):
         raise_if_interrupted()  # a start-up Ctrl-C that was swallowed: stop before the loop
+        self._install()
+        return self
+
+    def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             ours = (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM)
             for sig in ours:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        return self
 
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():
@@ -140,3 +113,26 @@ class StopSignals:
         except RuntimeError:  # the preemption service is switched off
             pass
         return None
+
+
+class FinalSave(StopSignals):
+    """While a run waits for its last save to be written (its loop is over): a first
+    SIGINT or SIGTERM is noted (``received``) and the wait goes on, since the save is what
+    a stop would have asked for; a second Ctrl-C raises ``KeyboardInterrupt`` at once.
+    Without it the start-up handler, back in place once the loop's ``StopSignals`` exit,
+    turned a Ctrl-C there into exit 130 with the save half written. Several processes:
+    SIGINT only (SIGTERM stays with JAX's preemption service), and nothing is passed on
+    to it, since there is no later step to agree on. Main thread only; the handlers are
+    put back on exit."""
+
+    def __init__(self, multi_process: bool = False):
+        super().__init__(multi_process)
+
+    def __enter__(self):
+        self._install()  # a start-up Ctrl-C was already raised when the loop began
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop waiting
+        self.received = signal.Signals(signum).name
