@@ -133,6 +133,61 @@ def test_spearman():
     assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
+def _tune_on_a_synthetic_machine(monkeypatch, truth, **kw):
+    """``tune`` end to end with trials timed by ``truth(candidate)`` (seconds) and every
+    candidate feasible: the search's own logic, without compiling anything."""
+    from mindpipe_jax.tuner import tune as tune_module
+    from mindpipe_jax.tuner.aot import Feasibility
+
+    class SyntheticTrial:
+        def __init__(self, cfg, cand, **_):
+            self.candidate, self.times = cand, []
+
+        def run(self, steps, record=True):
+            self.times += [truth(self.candidate)] * steps
+
+        @property
+        def median(self):
+            return float(np.median(self.times))
+
+    class AllFit:
+        hits = misses = 0
+
+        def __init__(self, path=None):
+            pass
+
+        def check(self, cfg, cand, budget_bytes, model=None, devices=None):
+            return Feasibility(cand, True, peak_bytes=1.0)
+
+    monkeypatch.setattr(tune_module, "Trial", SyntheticTrial)
+    monkeypatch.setattr(tune_module, "FeasibilityCache", AllFit)
+    cm = _synthetic_model()
+    return tune_module.tune(TINY, hardware=cm.hw, costs=cm.costs, log=lambda line: None, **kw)
+
+
+def test_the_tuner_tries_every_batch_in_contention_before_it_decides(monkeypatch):
+    """A machine where the calibration is right at B8 and 2.2x too slow at B64 (bigger
+    matmuls run faster, as on this CPU): trials at B8 alone confirm the model, so a search
+    that only measures its best prediction keeps B8. One trial of B64 (predicted at 0.59x
+    B8's entropyput, within ``explore=0.5``) finds it is the best."""
+    prior = _synthetic_model()
+
+    def truth(c):
+        return prior.step_time(c) * (1.0 if c.global_batch == 8 else 0.45)
+
+    kw = dict(b_noise=40.0, b0=8, global_batches=(8, 64), axes=("data", "tensor"), microbatches=(1,),
+              remats=("none",), measure=2)
+    greedy = _tune_on_a_synthetic_machine(monkeypatch, truth, explore=0.0, **kw)
+    assert {r.candidate.global_batch for r in greedy.rows if r.measured_s} == {8}
+    assert greedy.best.candidate.global_batch == 8
+    exploring = _tune_on_a_synthetic_machine(monkeypatch, truth, explore=0.5, **kw)
+    assert [r.candidate.global_batch for r in exploring.rows if r.measured_s] == [64, 8]
+    assert exploring.best.candidate.global_batch == 64
+    # A batch predicted far below the best is not worth a trial.
+    narrow = _tune_on_a_synthetic_machine(monkeypatch, truth, explore=0.9, **kw)
+    assert {r.candidate.global_batch for r in narrow.rows if r.measured_s} == {8}
+
+
 @pytest.mark.slow
 def test_cost_model_ranks_layouts_it_has_not_run_after_two_trials():
     """What the offline tuner relies on: the calibrated model, refitted on two trials (one

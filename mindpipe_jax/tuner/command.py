@@ -72,7 +72,8 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
     p.add_argument("--max-compile", metavar="N", default="8",
                    help="candidates to compile for the memory check, best predicted first (default: 8)")
     p.add_argument("--measure", metavar="N", default="3",
-                   help="feasible candidates to run for real, best predicted first (default: 3)")
+                   help="feasible candidates to run for real, best predicted first, after one trial of each "
+                        "global batch predicted within 2x of the best (default: 3)")
     p.add_argument("--trial-steps", metavar="N", default=None,
                    help="timed steps per trial; the median counts (default: 5; with --supernet: "
                         "steps trained per trial, 40, of which the first 5 are not timed)")

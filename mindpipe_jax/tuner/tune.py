@@ -3,7 +3,8 @@ the top few → rank by entropyput.
 
 ``tune`` ranks every valid candidate of the space by predicted entropyput
 (samples/s × statistical efficiency of its batch). Then, ``measure`` times, it
-takes the best-predicted candidate not yet measured, compiles it on abstract
+takes the next candidate not yet measured (the best predicted, after one trial of
+each global batch still in contention: ``trial_order``), compiles it on abstract
 shapes (an infeasible one — over the memory budget, or refused by the compiler —
 is skipped with its reason), runs it for a few real steps and feeds the time
 back into the cost model, which re-predicts every row before the next pick.
@@ -95,6 +96,32 @@ class TuneResult:
         return "\n".join(lines)
 
 
+def trial_order(rows: Sequence[Row], explore: float) -> list[Row]:
+    """The rows not yet measured (and not known infeasible) in the order trials take them.
+
+    Greedy by predicted entropyput, except that a global batch no trial has run yet
+    comes first while its best row predicts at least ``explore`` x the best entropyput
+    known (a measured one or a prediction). Why: the efficiency of a batch is known from
+    the noise scale, but how its step time grows with the batch is the cost model's
+    weakest part (a per-row cost and a fixed per-step cost that trials at one batch
+    cannot tell apart; in the memory-bound benchmark the calibrated model put B64 at
+    1.3-1.7x its measured time). One trial per contending batch lets the refit learn that
+    before the batch is decided."""
+    live = [r for r in rows if r.measured_s is None and (r.feasibility is None or r.feasibility.fits)]
+    live.sort(key=lambda r: -r.predicted_entropyput)
+    if not live or explore <= 0:
+        return live
+    known = [r.measured_entropyput for r in rows if r.measured_s is not None]
+    top = max(known + [live[0].predicted_entropyput])
+    tried = {r.candidate.global_batch for r in rows if r.measured_s is not None}
+    best_of: dict[int, float] = {}
+    for r in live:
+        best_of.setdefault(r.candidate.global_batch, r.predicted_entropyput)
+    contenders = {b for b, e in best_of.items() if b not in tried and e >= explore * top}
+    return ([r for r in live if r.candidate.global_batch in contenders]
+            + [r for r in live if r.candidate.global_batch not in contenders])
+
+
 def _factory(model):
     """A user's model as a factory for the cost measurement (None: cfg.model's GPT)."""
     if model is None or not isinstance(model, nnx.Module):
@@ -109,17 +136,20 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
          microbatches: Sequence[int] = (1, 2, 4), schedules: Sequence[str] = ("1f1b", "interleaved"),
          virtual_stages: Sequence[int] = (1, 2), remats: Sequence[str] = ("none", "full"),
          max_compile: int = 8, measure: int = 3, trial_steps: int = 5, rounds: int = 3,
-         b_noise: float | None = None,
+         explore: float = 0.5, b_noise: float | None = None,
          b0: int | None = None, model=None, cache_path: str | None = None, hardware: Hardware | None = None,
          costs: ModelCosts | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Search the space of ``cfg``'s model on ``num_devices`` devices (default: all).
-    ``axes`` default: data, fsdp, tensor, pipe, and expert for an MoE model."""
+    ``axes`` default: data, fsdp, tensor, pipe, and expert for an MoE model.
+    ``explore``: see ``trial_order`` (0 measures strictly by prediction)."""
     devices = jax.devices()
     n = num_devices or len(devices)
     if n > len(devices):
         raise ConfigError(f"tune: num_devices={n} but only {len(devices)} devices are present")
     if max_compile < 1 or measure < 0:
         raise ConfigError(f"tune: max_compile={max_compile} must be >= 1 and measure={measure} >= 0")
+    if not 0 <= explore <= 1:
+        raise ConfigError(f"tune: explore={explore} must be between 0 and 1")
     devices = devices[:n]
     if axes is None:
         axes = ("data", "fsdp", "tensor", "pipe") + (("expert",) if cfg.model.n_experts else ())
@@ -150,11 +180,9 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     compiled = 0
 
     def next_feasible() -> Row | None:
-        """The best-predicted row not yet measured that compiles within the budget."""
+        """The next row to measure (``trial_order``) that compiles within the budget."""
         nonlocal compiled
-        for row in sorted(rows, key=lambda r: -r.predicted_entropyput):
-            if row.measured_s is not None or (row.feasibility is not None and not row.feasibility.fits):
-                continue
+        for row in trial_order(rows, explore):
             if row.feasibility is None:
                 if compiled >= max_compile:
                     return None
@@ -166,7 +194,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
             return row
         return None
 
-    # Measure one candidate at a time, each the best the model predicts after the
+    # Measure one candidate at a time, each the next in ``trial_order`` after the
     # trials so far (a trial can reorder the rest: it recalibrates the model).
     trials: dict[int, Trial] = {}
     for _ in range(measure):
