@@ -20,9 +20,14 @@ from mindpipe_jax.parallel.pipeline.runtime import StageLayout, pipeline_grads
 # leaves stage 1 with nothing to run. tensor=2 runs the stages in lockstep (skipped
 # layers computed and dropped); the others skip them under a cond.
 DATA = dict(data=-1, tensor=1)
+# The zero-bubble schedules split the backward at the equation level (B, then W) and
+# skip the same layers in both.
 CASES = [("1f1b", 4, 1, 3, DATA, False), ("1f1b", 4, 1, 1, DATA, True), ("zb-h1", 4, 1, 3, DATA, True),
+         ("zb-h1", 4, 1, 3, DATA, False), ("zb-h1", 4, 1, 1, dict(data=2, tensor=2), False),
+         ("zbv", 4, 2, 5, DATA, False),
          ("interleaved", 4, 2, 5, DATA, False), ("1f1b", 4, 1, 3, dict(data=2, tensor=2), True)]
-IDS = ["1f1b-d3", "1f1b-d1-remat", "zbh1-d3-remat", "interleaved-v2-d5", "1f1b-d3-tensor2"]
+IDS = ["1f1b-d3", "1f1b-d1-remat", "zbh1-d3-remat", "zbh1-d3", "zbh1-d1-tensor2", "zbv-d5",
+       "interleaved-v2-d5", "1f1b-d3-tensor2"]
 
 
 @pytest.mark.parametrize("name,m,v,depth,axes,remat", CASES, ids=IDS)
@@ -79,3 +84,25 @@ def test_a_grouped_query_attention_model_the_project_did_not_design():
     for got, want in zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(ref_grads["blocks"]), strict=True):
         np.testing.assert_allclose(got[:depth], want, rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(got[depth:]))
+
+
+def test_zero_bubble_skips_layers_inside_the_split_backward(monkeypatch):
+    """ZB-H1 with a shallow depth keeps its equation-level B/W split (``bwsplit.ChunkSplit``
+    with a layer count): the F, the B and the W each gate their layers on the count,
+    rather than B and W each forming the whole vjp (about a full backward per W)."""
+    from mindpipe_jax.parallel.pipeline.runtime import bwsplit
+
+    gated = []
+    gate = bwsplit.ChunkSplit._gate
+
+    def recording(self, on, run, skip):
+        gated.append(type(skip).__name__)  # F and B skip to (h, zeros), W to zero gradients
+        return gate(self, on, run, skip)
+    monkeypatch.setattr(bwsplit.ChunkSplit, "_gate", recording)
+    model, params = tiny_gpt(4)
+    inputs, targets = microbatches(7, 4)
+    mesh = make_mesh(ParallelConfig(pipe=2, **DATA))
+    run = pipeline_grads(stage_fns(model), get_schedule("zb-h1", 2, 4), mesh, remat=False, active_layers=3)
+    with jax.set_mesh(mesh):
+        jax.jit(run).lower(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert gated.count("tuple") >= 2 and "list" in gated, gated

@@ -36,13 +36,16 @@ def test_pipeline_composes_with_data_and_tensor(axes, remat):
     check_pipeline_grads("1f1b", 2, 4, 1, ParallelConfig(pipe=2, **axes), remat=remat)
 
 
-@pytest.mark.parametrize("counts,remat", [((1, 3), False), ((0, 2, 1, 1), True)],
-                         ids=["p2-1+3-residual", "p4-0+2+1+1-remat"])
-def test_uneven_stages(counts, remat):
-    # Fewer blocks where embed/head live; an empty stage only passes activations on.
-    p = len(counts)
-    check_pipeline_grads("1f1b", p, p, 1, ParallelConfig(pipe=p, data=-1, tensor=1), remat=remat,
-                         layout=StageLayout(counts, p, 1))
+@pytest.mark.parametrize("name,counts,v,remat", [
+    ("1f1b", (1, 3), 1, False), ("1f1b", (0, 2, 1, 1), 1, True),
+    ("zb-h1", (1, 3), 1, False), ("zb-h1", (3, 1), 1, True), ("zbv", (1, 2, 2, 1), 2, False),
+], ids=["p2-1+3-residual", "p4-0+2+1+1-remat", "zbh1-p2-1+3", "zbh1-p2-3+1-remat", "zbv-p2-1+2+2+1"])
+def test_uneven_stages(name, counts, v, remat):
+    # Fewer blocks where embed/head live; an empty stage only passes activations on. The
+    # zero-bubble schedules split the backward (B, then W) with each stage's layer count.
+    p = len(counts) // v
+    check_pipeline_grads(name, p, 2 * p, v, ParallelConfig(pipe=p, data=-1, tensor=1), remat=remat,
+                         layout=StageLayout(counts, p, v))
 
 
 @pytest.mark.parametrize("name,p,m,v,remat", [

@@ -87,7 +87,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig, ParallelConfig
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline import Kind, get_schedule
+from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.runtime import StageFns, pipeline_grads
 from mindpipe_jax.supernet.layout import compute_shardings, param_shardings, state_shardings
 from mindpipe_jax.supernet.optimizer import adamw_tree, clip
@@ -202,11 +202,6 @@ class PipelinedStep:
                         vmap_width=vmap_width, global_batch=global_batch, n_layers=n_layers,
                         deterministic=deterministic, virtual_shards=virtual_shards)
         self.deterministic, self.n_layers = deterministic, n_layers
-        # Blocks past a shallow pass's depth are skipped only where no task splits the
-        # backward: a pipeline that skips forms it whole in B and in W (``active_layers``),
-        # which costs ZB-H1 more than the skipped blocks save.
-        table = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages).table
-        self.skips_depth = not any(t is not None and t.kind is Kind.W for row in table for t in row)
         if set(spec.abstract_params) != set(PARTS):
             raise ConfigError(f"a supernet through a pipeline has parameters {list(PARTS)} at its top level; "
                               f"{type(spec.module).__name__} has {sorted(spec.abstract_params)}")
@@ -262,7 +257,7 @@ class PipelinedStep:
     def _run_for(self, n: int, depth: int | None = None):
         """The runtime for a pass of ``n`` subnets (n·m microbatches, n gradient groups)
         running the first ``depth`` blocks (None: all)."""
-        if depth is not None and (depth >= self.n_layers or not self.skips_depth):
+        if depth is not None and depth >= self.n_layers:
             depth = None
         if (n, depth) not in self._runs:
             par = self.par

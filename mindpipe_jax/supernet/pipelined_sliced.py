@@ -174,7 +174,7 @@ class SlicedPipelinedStep(PipelinedStep):
             used = units[idx].any(0)
             passes.append((size, subnets[padded].reshape(groups_s, n, -1), valid.reshape(groups_s, n),
                            index.reshape(groups_s, n), used,
-                           max(depths[i] for i in idx) if self.skips_depth else self.n_layers))
+                           max(depths[i] for i in idx)))
         return SlicedPipelinedPlan(subnets, tuple(passes), sizes, waves, units.any(0))
 
     @property

@@ -156,21 +156,26 @@ class PieceSplit:
         return None, list(outs)
 
     def w(self, params, kept, cut):
-        return self._dparams(self._w_fn(*self._w_args(params, kept), *cut))
+        return self.dparams(self.w_flat(params, kept, cut))
+
+    def w_flat(self, params, kept, cut) -> list:
+        """W's gradients of the inexact parameter leaves, flat (``dparams`` makes the tree)."""
+        return list(self._w_fn(*self._w_args(params, kept), *cut))
 
     # -- helpers -------------------------------------------------------------------
     def fused(self, params, kept, dy):
         """(dh, dparams) from the unsplit backward: the reference and the cost baseline."""
         outs = self._fused_fn(*jax.tree_util.tree_leaves(params), *kept, dy)
         if self.has_dh:
-            return outs[0], self._dparams(outs[1:])
-        return None, self._dparams(outs)
+            return outs[0], self.dparams(outs[1:])
+        return None, self.dparams(outs)
 
     def _w_args(self, params, kept):
         inputs = [*jax.tree_util.tree_leaves(params), *kept]
         return [inputs[i] for i in self._split.w_inputs]
 
-    def _dparams(self, grads):
+    def dparams(self, grads):
+        """The parameters' tree of cotangents from the inexact leaves' (float0 zeros for the rest)."""
         grads = iter(grads)
         leaves = [next(grads) if d else z for d, z in zip(self._diff, self._zeros, strict=True)]
         return jax.tree_util.tree_unflatten(self._tree, leaves)
@@ -198,15 +203,19 @@ class ChunkSplit:
     cotangent (the seed). Under "full" the kept values are ``[x, *aux]`` and B
     re-runs the chunk's forward (stacking per-layer residuals inside B only);
     under "none" they are the embedding's, the stacked layers' and the head's
-    residuals, in that order.
+    residuals, in that order. ``params`` may also hold ``"n"``, how many of the stack's
+    layers run (a traced count: uneven stages padded to one width, a shallow subnet): the
+    rest are skipped in the forward, B and W alike (identity for h and its cotangent, zero
+    residuals, cut and gradients), by ``cond`` or, with ``lockstep``, computed and dropped.
     """
 
-    def __init__(self, layer, params, x, *aux, policy: str = "none", embed=None, head_loss=None):
+    def __init__(self, layer, params, x, *aux, policy: str = "none", embed=None, head_loss=None,
+                 lockstep: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if (head_loss is None) != (len(aux) == 0):
             raise ValueError("pass the head's targets as aux exactly when head_loss is given")
-        self.policy = policy
+        self.policy, self.lockstep = policy, lockstep
         stash = policy == "full"  # W then reads the cut only: the per-layer residuals exist inside B
         self.n_layers = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
         self.embed = self.head = None
@@ -242,12 +251,34 @@ class ChunkSplit:
                 i += n
         return out
 
+    def _gate(self, on, run, skip):
+        """``run()`` where layer ``on`` runs, else ``skip`` (same structure): a ``cond``, or in
+        lockstep (stage code that may hold collectives every device must join) both, selected."""
+        if self.lockstep:
+            return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), skip)
+        return lax.cond(on, run, lambda: skip)
+
+    def _scan_layers(self, one, init, xs, n, reverse=False):
+        """``lax.scan`` of ``one(carry, xs_i) -> (carry, out)`` over the stack; with ``n`` (how
+        many of the stack's layers run: uneven stages, a shallow subnet) ``one`` also gets
+        whether layer i runs."""
+        if n is None:
+            return lax.scan(lambda c, x: one(c, x, None), init, xs, reverse=reverse)
+        idx = jnp.arange(self.n_layers)
+        return lax.scan(lambda c, x: one(c, x[:-1], x[-1] < n), init, (*xs, idx), reverse=reverse)
+
     def _fwd_none(self, params, x, *aux):
         kept_e, kept_h = [], []
         h = x
         if self.embed is not None:
             h, kept_e = self.embed.fwd(params["embed"], x)
-        h, kept_l = lax.scan(lambda c, lp: self.layer.fwd(lp, c), h, params["layers"])
+        skip_kept = [_example(a) for a in self.layer.kept_avals]
+
+        def one(c, xs, on):
+            if on is None:
+                return self.layer.fwd(xs[0], c)
+            return self._gate(on, lambda: self.layer.fwd(xs[0], c), (c, skip_kept))
+        h, kept_l = self._scan_layers(one, h, (params["layers"],), params.get("n"))
         out = h
         if self.head is not None:
             out, kept_h = self.head.fwd(params["head"], h, *aux)
@@ -267,10 +298,14 @@ class ChunkSplit:
         if self.head is not None:
             dh, cut_h = self.head.b(params["head"], kept_h, dy)
 
-        def one(d, xs):
+        skip_cut = [_example(a) for a in self.layer.cut_avals]
+
+        def one(d, xs, on):
             lp, res = xs
-            return self.layer.b(lp, res, d)
-        dh, cut_l = lax.scan(one, dh, (params["layers"], kept_l), reverse=True)
+            if on is None:
+                return self.layer.b(lp, res, d)
+            return self._gate(on, lambda: self.layer.b(lp, res, d), (d, skip_cut))  # skipped: identity
+        dh, cut_l = self._scan_layers(one, dh, (params["layers"], kept_l), params.get("n"), reverse=True)
         if self.embed is not None:
             dh, cut_e = self.embed.b(params["embed"], kept_e, dh)
         return dh, [*cut_e, *cut_l, *cut_h]
@@ -282,12 +317,17 @@ class ChunkSplit:
         cut_e, cut_l, cut_h = self._split(cut, list(self._cut_n))
         reads = [k for k, r in zip(kept_l, self.layer.w_reads_kept, strict=True) if r]
 
-        def one(_, xs):
+        skip_w = [_example(a) for a in self.layer.w_jaxpr.out_avals]
+
+        def one(_, xs, on):
             lp, res, c = xs
             it = iter(res)
             full = [next(it) if r else None for r in self.layer.w_reads_kept]
-            return None, self.layer.w(lp, full, c)
-        grads = {"layers": lax.scan(one, None, (params["layers"], reads, cut_l))[1]}
+            if on is None:
+                return None, self.layer.w(lp, full, c)
+            flat = self._gate(on, lambda: self.layer.w_flat(lp, full, c), skip_w)  # skipped: zeros
+            return None, self.layer.dparams(flat)
+        grads = {"layers": self._scan_layers(one, None, (params["layers"], reads, cut_l), params.get("n"))[1]}
         if self.embed is not None:
             grads["embed"] = self.embed.w(params["embed"], kept_e, cut_e)
         if self.head is not None:

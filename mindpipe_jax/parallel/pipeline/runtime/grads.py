@@ -145,8 +145,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     subnet, ``supernet/pipelined_sliced.py``): each stage skips its layers past it
     (``cond`` on a count that depends only on the stage, so every device of the stage
     takes the same branch; in lockstep they are computed and dropped) and their
-    gradients are zero. Each stage keeps its layers: nothing moves between stages. The
-    backward is then formed whole in B and in W, as for uneven stages.
+    gradients are zero. Each stage keeps its layers: nothing moves between stages. A
+    split backward skips them in B and in W alike (``bwsplit.ChunkSplit``'s count), as
+    it skips the padding of uneven stages.
     ``nan_bubbles`` fills every buffer slot with NaN before use: a test mode that
     proves idle slots never reach the results.
     ``grad_sync``: when each chunk's gradient is averaged over the batch axes.
@@ -181,7 +182,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     instead of splitting the backward's equations (``bwsplit``), for stage code whose
     split jaxprs cannot be replayed: the collective matmul's rings (``parallel/overlap.py``)
     retype their values inside nested ``shard_map``s in ways a re-evaluated jaxpr does not
-    reproduce. Uneven stages fall back the same way.
+    reproduce.
     ``block_context``: per-microbatch inputs of the layers that are not weights (a
     supernet's subnet rows, ``supernet/pipelined.py``): a dict of leaves ``[L, m, ...]``;
     a task's layers get ``{**their weights, **the rows of its microbatch}`` (``blocks_p``
@@ -218,12 +219,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         """A narrow wire's mean reshapes the gradients: on each device's own shards
         (``ringsync.on_shards``); fp32's ``pmean`` needs no reshape."""
         return fn(tree) if wire == jnp.float32 else ringsync.on_shards(fn, tree, specs, auto)
-    # The equation-level B/W split takes the layers as one even stack (bwsplit.ChunkSplit);
-    # uneven stages form the whole vjp in B and in W instead.
-    plan = make_plan(schedule, remat, fuse_mode,
-                     split_backward=split_backward and (layout is None or layout.uniform)
-                     and active_layers is None,
-                     fuse_cost=fuse_cost)
+    plan = make_plan(schedule, remat, fuse_mode, split_backward=split_backward, fuse_cost=fuse_cost)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     groups = gradient_groups

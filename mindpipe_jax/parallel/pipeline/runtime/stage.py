@@ -22,9 +22,9 @@ its F computes nothing.
 A split backward (B and W tasks: ZB-H1, ZB-V, DualPipeV's B/W) is split at the
 level of its equations (``bwsplit.ChunkSplit``): the F keeps the split's residuals,
 the B computes the input gradient and stashes exactly what the W reads, the W forms
-the weight gradients from that stash alone; B + W execute one backward's work. Only
-uneven stages (padded layer stacks) fall back to a B and a W that each form the
-whole vjp and keep their half (the W then costs about a full backward).
+the weight gradients from that stash alone; B + W execute one backward's work.
+Uneven stages (padded layer stacks) and a shallow subnet's pass skip the layers
+past their count in the F, the B and the W alike.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class StageTasks:
         modes = {r.removeprefix("split-") for r in plan.res_slots if r.startswith("split-")}
         modes |= {r.removeprefix("stash-") for r in plan.stash_slots}
         self.splits = {mode: ChunkSplit(layer_of[mode], {"layers": self.layer_example}, self.zero_h,
-                                        policy="full" if mode == "full" else "none") for mode in modes}
+                                        policy="full" if mode == "full" else "none", lockstep=lockstep)
+                       for mode in modes}
         self.fill = fill
         self.seed = _vary(jnp.asarray(1.0 / num_microbatches, jnp.float32))
 
@@ -123,12 +124,21 @@ class StageTasks:
                 _take(a, task["chunk"]), task["microbatch"], axis=1, keepdims=False), self.context)}
         return self.chunk_params(task["chunk"], layers)
 
+    def split_params(self, op):
+        """A task's chunk as a split backward takes it (``bwsplit.ChunkSplit``): the layers,
+        with ``n``, how many of them run, where stages are uneven or a subnet is shallow."""
+        c = self._params(op)
+        return {"layers": c} if self.counts is None else {"layers": c["w"], "n": c["n"]}
+
     def weights(self, d_c):
         """The weights' part of a chunk's cotangent: without the (float0) cotangent of the
         layer count, or the context rows'."""
         if self.counts is not None:
             d_c = d_c["w"]
-        return d_c if self.context is None else {k: d_c[k] for k in self.example}
+        return self.without_context(d_c)
+
+    def without_context(self, d_layers):
+        return d_layers if self.context is None else {k: d_layers[k] for k in self.example}
 
     def zero_grads(self):
         return {"chunk": _zeros_like(self.example, jnp.float32),
@@ -167,12 +177,12 @@ class StageTasks:
                 task, x, res = op["task"], op["x"], op["res"]
                 if pos == LAST:  # the last stage's forward runs inside its backward
                     return idle(op)
-                c_params = self._params(op)
                 tokens = _take(self.inputs, task["microbatch"])
                 if policy.startswith("split-") and policy != "split-full":
                     h = self.fns.embed(self.embed_p, tokens) if pos == FIRST else x
-                    y, kept = self.splits[policy.removeprefix("split-")].fwd({"layers": c_params}, h)
+                    y, kept = self.splits[policy.removeprefix("split-")].fwd(self.split_params(op), h)
                     return {"send": y, "res": {**res, policy: kept}}
+                c_params = self._params(op)
                 if policy in ("full", "split-full"):  # the stage input stays in its slot until the backward
                     y = (self.first_fwd(self.embed_p, c_params, tokens, self.run_layers) if pos == FIRST
                          else self.run_layers(c_params, x))
@@ -227,7 +237,7 @@ class StageTasks:
 
         def run(op):
             task, x, dy, res = op["task"], op["x"], op["dy"], op["res"]
-            c_params = {"layers": self._params(op)}
+            c_params = self.split_params(op)
             tokens = _take(self.inputs, task["microbatch"])
             grads = self.zero_grads()
             if pos == LAST:  # the stage's forward runs here: its layers, then the head's loss
@@ -259,12 +269,12 @@ class StageTasks:
         n_kept = 0 if mode == "full" else sum(reads)
 
         def run(op):
-            c_params = {"layers": self._params(op)}
+            c_params = self.split_params(op)
             stash = op["stash"][name]
             it = iter(stash[:n_kept])
             kept = [None] * len(reads) if mode == "full" else [next(it) if r else None for r in reads]
             grads = self.zero_grads()
-            grads["chunk"] = self.weights(split.w(c_params, kept, stash[n_kept:])["layers"])
+            grads["chunk"] = self.without_context(split.w(c_params, kept, stash[n_kept:])["layers"])
             return {"grads": grads}
         return run
 
