@@ -147,7 +147,7 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
     and for how long, so it shapes the buffers as much as the table does.
     ``fuse_mode``, ``fuse_cost``: how the table is re-timed (``schedules.fused.fuse``).
     ``split_backward``: B and W tasks split the backward's equations (``bwsplit``);
-    False: each forms the whole vjp and keeps its half (uneven stages need this)."""
+    False: each forms the whole vjp and keeps its half (the collective matmul's rings need this)."""
     fused = fuse(schedule, fuse_mode, fuse_cost)
     p, ticks = schedule.num_stages, fused.num_ticks
     last_global = schedule.num_global_stages - 1
