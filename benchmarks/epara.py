@@ -25,7 +25,10 @@
    The table prints every candidate's bytes vs the budget. Exhaustive = that
    memory check of every candidate plus a trial of every feasible one; then
    ``tuner.tune(budget_bytes=...)`` runs as a user would (``--budget-mb`` of
-   ``mindpipe tune``) and is scored as in part 1.
+   ``mindpipe tune``) and is scored as in part 1. ``--memory-axes data,fsdp,pipe``
+   leaves tensor out: tensor-only layouts are the smallest of this model, so with
+   them memory binds only weakly; without them only pipeline and fsdp layouts fit
+   at the largest batch.
 3. **online** — time to reach a target validation loss with the online tuner vs
    the best of three fixed batch sizes with their best learning rates (see
    ``online_part``).
@@ -176,10 +179,17 @@ def _is_plain(c, axis: str) -> bool:
 def memory_part(args) -> None:
     """Part 2 (module docstring): the tuner vs exhaustive search where memory binds."""
     cfg = Config().replace(*MEMORY_MODEL)
+    axes = tuple(args.memory_axes.split(","))
+    unknown = set(axes) - set(MEMORY_SPACE["axes"])
+    if unknown or "pipe" not in axes:
+        valid = ", ".join(MEMORY_SPACE["axes"])
+        raise SystemExit(f"--memory-axes={args.memory_axes!r}: choose from {valid}, pipe included")
+    space_kw = {**MEMORY_SPACE, "axes": axes}
     b0, top = min(MEMORY_SPACE["global_batches"]), max(MEMORY_SPACE["global_batches"])
     b_noise = measure_b_noise(cfg.replace(f"train.global_batch={b0}"), args)
-    space = enumerate_space(cfg, 8, **MEMORY_SPACE)
-    print(f"model: {' '.join(MEMORY_MODEL[:4])}; space: {len(space.valid)} valid, {len(space.rejected)} "
+    space = enumerate_space(cfg, 8, **space_kw)
+    print(f"model: {' '.join(MEMORY_MODEL[:4])}; axes {', '.join(axes)}; space: {len(space.valid)} valid, "
+          f"{len(space.rejected)} "
           f"rejected ({'; '.join(f'{n} x {why}' for why, n in list(space.reasons().items())[:3])})")
     hardware = Hardware.calibrate()
     costs = ModelCosts.measure(cfg)
@@ -230,7 +240,7 @@ def memory_part(args) -> None:
               f"measured {measured[c] * 1e3:7.1f} ms (median of {args.rounds * args.trial_steps})")
     print(f"exhaustive search: memory check {check_s:.0f} s + first trial of each feasible {trial_s:.0f} s")
     compare_with_tuner(cfg, feasible, measured, check_s + trial_s, b_noise=b_noise, b0=b0,
-                       space=MEMORY_SPACE, hardware=dataclasses.replace(hardware, memory_bytes=budget),
+                       space=space_kw, hardware=dataclasses.replace(hardware, memory_bytes=budget),
                        costs=costs, args=args, budget_bytes=budget)
 
 
@@ -247,6 +257,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds over the space")
     parser.add_argument("--probe-steps", type=int, default=40)
     parser.add_argument("--b-noise", type=float, default=0.0, help="skip the probe and use this B_noise")
+    parser.add_argument("--memory-axes", default="data,fsdp,tensor,pipe",
+                        help="mesh axes of part 2's space; 'data,fsdp,pipe' leaves out tensor-only "
+                             "layouts, the smallest here, so that at the largest batch only pipeline "
+                             "and fsdp layouts fit (issue 18's memory-bound space)")
     parser.add_argument("--out", default=None, help="also write the report to this file")
     args = parser.parse_args()
     with report("EPara benchmark", args.out):
