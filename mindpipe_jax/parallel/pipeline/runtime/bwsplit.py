@@ -252,8 +252,11 @@ class ChunkSplit:
         return out
 
     def _gate(self, on, run, skip):
-        """``run()`` where layer ``on`` runs, else ``skip`` (same structure): a ``cond``, or in
-        lockstep (stage code that may hold collectives every device must join) both, selected."""
+        """``run()`` where the layer runs (``on``; None: every layer does), else ``skip`` (same
+        structure): a ``cond``, or in lockstep (stage code that may hold collectives every
+        device must join) both, selected."""
+        if on is None:
+            return run()
         if self.lockstep:
             return jax.tree.map(lambda a, b: jnp.where(on, a, b), run(), skip)
         return lax.cond(on, run, lambda: skip)
@@ -275,8 +278,6 @@ class ChunkSplit:
         skip_kept = [_example(a) for a in self.layer.kept_avals]
 
         def one(c, xs, on):
-            if on is None:
-                return self.layer.fwd(xs[0], c)
             return self._gate(on, lambda: self.layer.fwd(xs[0], c), (c, skip_kept))
         h, kept_l = self._scan_layers(one, h, (params["layers"],), params.get("n"))
         out = h
@@ -302,8 +303,6 @@ class ChunkSplit:
 
         def one(d, xs, on):
             lp, res = xs
-            if on is None:
-                return self.layer.b(lp, res, d)
             return self._gate(on, lambda: self.layer.b(lp, res, d), (d, skip_cut))  # skipped: identity
         dh, cut_l = self._scan_layers(one, dh, (params["layers"], kept_l), params.get("n"), reverse=True)
         if self.embed is not None:
@@ -323,8 +322,6 @@ class ChunkSplit:
             lp, res, c = xs
             it = iter(res)
             full = [next(it) if r else None for r in self.layer.w_reads_kept]
-            if on is None:
-                return None, self.layer.w(lp, full, c)
             flat = self._gate(on, lambda: self.layer.w_flat(lp, full, c), skip_w)  # skipped: zeros
             return None, self.layer.dparams(flat)
         grads = {"layers": self._scan_layers(one, None, (params["layers"], reads, cut_l), params.get("n"))[1]}
