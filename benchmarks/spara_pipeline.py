@@ -28,7 +28,8 @@ subnet drains the pipeline before the next, a bubble of (p-1)/(m+p-1) of its tim
 ``sync`` a pass holds n subnets, (p-1)/(n·m+p-1).
 
 Usage: ``python benchmarks/spara_pipeline.py [--repeats 3] [--steps 3] [--only TEXT] [--out FILE]``
-(``--only``: the layouts whose name contains TEXT).
+(``--only``: the layouts whose name contains TEXT; ``--schedule``: another pipeline schedule
+than 1F1B, e.g. ``zb-h1``).
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def _batch(seed):
     return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
 
-def build(spec, create, layout: dict, semantics: str, options: dict | None = None, draws=()):
+def build(spec, create, layout: dict, semantics: str, options: dict | None = None, draws=(), schedule="1f1b"):
     """(run(state, subnets, batch) -> state, compiled program or None, fresh state) for a
     layout; a sliced step has run every draw once (its programs compiled before timing)."""
-    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule="1f1b")
+    par = ParallelConfig(**{"tensor": 1, **layout}, microbatches=MICRO, schedule=schedule)
     mesh = make_mesh(par)
     fresh = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))
     subnets = np.asarray(spec.space.validate(np.zeros((K, len(spec.space.genes)), np.int32)))
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default="", help="only the layouts whose name contains this")
+    parser.add_argument("--schedule", default="1f1b", help="the pipeline schedule (e.g. zb-h1: the sliced "
+                        "passes then skip past their depth inside the B/W split)")
     parser.add_argument("--out", default=None, help="also write the report to this file")
     args = parser.parse_args()
     layouts = {name: how for name, how in LAYOUTS.items() if args.only in name}
@@ -153,8 +156,9 @@ def main() -> None:
     with report("SPara through the pipeline vs data parallelism alone", args.out):
         print(f"SuperGPT d_model {CFG.d_model}, {CFG.n_layers} layers, {spec.num_params:,} parameters "
               f"({spec.num_params * 4 / 1e6:.2f} MB fp32); sequential, K={K}, batch {BATCH}, "
-              f"{MICRO} microbatches per subnet through the pipeline (1F1B)")
-        built = {name: build(spec, create, *how, draws=draws) for name, how in layouts.items()}
+              f"{MICRO} microbatches per subnet through the pipeline ({args.schedule})")
+        built = {name: build(spec, create, *how, draws=draws, schedule=args.schedule)
+                 for name, how in layouts.items()}
         times: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.repeats):  # interleaved: the machine's load hits every layout alike
             for name, (run, _, fresh) in built.items():
