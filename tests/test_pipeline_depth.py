@@ -58,10 +58,12 @@ def test_the_layers_that_run_are_each_stages_own_prefix():
     np.testing.assert_array_equal(StageLayout((1, 3), 2, 1).counts_array(2), [[1], [1]])
 
 
-def test_a_grouped_query_attention_model_the_project_did_not_design():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_grouped_query_attention_model_the_project_did_not_design(schedule):
     """A Llama-shaped model (``byom_models``: RMSNorm, rotary, 4 heads sharing one kv
-    head) through 1F1B on pipe2 x data4 running 3 of its 4 blocks, against plain
-    ``jax.value_and_grad`` of the same model built with 3 blocks and those weights."""
+    head) through 1F1B and ZB-H1 (its backward split into B and W) on pipe2 x data4
+    running 3 of its 4 blocks, against plain ``jax.value_and_grad`` of the same model
+    built with 3 blocks and those weights."""
     layers, depth, m = 4, 3, 4
     model = Llama(layers=layers, heads=4, kv_heads=1, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -72,7 +74,8 @@ def test_a_grouped_query_attention_model_the_project_did_not_design():
     batch = tokens(3, 16)
     ref_loss, ref_grads = reference_grads(shallow, batch)
     mesh = make_mesh(ParallelConfig(pipe=2, data=4, tensor=1))
-    run = pipeline_grads(stage_fns(model), get_schedule("1f1b", 2, m), mesh, remat=False, active_layers=depth)
+    run = pipeline_grads(stage_fns(model), get_schedule(schedule, 2, m), mesh, remat=False,
+                         active_layers=depth)
     split = lambda x: x.reshape(m, -1, x.shape[-1])  # noqa: E731
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], split(batch["inputs"]),
