@@ -75,7 +75,7 @@ class StopSignals:
     only from the main thread and put back on exit.
     """
 
-    def __init__(self, multi_process: bool):
+    def __init__(self, multi_process: bool = False):
         self.multi = multi_process
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
@@ -124,9 +124,6 @@ class FinalSave(StopSignals):
     SIGINT only (SIGTERM stays with JAX's preemption service), and nothing is passed on
     to it, since there is no later step to agree on. Main thread only; the handlers are
     put back on exit."""
-
-    def __init__(self, multi_process: bool = False):
-        super().__init__(multi_process)
 
     def __enter__(self):
         self._install()  # a start-up Ctrl-C was already raised when the loop began
