@@ -6,6 +6,11 @@ included. The replacement worker is then handed units with nothing left to run a
 the controller waits for them forever: the suite never ends (CI stopped at its 90
 minutes with one crashed test). Here only what the dead worker had not run goes back,
 less the test that was running when it died, which xdist reports as failed.
+
+A replacement worker is in the scheduler from its start but has no collection until it
+has collected; a reschedule of every worker in that window (another worker died, or
+finished collecting) must pass it by, or the controller stops on a KeyError. It gets
+its first work when its own collection arrives.
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ def _requeue_unfinished(self, node):
     return crashed
 
 
+def _reschedule_collected(self, node):
+    """``LoadScopeScheduling._reschedule``, passing by a worker still collecting."""
+    if node not in self.registered_collections:
+        return
+    _RESCHEDULE[0](self, node)
+
+
+_RESCHEDULE = []  # the scheduler's own _reschedule, kept at install
+
+
 def install(config) -> None:
     """Patch the controller's scheduler (workers schedule nothing)."""
     if hasattr(config, "workerinput"):
@@ -39,3 +54,6 @@ def install(config) -> None:
         return
     if xdist.__version__.split(".")[0] == "3":  # the scheduler this replaces
         LoadScopeScheduling.remove_node = _requeue_unfinished
+        if not _RESCHEDULE:
+            _RESCHEDULE.append(LoadScopeScheduling._reschedule)
+            LoadScopeScheduling._reschedule = _reschedule_collected
