@@ -163,9 +163,10 @@ class ParallelConfig:
     # How the schedule's table is re-timed into fused ticks (up to one F, one backward
     # and one W per device and tick): "auto" picks the fastest under unit task costs;
     # "table" runs one task per tick (the least memory: 1F1B keeps p microbatches, fused
-    # up to 2p - 1); "in-order", "forward-ahead", "fill" (W's only into bubbles) as in
+    # up to 2p - 1); "in-order", "forward-ahead", "fill" (W's only into bubbles), "slack"
+    # (each W where its device would wait for a busier one anyway) as in
     # mindpipe_jax/parallel/pipeline/schedules/fused.py.
-    fuse_ticks: Literal["auto", "table", "in-order", "forward-ahead", "fill"] = "auto"
+    fuse_ticks: Literal["auto", "table", "in-order", "forward-ahead", "fill", "slack"] = "auto"
     # Pipeline memory, one policy for every stage or a list with one per global
     # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as
     # `mindpipe plan` prints it): "none" keeps each microbatch's forward residuals

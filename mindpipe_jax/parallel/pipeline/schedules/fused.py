@@ -103,7 +103,7 @@ def _inputs(kind: Kind, mb: int, g: int, last: int) -> list[Key]:
     return [(Kind.F, mb, g)] + ([(Kind.B, mb, g + 1)] if g < last else [])
 
 
-FUSE_MODES = ("auto", "table", "in-order", "forward-ahead", "fill")
+FUSE_MODES = ("auto", "table", "in-order", "forward-ahead", "fill", "slack")
 
 
 def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
@@ -117,7 +117,9 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
     and otherwise keeps each kind in table order; ``"fill"`` is forward-ahead with
     the weight gradients deferred: a device runs a W only in a tick where its F or its
     backward part is empty (a bubble), or when it holds more pending W's than the
-    table does at its peak; ``"auto"`` takes whichever of the others the
+    table does at its peak; ``"slack"`` is forward-ahead for F and backward tasks,
+    then places each device's next W into the tick's slack under ``cost`` (see
+    ``_place_weight_grads``); ``"auto"`` takes whichever of the others the
     tick-synchronous replay (``replay_time``) finds fastest under ``cost`` (default:
     ``DEFAULT_COST``; pass measured costs where known: the best mode depends on them),
     the one holding fewer microbatches on a tie. Without ``cost``, ``"auto"`` takes
@@ -129,7 +131,7 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
     if mode not in FUSE_MODES:
         raise ScheduleError(f"fuse mode {mode!r} is not one of {', '.join(FUSE_MODES)}")
     if mode == "auto":
-        options = [fuse(schedule, m) for m in FUSE_MODES[1:] if m != "fill" or _has_w(schedule)]
+        options = [fuse(schedule, m, cost) for m in FUSE_MODES[1:] if m not in W_MODES or _has_w(schedule)]
         if cost is not None:
             return min(options, key=lambda f: (round(replay_time(f, cost), 9), max(f.peak_live())))
         return min(options, key=lambda f: (round(worst_slowdown(f, options), 9), max(f.peak_live())))
@@ -143,18 +145,25 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
         cap = [None] * p
     else:
         kinds = ((Kind.F,), (Kind.B, Kind.BW, Kind.W)) if mode == "forward-ahead" else \
-            ((Kind.F,), (Kind.B, Kind.BW), (Kind.W,))
+            ((Kind.F,), (Kind.B, Kind.BW), (Kind.W,))  # "fill", "slack": the W's their own queue
         queues = [[[t for t in tasks if t.kind in ks] for ks in kinds] for tasks in order]
         cap = [2 * n - 1 for n in schedule.peak_live_activations()]
     pending_cap = schedule.peak_pending_weight_grads()
     done: dict[Key, tuple[int, int, int]] = {}  # key -> (tick, device, part)
     live, pending = [0] * p, [0] * p
     cells = []
+
+    def place(row, t, s, task, g):
+        row[s][PART_OF[task.kind]] = task
+        done[(Kind.B if task.kind is Kind.BW else task.kind, task.microbatch, g)] = (t, s, PART_OF[task.kind])
+        live[s] += {Kind.F: 1, Kind.B: -1, Kind.BW: -1}.get(task.kind, 0)
+        pending[s] += {Kind.B: 1, Kind.W: -1}.get(task.kind, 0)
+
     while any(q for qs in queues for q in qs):
         t = len(cells)
         row = [[None, None, None] for _ in range(p)]
         for s in range(p):
-            for queue in queues[s]:
+            for queue in queues[s][:2] if mode == "slack" else queues[s]:
                 while queue:
                     task = queue[0]
                     part = PART_OF[task.kind]
@@ -167,16 +176,56 @@ def fuse(schedule: Schedule, mode: str = "auto", cost=None) -> FusedSchedule:
                     if (mode == "fill" and task.kind is Kind.W and row[s][0] is not None
                             and row[s][1] is not None and pending[s] <= pending_cap[s]):
                         break  # no bubble in this tick to fill, and the backlog is within the table's
-                    row[s][part] = task
-                    done[(Kind.B if task.kind is Kind.BW else task.kind, task.microbatch, g)] = (t, s, part)
-                    live[s] += {Kind.F: 1, Kind.B: -1, Kind.BW: -1}.get(task.kind, 0)
-                    pending[s] += {Kind.B: 1, Kind.W: -1}.get(task.kind, 0)
+                    place(row, t, s, task, g)
                     queue.pop(0)
+        if mode == "slack":
+            _place_weight_grads(schedule, row, t, [qs[2] for qs in queues], done, pending, pending_cap,
+                                _cost_fn(cost), place)
         if not any(any(c) for c in row):  # cannot happen for a valid table (see module docstring)
             raise AssertionError(f"fusing {schedule.name} made no progress at fused tick {t}")
         cells.append(tuple(tuple(c) for c in row))
     cells = tuple(cells)
     return FusedSchedule(schedule, cells, _tick_of(schedule, cells))
+
+
+W_MODES = ("fill", "slack")  # modes that differ from forward-ahead only in where the W's go
+
+
+def _place_weight_grads(schedule, row, t, w_queues, done, pending, pending_cap, cost_of, place) -> None:
+    """The ``"slack"`` mode's W part of tick ``t``, after every device's F and backward.
+
+    A tick lasts as long as its busiest device, so a W costs nothing where the device's
+    F + backward + W fit in that time: its slack. First the W's that must run: on a
+    device with nothing else in the tick (a bubble), or holding more pending W's than
+    the table does at its peak (the memory bound). Those can lengthen the tick and so
+    give the others slack; then, until none is placed, every device whose next W is
+    ready and fits in the slack runs it. Each device keeps its W's in table order."""
+    p, last = schedule.num_stages, schedule.num_global_stages - 1
+    load = [sum(cost_of(s, task) for task in row[s] if task is not None) for s in range(p)]
+    ready = {}
+    for s in range(p):
+        if w_queues[s]:
+            task = w_queues[s][0]
+            g = schedule.global_stage(s, task.chunk)
+            if _ready(task.kind, task.microbatch, g, last, s, t, PART_OF[task.kind], done):
+                ready[s] = (task, g)
+
+    def run(s):
+        task, g = ready.pop(s)
+        place(row, t, s, task, g)
+        load[s] += cost_of(s, task)
+        w_queues[s].pop(0)
+
+    for s in list(ready):
+        if (row[s][0] is None and row[s][1] is None) or pending[s] > pending_cap[s]:
+            run(s)
+    placed = True
+    while placed:
+        placed = False
+        for s in list(ready):
+            if load[s] + cost_of(s, ready[s][0]) <= max(load) * (1 + 1e-12):
+                run(s)
+                placed = True
 
 
 def _has_w(schedule: Schedule) -> bool:
