@@ -4,6 +4,7 @@ trials on 8 simulated devices) and ``mindpipe tune``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -133,9 +134,10 @@ def test_spearman():
     assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
-def _tune_on_a_synthetic_machine(monkeypatch, truth, **kw):
-    """``tune`` end to end with trials timed by ``truth(candidate)`` (seconds) and every
-    candidate feasible: the search's own logic, without compiling anything."""
+def _tune_on_a_synthetic_machine(monkeypatch, truth, fits=lambda c: True, checked=None, **kw):
+    """``tune`` end to end with trials timed by ``truth(candidate)`` (seconds) and a
+    candidate feasible where ``fits(candidate)`` (``checked``: a list that collects the
+    candidates compiled): the search's own logic, without compiling anything."""
     from mindpipe_jax.tuner import tune as tune_module
     from mindpipe_jax.tuner.aot import Feasibility
 
@@ -157,7 +159,11 @@ def _tune_on_a_synthetic_machine(monkeypatch, truth, **kw):
             pass
 
         def check(self, cfg, cand, budget_bytes, model=None, devices=None):
-            return Feasibility(cand, True, peak_bytes=1.0)
+            if checked is not None:
+                checked.append(cand)
+            if fits(cand):
+                return Feasibility(cand, True, peak_bytes=1.0)
+            return Feasibility(cand, False, peak_bytes=2.0, reason="over the synthetic budget")
 
     monkeypatch.setattr(tune_module, "Trial", SyntheticTrial)
     monkeypatch.setattr(tune_module, "FeasibilityCache", AllFit)
@@ -186,6 +192,32 @@ def test_the_tuner_tries_every_batch_in_contention_before_it_decides(monkeypatch
     # A batch predicted far below the best is not worth a trial.
     narrow = _tune_on_a_synthetic_machine(monkeypatch, truth, explore=0.9, **kw)
     assert {r.candidate.global_batch for r in narrow.rows if r.measured_s} == {8}
+
+
+def test_exploring_a_batch_whose_best_layout_does_not_fit_tries_it_with_more_remat(monkeypatch):
+    """As in the test above, B64 runs 2.2x faster than predicted; here nothing fits at B64
+    without remat "full" (the memory-bound benchmark's situation). The prediction ranks
+    "full" far below "none" (it recomputes the forward), so after the best B64 layout is
+    refused the next best predictions are its near twins, refused too. The search tries the
+    refused layout's "full" twin next: one refusal, then a B64 trial, which wins."""
+    prior = _synthetic_model()
+
+    def truth(c):
+        return prior.step_time(c) * (1.0 if c.global_batch == 8 else 0.45)
+
+    def fits(c):
+        return c.global_batch == 8 or c.remat == "full"
+
+    checked = []
+    result = _tune_on_a_synthetic_machine(
+        monkeypatch, truth, fits=fits, checked=checked, b_noise=40.0, b0=8, global_batches=(8, 64),
+        axes=("data", "tensor"), microbatches=(1,), remats=("none", "full"), measure=2, max_compile=4)
+    b64 = [c for c in checked if c.global_batch == 64]
+    assert [c.remat for c in b64[:2]] == ["none", "full"]
+    assert b64[1] == dataclasses.replace(b64[0], remat="full")
+    measured = [r.candidate for r in result.rows if r.measured_s]
+    assert b64[1] in measured
+    assert result.best.candidate == b64[1]
 
 
 @pytest.mark.slow

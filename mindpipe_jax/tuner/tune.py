@@ -6,7 +6,8 @@ the top few → rank by entropyput.
 takes the next candidate not yet measured (the best predicted, after one trial of
 each global batch still in contention: ``trial_order``), compiles it on abstract
 shapes (an infeasible one — over the memory budget, or refused by the compiler —
-is skipped with its reason), runs it for a few real steps and feeds the time
+is skipped with its reason; while its batch has no trial yet, the same layout with
+more remat is tried next: ``lighter_twins``), runs it for a few real steps and feeds the time
 back into the cost model, which re-predicts every row before the next pick.
 The measured candidates are then timed again in ``rounds - 1`` interleaved
 rounds (median of all), so that the choice does not rest on one noisy trial. At
@@ -31,7 +32,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
 from mindpipe_jax.tuner.noise import efficiency
-from mindpipe_jax.tuner.space import Candidate, SpaceReport, enumerate_space
+from mindpipe_jax.tuner.space import REMATS, Candidate, SpaceReport, enumerate_space
 from mindpipe_jax.tuner.trial import Trial
 
 
@@ -122,6 +123,16 @@ def trial_order(rows: Sequence[Row], explore: float) -> list[Row]:
             + [r for r in live if r.candidate.global_batch not in contenders])
 
 
+def lighter_twins(row: Row, rows: Sequence[Row]) -> list[Row]:
+    """The rows that differ from ``row`` only by a policy further along ``REMATS``
+    (none, dots, full: less kept between forward and backward), the nearest first:
+    what a user retries with when a layout runs out of memory."""
+    by_candidate = {r.candidate: r for r in rows}
+    order = REMATS[REMATS.index(row.candidate.remat) + 1:] if row.candidate.remat in REMATS else ()
+    twins = (by_candidate.get(dataclasses.replace(row.candidate, remat=r)) for r in order)
+    return [t for t in twins if t is not None]
+
+
 def _factory(model):
     """A user's model as a factory for the cost measurement (None: cfg.model's GPT)."""
     if model is None or not isinstance(model, nnx.Module):
@@ -178,21 +189,33 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
 
     cache = FeasibilityCache(cache_path)
     compiled = 0
+    # Exploring a batch needs one trial at it, of any layout: when the row picked for that
+    # does not fit, its lighter-remat twins are tried next (the nearest feasible stand-in,
+    # same mesh and schedule), not the next best prediction, which is usually a near twin
+    # that does not fit either and spends the compile budget (the memory-bound benchmark of
+    # 2026-12-03: four B64 layouts without remat compiled and refused, no B64 trial).
+    retry: list[Row] = []
+
+    def untested(r: Row) -> bool:
+        return r.measured_s is None and (r.feasibility is None or r.feasibility.fits)
 
     def next_feasible() -> Row | None:
-        """The next row to measure (``trial_order``) that compiles within the budget."""
+        """The next row to measure (``trial_order``, twins first) that compiles within the budget."""
         nonlocal compiled
-        for row in trial_order(rows, explore):
-            if row.feasibility is None:
-                if compiled >= max_compile:
-                    return None
-                compiled += 1
-                row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
-                if not row.feasibility.fits:
-                    log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
-                    continue
-            return row
-        return None
+        while True:
+            row = next((r for r in [*retry, *trial_order(rows, explore)] if untested(r)), None)
+            if row is None or row.feasibility is not None:
+                return row
+            if compiled >= max_compile:
+                return None
+            compiled += 1
+            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
+            if row.feasibility.fits:
+                return row
+            log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
+            tried = {r.candidate.global_batch for r in rows if r.measured_s is not None}
+            if row.candidate.global_batch not in tried:
+                retry[:0] = [t for t in lighter_twins(row, rows) if untested(t)]
 
     # Measure one candidate at a time, each the next in ``trial_order`` after the
     # trials so far (a trial can reorder the rest: it recalibrates the model).
