@@ -75,9 +75,10 @@ class _Worker:
 
 
 def test_a_replacement_worker_still_collecting_is_passed_by_when_another_dies():
-    """The race CI hit once in 12 runs here: two workers die, the first one's replacement
-    has not collected yet when the second dies; the scheduler then rescheduled it and
-    stopped on a KeyError. Driven step by step, so it happens every time."""
+    """The race CI hit (stop 30; here 1 run in 12 of the test above): two workers die and
+    the first one's replacement has not collected yet when the second dies; the scheduler
+    then rescheduled it and stopped on a KeyError. Driven step by step, so it happens
+    every time."""
     xdist_requeue.install(SimpleNamespace())  # idempotent; workers schedule nothing
     sched = LoadScopeScheduling.__new__(LoadScopeScheduling)
     sched.numnodes, sched.collection, sched.log = 2, None, lambda *args: None
