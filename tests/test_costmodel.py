@@ -154,13 +154,78 @@ def test_count_kernels_reads_the_compiled_entry():
     assert count_kernels(jax.jit(lambda a: a).lower(x).compile().as_text()) <= 1
 
 
-def test_tensor_inside_a_pipeline_is_modelled_as_the_runtime_runs_it():
-    """Inside the pipeline's shard_map the stage programs are not split over tensor
-    today (compiled FLOPs per device: t2 p4 = 2x d2 p4), so by default a pipeline's
-    tensor ranks each do the stage's whole work; the flag models a split."""
-    tp = Candidate(tensor=2, pipe=4, microbatches=4, global_batch=32)
-    dp = Candidate(data=2, pipe=4, microbatches=4, global_batch=32)
-    as_run = _model()
-    assert as_run.breakdown(tp).compute_s > 1.5 * as_run.breakdown(dp).compute_s  # 2x the rows, unsplit
-    split = _model(pipeline_tensor_split=True)
-    assert split.breakdown(tp).compute_s == pytest.approx(split.breakdown(dp).compute_s, rel=0.2)
+def _lockstep_by_hand(model: CostModel, c: Candidate) -> float:
+    """Every fused tick, every device runs each (part, kind, stage position) some device
+    runs there; a branch costs the stage's own work (the last stage's F is idle: its
+    forward runs inside its backward)."""
+    fused = fuse(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), model.fuse_mode)
+    sc = model._stage_costs(c, c.global_batch / (c.batch_shards * c.microbatches), solo=False)
+    last = fused.schedule.num_global_stages - 1
+    total = 0.0
+    for row in fused.cells:
+        for part in range(3):
+            kinds = set()
+            for s, cell in enumerate(row):
+                if cell[part] is not None:
+                    g = fused.schedule.global_stage(s, cell[part].chunk)
+                    kinds.add((cell[part].kind, "first" if g == 0 else "last" if g == last else "mid"))
+            for kind, pos in kinds:
+                g = {"first": 0, "last": last}.get(pos, 1)
+                if kind.value == "F":
+                    total += 0.0 if pos == "last" else sc.F[g]
+                else:
+                    total += {"B": sc.B, "W": sc.W, "BW": sc.BW}[kind.value][g]
+                    total += sc.F[g] if pos == "last" and kind.value != "W" else 0.0
+    return total
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("zb-h1", 8)])
+def test_tensor_inside_a_pipeline_costs_every_active_branch_on_every_device(schedule, m):
+    """With tensor > 1 the runtime runs its stages in lockstep (``needs_lockstep``): the
+    stage work is split over tensor, but each tick costs the sum of its active
+    branches on every device. Without tensor the per-device branches stay."""
+    tp = Candidate(tensor=2, pipe=4, microbatches=m, schedule=schedule, global_batch=32)
+    dp = Candidate(data=2, pipe=4, microbatches=m, schedule=schedule, global_batch=32)
+    model = _model()
+    assert model.breakdown(tp).compute_s == pytest.approx(_lockstep_by_hand(model, tp), rel=1e-9)
+    # The same rows per device and the same split work: lockstep costs more than branches.
+    assert model.breakdown(tp).compute_s > 1.2 * model.breakdown(dp).compute_s
+    assert model.breakdown(tp).bubble_fraction > model.breakdown(dp).bubble_fraction
+    unsplit = _model(pipeline_tensor_split=False)  # the older model: tensor ranks do it all
+    assert unsplit.breakdown(tp).compute_s > 1.5 * unsplit.breakdown(dp).compute_s
+
+
+def test_a_pipeline_stage_keeps_its_weights_split_over_tensor():
+    """What the lockstep model rests on: inside the pipeline's shard_map the stage's
+    matmuls run on the tensor shard of the weights. The compiled t2 p4 step's MLP dots
+    are [rows, d_ff / 2] with twice d2 p4's rows (the same work per device)."""
+    import re
+    from collections import Counter
+
+    from mindpipe_jax.config import Config
+    from mindpipe_jax.tuner.aot import build_step
+
+    cfg = Config().replace("model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.seq_len=8",
+                           "model.d_ff=96", "train.progress=false", "train.tensorboard=false")
+
+    def dot_shapes(cand):
+        text = build_step(cand.apply(cfg)).lower().compile().as_text()
+        return Counter(re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", text))
+
+    dp = dot_shapes(Candidate(data=2, pipe=4, microbatches=4, global_batch=32))
+    tp = dot_shapes(Candidate(tensor=2, pipe=4, microbatches=4, global_batch=32))
+    assert ("32", "96") in dp and ("64", "48") in tp  # rows x d_ff: d2 p4 full width, t2 p4 half
+    assert not any(cols == "96" for _, cols in tp)  # no unsplit MLP dot inside the t2 pipeline
+
+
+def test_a_calibration_measured_under_load_says_so_and_old_files_still_load(tmp_path):
+    """Rates measured while other work holds the cores are too low for every prediction
+    made from them: the note says so. Files cached before the load was recorded load."""
+    quiet = _calibration(load_average=0.5, cores=2)
+    loaded = _calibration(load_average=6.0, cores=2)
+    assert not quiet.loaded and "UNDER LOAD" not in quiet.note()
+    assert loaded.loaded and "load average 6.0 on 2 cores" in loaded.note()
+    old = {k: v for k, v in loaded.to_dict().items() if k not in ("load_average", "cores")}
+    assert not Calibration.from_dict(old).loaded
+    measured = calibrate.measure(jax.devices()[:2], repeats=1)
+    assert measured.cores >= 1 and measured.load_average >= 0

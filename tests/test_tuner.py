@@ -221,7 +221,7 @@ def test_exploring_a_batch_whose_best_layout_does_not_fit_tries_it_with_more_rem
 
 
 @pytest.mark.slow
-def test_cost_model_ranks_layouts_it_has_not_run_after_two_trials():
+def test_cost_model_ranks_layouts_it_has_not_run_after_two_trials(tmp_path):
     """What the offline tuner relies on: the calibrated model, refitted on two trials (one
     data-parallel layout, one pipeline), ranks four layouts it has not run on 8 simulated
     devices, in the order measured. Their step times differ by >= 1.3x (B8, a tensor
@@ -234,7 +234,9 @@ def test_cost_model_ranks_layouts_it_has_not_run_after_two_trials():
     and not in others (0.54), so that is not what this asserts."""
     cfg = TINY.replace("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=32")
     costs = ModelCosts.measure(cfg)
-    cm = CostModel(costs, Hardware.calibrate(), cfg.model.seq_len)
+    # Calibrated here, cached under tmp_path: not in the user's cache, where a calibration
+    # measured under the test suite's load would mislead every later tune and benchmark.
+    cm = CostModel(costs, Hardware.calibrate(cache_dir=tmp_path), cfg.model.seq_len)
     seen = [Candidate(data=8, global_batch=32), Candidate(data=2, pipe=4, microbatches=4, global_batch=32)]
     held_out = [Candidate(data=8, global_batch=8), Candidate(data=4, tensor=2, global_batch=64),
                 Candidate(data=8, global_batch=128),

@@ -26,6 +26,12 @@ a compile and a warm-up, each call waited for with ``block_until_ready``:
   A mesh axis of size ``r`` (data, fsdp, tensor, pipe, subnet, expert) reads the
   fit of its size: on one host every group of a size looks alike.
 
+The host's load average as the measurement begins is recorded beside it: on a host
+whose cores other work holds, every rate comes out low (on this project's 2-core
+machine a calibration taken during the test suite had 1.9 GFLOP/s per busy device
+where a quiet one has 13.5, and put every step 2.5-6x too long), and ``note`` then
+says so.
+
 The cache (``load_or_measure``) is keyed by the host name, the platform, device
 kind and count, the jax and jaxlib versions and ``FORMAT``; a changed key is a
 miss and measures again. The file lives under ``cache_dir`` (a run directory),
@@ -65,6 +71,16 @@ class Calibration:
     iteration_s: float  # one loop iteration's fixed cost
     collectives: dict  # "kind:r" -> [alpha_s, beta_s_per_byte]
     measured_at: str = ""
+    # The host's 1-minute load average (as the measurement began) and core count (-1, 0:
+    # not recorded). The rates are per device with this run's devices busy: on a host
+    # loaded by other work they come out low, and every prediction from them long.
+    load_average: float = -1.0
+    cores: int = 0
+
+    @property
+    def loaded(self) -> bool:
+        """Measured while other work held more than the host's cores."""
+        return self.cores > 0 and self.load_average > self.cores
 
     def collective_time(self, kind: str, ranks: int, nbytes: float) -> float:
         """Seconds of one ``kind`` collective over ``ranks`` devices of an
@@ -89,7 +105,9 @@ class Calibration:
                 f"GFLOP/s per device busy, {self.flops_solo / 1e9:.2f} alone; memory "
                 f"{self.mem_busy / 1e9:.2f} / {self.mem_solo / 1e9:.2f} GB/s; kernel "
                 f"{self.kernel_busy_s * 1e6:.0f} / {self.kernel_solo_s * 1e6:.0f} µs; launch "
-                f"{self.launch_s * 1e3:.2f} ms; all-reduce {links}")
+                f"{self.launch_s * 1e3:.2f} ms; all-reduce {links}" + (
+                    f"; MEASURED UNDER LOAD (load average {self.load_average:.1f} on {self.cores} cores): "
+                    f"rates too low, measure again on a quiet machine (refresh)" if self.loaded else ""))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,6 +215,7 @@ def measure(devices=None, *, repeats: int = 9) -> Calibration:
     from jax.sharding import PartitionSpec as P
 
     devices = list(jax.devices() if devices is None else devices)
+    load = _host_load()  # before this measurement adds its own
     n = len(devices)
     flat = jax.sharding.Mesh(np.asarray(devices), ("all",))
     shard = NamedSharding(flat, P("all"))
@@ -278,4 +297,12 @@ def measure(devices=None, *, repeats: int = 9) -> Calibration:
             collectives[f"{kind}:{r}"] = _fit(sizes, times)
     return Calibration(machine_key(devices), flops_busy, max(flops_solo, flops_busy), mem_busy,
                        max(mem_solo, mem_busy), kernel_busy, kernel_solo or kernel_busy, launch, iteration,
-                       collectives, time.strftime("%Y-%m-%d %H:%M:%S"))
+                       collectives, time.strftime("%Y-%m-%d %H:%M:%S"), *load)
+
+
+def _host_load() -> tuple[float, int]:
+    """(1-minute load average, cores) of the host now; (-1, 0) where the OS has none."""
+    try:
+        return float(os.getloadavg()[0]), int(os.cpu_count() or 0)
+    except (AttributeError, OSError):
+        return -1.0, 0

@@ -25,15 +25,16 @@ Compute: each piece costs a roofline *per piece* —
 the max over the two op classes of one compiled piece (not per HLO op), plus
 the sum of its kernels' fixed costs. Pieces are summed as the step runs them:
 per microbatch, every block's forward and backward, and the embedding/head;
-tensor parallelism divides FLOPs and bytes (not kernels) by ``tensor`` (not
-inside a pipeline today: see ``CostModel``). Without a pipeline a step's compute
-is that sum at the all-busy rates. With ``pipe > 1``
+tensor parallelism divides FLOPs and bytes (not kernels) by ``tensor``. Without
+a pipeline a step's compute is that sum at the all-busy rates. With ``pipe > 1``
 the schedule is re-timed into fused ticks as the runtime does
 (``schedules.fused.fuse``, mode ``"auto"`` unless the config says otherwise) and
 replayed by the simulator (``simulate(fused, mode="neighbour")``): once at the
 solo rates (the critical path: simulated CPU devices idle in a bubble free the
 host's cores for the busy ones) and all devices' work is summed at the busy
-rates (what shared cores deliver at best); compute is the larger. The loop runs
+rates (what shared cores deliver at best); compute is the larger. With ``tensor``
+or ``expert`` > 1 the stages run in lockstep instead: each fused tick costs every
+active branch's work on every device (``CostModel._lockstep_compute``). The loop runs
 one iteration per *fused* tick (not per table tick), and each fused tick pays
 its ppermutes.
 
@@ -105,13 +106,15 @@ class CostModel:
     ``step_time(candidate) -> seconds`` and ``observe(candidate, seconds)``.
     ``fuse_mode``: how the runtime re-times a pipeline's table (``parallel.fuse_ticks``).
     ``pipeline_tensor_split``: whether ``tensor`` divides a pipeline stage's work. It
-    does not in the runtime today: the compiled step of t2 p4 m4 B32 (tiny GPT, 8 CPU
-    devices) has 2.0x the FLOPs per device of d2 p4 m4 B32, where d4 t2 and d8 without
-    a pipeline have the same (the stage programs inside the pipeline's ``shard_map``
-    run unsharded over ``tensor``), and its step took 2.2x as long."""
+    does: inside the pipeline's ``shard_map`` the stage code's weights stay sharded
+    over ``tensor`` (the compiled t2 p4 step's MLP dots are [rows, d_ff / 2]). What
+    costs is that with ``tensor`` (or ``expert``) > 1 the stages run in *lockstep*
+    (``runtime.spmd.needs_lockstep``): every device runs every task kind some device
+    runs in the tick (``_lockstep_compute``); False models the stage work unsplit
+    and per-device branches (the model before lockstep was counted)."""
 
     def __init__(self, costs: ModelCosts, hardware: Hardware, seq_len: int, ridge: float = 0.1,
-                 fuse_mode: str = "auto", pipeline_tensor_split: bool = False):
+                 fuse_mode: str = "auto", pipeline_tensor_split: bool = True):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
         self.fuse_mode = fuse_mode
         self.pipeline_tensor_split = pipeline_tensor_split
@@ -163,6 +166,8 @@ class CostModel:
                       + hw.piece_time(k.piece("rest_F"), rows_mb, split=c.tensor)
                       + hw.piece_time(k.piece("rest_BW"), rows_mb, split=c.tensor))
             return c.microbatches * per_mb, 0.0, c.microbatches
+        if self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1):
+            return self._lockstep_compute(c, rows_mb)
         from mindpipe_jax.sim.engine import simulate
 
         fused = self.fused_schedule(c)
@@ -171,6 +176,37 @@ class CostModel:
         pooled = sum(busy.busy) / len(busy.busy)  # every device's work at the all-busy rate
         bubble = 1.0 - pooled / busy.step_time if busy.step_time > 0 else 0.0
         return max(solo.step_time, pooled), bubble, fused.num_ticks
+
+    def _lockstep_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
+        """A pipeline in lockstep: in each fused tick every device runs every branch some
+        device takes (a branch is a task kind at a stage position: first, middle or
+        last; ``PartPlan.active``), each on its own stage's weights, so a tick costs the
+        sum of its active branches on every device, at the all-busy rates (no device
+        idles, so none frees a core). The last stage's F is idle (its forward runs
+        inside its backward); a middle position costs the widest middle stage's work."""
+        from mindpipe_jax.parallel.pipeline import get_schedule
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, make_plan
+        from mindpipe_jax.parallel.pipeline.schedules import Kind
+
+        plan = make_plan(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), c.remat,
+                         self.fuse_mode)
+        sc = self._stage_costs(c, rows_mb, solo=False)
+        last = len(sc.F) - 1
+        middle = max(range(1, last), key=lambda g: sc.BW[g]) if last > 1 else 0  # the widest
+        stage_at = {FIRST: 0, LAST: last}
+
+        def cost(kind, pos) -> float:
+            g = stage_at.get(pos, middle)
+            if kind is Kind.F:
+                return 0.0 if pos == LAST else sc.F[g]
+            work = {Kind.B: sc.B[g], Kind.W: sc.W[g], Kind.BW: sc.BW[g]}[kind]
+            return work + (sc.F[g] if pos == LAST and kind is not Kind.W else 0.0)
+
+        total = sum(float((part.active() @ np.array([cost(kind, pos) for kind, pos, _ in part.keys])).sum())
+                    for part in plan.parts if part.keys)
+        useful = c.microbatches * (sum(sc.F) + sum(sc.BW)) / c.pipe  # a device's mean share
+        bubble = 1.0 - useful / total if total > 0 else 0.0
+        return total, max(bubble, 0.0), plan.num_ticks
 
     def _update(self, c: Candidate) -> float:
         """The optimizer over this device's parameter shard (all-busy rates)."""
