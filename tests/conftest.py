@@ -49,6 +49,22 @@ def _compilation_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _calibration_cache(tmp_path_factory):
+    """Machine calibrations the tests measure (``tuner.calibrate.load_or_measure`` without a
+    cache directory: the tuner, ``mindpipe tune``) are cached in this test process's
+    temporary directory, not the user's ``~/.cache/mindpipe_jax``: measured under the
+    suite's load, their rates are several times too low, and every later tune or
+    benchmark on the machine would read them (one did, 2026-12-03: 1.9 GFLOP/s per busy
+    device where a quiet calibration has 13.5)."""
+    from mindpipe_jax.tuner import calibrate
+
+    path = tmp_path_factory.mktemp("calibration_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibrate, "default_cache_dir", lambda: path)
+        yield
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked ``xla_default_emitters`` runs in a child pytest that compiles with
     XLA's default fusion emitters (``xla_flags.DEFAULT_EMITTERS``), unless this process
