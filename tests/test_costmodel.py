@@ -229,3 +229,21 @@ def test_a_calibration_measured_under_load_says_so_and_old_files_still_load(tmp_
     assert not Calibration.from_dict(old).loaded
     measured = calibrate.measure(jax.devices()[:2], repeats=1)
     assert measured.cores >= 1 and measured.load_average >= 0
+
+
+def test_a_calibration_cached_under_load_is_measured_again_once_the_host_is_quiet(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(devices):
+        calls.append(1)
+        return _calibration(calibrate.machine_key(devices), load_average=calibrate._host_load()[0], cores=2)
+
+    monkeypatch.setattr(calibrate, "_host_load", lambda: (6.0, 2))  # other work holds the cores
+    first = calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    assert first.loaded and len(calls) == 1
+    calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    assert len(calls) == 1  # still loaded: measuring again would be no better
+    monkeypatch.setattr(calibrate, "_host_load", lambda: (0.4, 2))
+    quiet = calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
+    assert len(calls) == 2 and not quiet.loaded
+    assert calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure) == quiet and len(calls) == 2
