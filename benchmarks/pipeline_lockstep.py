@@ -1,22 +1,27 @@
 """What lockstep ticks cost: the vPipe runtime with a per-device ``lax.switch`` against
-lockstep ``cond``s (every device runs every task kind some stage runs in the tick),
-side by side in one run, on the reference GPT where both are correct.
+lockstep ``cond``s (every device runs every branch some device runs in the tick), the
+first stage's branches kept apart from the middle stages' or shared with them, side by
+side in one run, on the reference GPT.
 
 With ``tensor`` > 1 the runtime always runs in lockstep (``runtime.needs_lockstep``):
 XLA may put a model's resharding collectives inside the stage code, and a per-device
-branch would strand them. This script forces each mode on the same mesh and the same
-model to show the price of that guarantee. Rows: pipe=2 x data=2 x tensor=2 and
-pipe=4 x data=2 x tensor=1, 1F1B, m = 2p and 4p; the reference GPT (d_model 128,
-4 layers per stage... see ``--layers-per-stage``), seq 64, 8 rows per microbatch.
+branch would strand them. A branch is a task kind at a stage position; since
+2026-12-04, in lockstep, the first stage's tasks take the middle stages' branches (its
+embedding under a select, ``make_plan(merge_first=True)``), so a tick runs the stage
+layers once per kind where it ran them for the first and the middle stages apart.
+Rows: pipe=4 x data=2 (tensor=1, where the switch is correct too: all three modes) and
+pipe=4 x tensor=2 (lockstep only: apart vs shared), 1F1B, m = 2p and 4p, fused ticks
+as the runtime runs them; the reference GPT (d_model 128, ``--layers-per-stage`` 2),
+seq 64, 8 rows per microbatch per batch shard.
 
 Columns: median step wall time over ``--calls`` timed calls (after one warm-up), the
-spread (min-max), and lockstep / switch. The calls of the two modes alternate, so load
-drift hits both alike. On this machine the simulated devices share 2 cores: an idle
-device frees a core, so the switch's skipped work shows as wall time here; on a GPU
-cluster a tick's time is its slowest device in either mode. Work counted from the
-table: ``executed`` is the sum over ticks of the task kinds run in that tick (lockstep)
-or of the largest (switch), in units F = 1, BW = 2, an idle tick 0 — what each mode
-costs on the critical path of a lockstep SPMD program.
+spread (min-max); the ratios to the switch (or to lockstep apart where there is no
+switch). The calls of the modes alternate, so load drift hits them alike. On this
+machine the simulated devices share 2 cores: an idle device frees a core, so the
+switch's skipped work shows as wall time here. Work counted from the fused plan
+(``work``: F = 1, B = W = 1, BW = 2, the last stage's backward + 1 for its forward, its
+F 0): per tick, lockstep runs the sum of the active branches, the switch the largest
+device's cell: what each mode costs on the critical path of a lockstep SPMD program.
 
 Usage: ``python benchmarks/pipeline_lockstep.py [--calls 7] [--out FILE]``.
 """
@@ -43,21 +48,31 @@ from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
 from mindpipe_jax.parallel.pipeline import get_schedule  # noqa: E402
 from mindpipe_jax.parallel.pipeline.contract import stage_fns  # noqa: E402
 from mindpipe_jax.parallel.pipeline.runtime import make_plan, pipeline_grads  # noqa: E402
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import LAST  # noqa: E402
 from mindpipe_jax.parallel.pipeline.schedules import Kind  # noqa: E402
 
 UNITS = {Kind.F: 1, Kind.BW: 2, Kind.B: 1, Kind.W: 1}
+MODES = ("switch", "lockstep, apart", "lockstep, shared")
 
 
-def table_work(schedule) -> tuple[int, int]:
-    """(switch, lockstep) critical-path work units over the table's ticks."""
-    plan = make_plan(schedule, "none")
-    switch = lockstep = 0
-    for t in range(schedule.num_ticks):
-        kinds = {plan.keys[b - 1] for b in plan.branch[t] if b > 0}
-        cost = [UNITS[k] for k, pos, _ in kinds if not (k is Kind.F and pos == 2)]  # last-stage F: empty
-        switch += max(cost, default=0)
-        lockstep += sum(cost)
-    return switch, lockstep
+def _unit(kind, pos) -> int:
+    if pos == LAST:  # its F runs inside its backward
+        return 0 if kind is Kind.F else UNITS[kind] + (kind is not Kind.W)
+    return UNITS[kind]
+
+
+def plan_work(schedule, mode: str) -> int:
+    """Critical-path work units of the fused ticks ``mode`` runs."""
+    plan = make_plan(schedule, "none", merge_first=mode == "lockstep, shared")
+    total = 0
+    for t in range(plan.num_ticks):
+        if mode == "switch":
+            total += max(sum(_unit(*part.keys[part.branch[t, s] - 1][:2]) for part in plan.parts
+                             if part.branch[t, s] > 0) for s in range(schedule.num_stages))
+        else:
+            total += sum(_unit(*part.keys[k][:2]) for part in plan.parts if part.keys
+                         for k in np.flatnonzero(part.active()[t]))
+    return total
 
 
 def main() -> None:
@@ -67,24 +82,29 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with report("vPipe lockstep ticks vs per-device switch", args.out):
-        print(f"{'mesh':28s} {'m':>3s} {'switch ms':>18s} {'lockstep ms':>18s} {'ratio':>6s} "
-              f"{'work sw/ls':>11s}")
-        for axes, p in (({"pipe": 2, "data": 2, "tensor": 2}, 2), ({"pipe": 4, "data": 2, "tensor": 1}, 4)):
+        print(f"{'mesh':22s} {'m':>3s} " + " ".join(f"{mode + ' ms':>20s}" for mode in MODES)
+              + f" {'apart/sw':>8s} {'shared/sw':>9s} {'shared/apart':>12s} {'work sw/apart/shared':>21s}")
+        for axes in ({"pipe": 4, "data": 2, "tensor": 1}, {"pipe": 4, "data": 1, "tensor": 2}):
+            p = axes["pipe"]
             mesh = make_mesh(ParallelConfig(**axes))
             cfg = ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=p * args.layers_per_stage,
                               n_heads=4)
             model = GPT(cfg, rngs=nnx.Rngs(0))
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            modes = MODES if axes["tensor"] == 1 else MODES[1:]  # tensor > 1: lockstep only
             for m in (2 * p, 4 * p):
                 schedule = get_schedule("1f1b", p, m)
                 rng = np.random.default_rng(0)
                 tokens = rng.integers(0, 256, (m, 8 * axes["data"], 65)).astype(np.int32)
                 fns = {mode: jax.jit(pipeline_grads(stage_fns(model), schedule, mesh, remat="none",
-                                                    lockstep=mode == "lockstep"))
-                       for mode in ("switch", "lockstep")}
-                def call(mode, fns=fns, tokens=tokens, params=params):
-                    return jax.block_until_ready(fns[mode](params["embed"], params["blocks"], params["head"],
-                                                           tokens[..., :-1], tokens[..., 1:]))
+                                                    lockstep=mode != "switch",
+                                                    merge_first=mode == "lockstep, shared"))
+                       for mode in modes}
+                def call(mode, fns=fns, tokens=tokens, params=params, mesh=mesh):
+                    operands = (params["embed"], params["blocks"], params["head"],
+                                tokens[..., :-1], tokens[..., 1:])
+                    with jax.set_mesh(mesh):
+                        return jax.block_until_ready(fns[mode](*operands))
                 times = {mode: [] for mode in fns}
                 for mode in fns:
                     call(mode)  # compile + warm-up
@@ -94,13 +114,16 @@ def main() -> None:
                         call(mode)
                         times[mode].append(time.perf_counter() - t0)
                 med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-                spread = {k: f"{med[k]:6.1f} ({min(v) * 1e3:.0f}-{max(v) * 1e3:.0f})"
-                          for k, v in times.items()}
-                sw, ls = table_work(schedule)
+                cells = [f"{med[k]:6.1f} ({min(times[k]) * 1e3:.0f}-{max(times[k]) * 1e3:.0f})" if k in med
+                         else "-" for k in MODES]
+                base = med.get("switch")
+                ratio = [f"{med['lockstep, apart'] / base:8.2f}" if base else f"{'-':>8s}",
+                         f"{med['lockstep, shared'] / base:9.2f}" if base else f"{'-':>9s}",
+                         f"{med['lockstep, shared'] / med['lockstep, apart']:12.2f}"]
+                work = "/".join(str(plan_work(schedule, k)) for k in MODES)
                 label = " x ".join(f"{a}={n}" for a, n in axes.items())
-                print(f"{label:28s} {m:3d} {spread['switch']:>18s} {spread['lockstep']:>18s} "
-                      f"{med['lockstep'] / med['switch']:6.2f} {sw:5d}/{ls:<5d}", flush=True)
-
+                print(f"{label:22s} {m:3d} " + " ".join(f"{c:>20s}" for c in cells) + " " + " ".join(ratio)
+                      + f" {work:>21s}", flush=True)
 
 if __name__ == "__main__":
     main()

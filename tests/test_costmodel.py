@@ -161,6 +161,13 @@ def _lockstep_by_hand(model: CostModel, c: Candidate) -> float:
     fused = fuse(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), model.fuse_mode)
     sc = model._stage_costs(c, c.global_batch / (c.batch_shards * c.microbatches), solo=False)
     last = fused.schedule.num_global_stages - 1
+
+    def cost(kind, g):
+        if kind.value == "F":
+            return 0.0 if g == last else sc.F[g]
+        return {"B": sc.B, "W": sc.W, "BW": sc.BW}[kind.value][g] + (
+            sc.F[g] if g == last and kind.value != "W" else 0.0)
+
     total = 0.0
     for row in fused.cells:
         for part in range(3):
@@ -168,14 +175,12 @@ def _lockstep_by_hand(model: CostModel, c: Candidate) -> float:
             for s, cell in enumerate(row):
                 if cell[part] is not None:
                     g = fused.schedule.global_stage(s, cell[part].chunk)
-                    kinds.add((cell[part].kind, "first" if g == 0 else "last" if g == last else "mid"))
+                    # with middle stages, the first runs the middle stages' branch
+                    pos = "last" if g == last else "first-or-mid" if last > 1 else "first"
+                    kinds.add((cell[part].kind, pos))
             for kind, pos in kinds:
-                g = {"first": 0, "last": last}.get(pos, 1)
-                if kind.value == "F":
-                    total += 0.0 if pos == "last" else sc.F[g]
-                else:
-                    total += {"B": sc.B, "W": sc.W, "BW": sc.BW}[kind.value][g]
-                    total += sc.F[g] if pos == "last" and kind.value != "W" else 0.0
+                total += {"first": lambda k: cost(k, 0), "last": lambda k: cost(k, last),
+                          "first-or-mid": lambda k: max(cost(k, 0), cost(k, 1))}[pos](kind)
     return total
 
 

@@ -153,6 +153,32 @@ def test_fused_and_v_schedules_equal_unpipelined(name, p, m, v, remat, mode):
     assert_matches(loss, grads, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("name,p,m,v,remat", [("1f1b", 4, 8, 1, "full"), ("zb-h1", 4, 8, 1, False),
+                                              ("interleaved", 2, 4, 2, "dots")])
+def test_lockstep_first_stage_shares_the_middle_branches_and_equals_unpipelined(name, p, m, v, remat):
+    """Stages in lockstep (tensor > 1 forces it; forced here on pipe x data) run every branch
+    of a tick on every device. With middle stages the first stage's tasks take the middle
+    stages' branches (its embedding under a select), so a steady 1F1B tick on p=4 runs one
+    forward and two backwards (that branch and the last stage's) instead of two and three.
+    Gradients equal plain value_and_grad, with NaN in every buffer a bubble leaves unwritten."""
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST
+
+    schedule = get_schedule(name, p, m, v)
+    merged, apart = make_plan(schedule, remat, merge_first=True), make_plan(schedule, remat)
+    assert all(pos != FIRST for part in merged.parts for _, pos, _ in part.keys)
+    assert any(pos == EITHER for part in merged.parts for _, pos, _ in part.keys)
+    runs = [sum(int(part.active().sum()) for part in plan.parts) for plan in (merged, apart)]
+    assert runs[0] < runs[1], runs  # fewer branch runs per step on every device
+    model, params = tiny_gpt(p * v)
+    inputs, targets = microbatches(p * m + 1, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
 def _loop_body_copies(hlo: str) -> list[str]:
     """The shapes copied in the body of the while loop that holds the ring transfers."""
     comps, cur = {}, None

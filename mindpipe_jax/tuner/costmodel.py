@@ -183,19 +183,24 @@ class CostModel:
         last; ``PartPlan.active``), each on its own stage's weights, so a tick costs the
         sum of its active branches on every device, at the all-busy rates (no device
         idles, so none frees a core). The last stage's F is idle (its forward runs
-        inside its backward); a middle position costs the widest middle stage's work."""
+        inside its backward); a middle position costs the widest middle stage's work,
+        the branch the first stage shares with them the dearer of the two."""
         from mindpipe_jax.parallel.pipeline import get_schedule
-        from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, make_plan
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, MID, make_plan
         from mindpipe_jax.parallel.pipeline.schedules import Kind
 
+        # The plan as the runtime makes it in lockstep: the first stage shares the middle
+        # stages' branches where there are middle stages.
         plan = make_plan(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), c.remat,
-                         self.fuse_mode)
+                         self.fuse_mode, merge_first=c.pipe * c.virtual_stages > 2)
         sc = self._stage_costs(c, rows_mb, solo=False)
         last = len(sc.F) - 1
         middle = max(range(1, last), key=lambda g: sc.BW[g]) if last > 1 else 0  # the widest
         stage_at = {FIRST: 0, LAST: last}
 
         def cost(kind, pos) -> float:
+            if pos == EITHER:  # the middle stage's layers and the first's embedding
+                return max(cost(kind, FIRST), cost(kind, MID))
             g = stage_at.get(pos, middle)
             if kind is Kind.F:
                 return 0.0 if pos == LAST else sc.F[g]

@@ -130,7 +130,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
                    fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True,
-                   gradient_groups: int = 1, deterministic: bool = False):
+                   gradient_groups: int = 1, deterministic: bool = False, merge_first: bool | None = None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets, block_context=None) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -168,7 +168,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     A chunk's ring sends each device's own shards of leaves sharded over an automatic
     axis (tensor, expert: read from ``param_specs``; ``ringsync.LocalRing``).
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
-    None decides from the mesh. ``fuse_mode``, ``fuse_cost``: how the table is re-timed
+    None decides from the mesh. ``merge_first``: the first stage shares the middle
+    stages' branches (``make_plan``); None: in lockstep where there are middle stages
+    (False there runs them apart, what ``benchmarks/pipeline_lockstep.py`` compares).
+    ``fuse_mode``, ``fuse_cost``: how the table is re-timed
     into fused ticks (``schedules.fused.fuse``; "table" runs one task per tick; "auto"
     picks the fastest under ``fuse_cost``, e.g. measured F/B/W/BW times).
     ``param_specs``: ``{"embed", "blocks", "head"}`` trees of the parameters' storage
@@ -219,7 +222,13 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         """A narrow wire's mean reshapes the gradients: on each device's own shards
         (``ringsync.on_shards``); fp32's ``pmean`` needs no reshape."""
         return fn(tree) if wire == jnp.float32 else ringsync.on_shards(fn, tree, specs, auto)
-    plan = make_plan(schedule, remat, fuse_mode, split_backward=split_backward, fuse_cost=fuse_cost)
+    if lockstep is None:
+        lockstep = needs_lockstep(mesh)
+    # In lockstep every device runs every branch of a tick: the first stage shares the
+    # middle stages' branches (position EITHER), so its layers are not run a second time.
+    plan = make_plan(schedule, remat, fuse_mode, split_backward=split_backward, fuse_cost=fuse_cost,
+                     merge_first=(lockstep and schedule.num_global_stages > 2) if merge_first is None
+                     else merge_first)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     groups = gradient_groups
@@ -244,8 +253,6 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         raise ValueError(f"layout is for p={layout.p}, v={layout.v}; the schedule has p={p}, v={v}")
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
         layout = dataclasses.replace(layout, placement=schedule.placement)
-    if lockstep is None:
-        lockstep = needs_lockstep(mesh)
     # XLA:CPU starts independent ops in any order per device: with collectives inside
     # the ticks (lockstep), a ring step beside them could pair up wrongly. GPUs run one
     # fixed order, so there the ring stays free to overlap the tick.

@@ -38,7 +38,7 @@ from jax import lax
 from mindpipe_jax.parallel.pipeline.runtime.bwsplit import ChunkSplit
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.runtime.spmd import _take, _vary, _zeros_like
-from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, Plan, split_mode
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, Plan, split_mode
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
 
@@ -166,6 +166,32 @@ class StageTasks:
     def first_fwd(self, e_params, c_params, tokens, layers):
         return layers(c_params, self.fns.embed(e_params, tokens))
 
+    # A branch at position EITHER (``make_plan(merge_first=True)``) serves the first stage
+    # and the middle ones: the embedding is computed on every device that runs it and kept
+    # where the task is the first stage's (``task["position"]``), and so is its gradient.
+    def _stage_input(self, pos, op, tokens):
+        if pos == FIRST:
+            return self.fns.embed(self.embed_p, tokens)
+        if pos != EITHER:
+            return op["x"]
+        first = op["task"]["position"] == FIRST
+        return jnp.where(first, self.fns.embed(self.embed_p, tokens).astype(op["x"].dtype), op["x"])
+
+    def _embed_grad(self, tokens, d_h):
+        """The embedding's gradient from the gradient at the stage input (re-running the
+        lookup is cheaper than keeping it). On a middle stage running an EITHER branch it
+        is formed and not added: ``ticks._gates`` adds it at the first stage's cells only."""
+        _, vjp = jax.vjp(self.fns.embed, self.embed_p, tokens)
+        return vjp(d_h.astype(self.zero_h.dtype))[0]
+
+    def _sent_back(self, pos, op, d_x):
+        """The input gradient a backward sends to the previous stage (none from the first)."""
+        if pos == FIRST:
+            return self.zero_h
+        if pos != EITHER:
+            return d_x
+        return jnp.where(op["task"]["position"] == FIRST, self.zero_h, d_x)
+
     # ------------------------------------------------------------- the parts
     def forward_branches(self):
         """F: ``op = {task, x, res}`` -> ``{send, res}``."""
@@ -174,20 +200,20 @@ class StageTasks:
 
         def make(pos, policy):
             def run(op):
-                task, x, res = op["task"], op["x"], op["res"]
+                task, res = op["task"], op["res"]
                 if pos == LAST:  # the last stage's forward runs inside its backward
                     return idle(op)
                 tokens = _take(self.inputs, task["microbatch"])
                 if policy.startswith("split-") and policy != "split-full":
-                    h = self.fns.embed(self.embed_p, tokens) if pos == FIRST else x
+                    h = self._stage_input(pos, op, tokens)
                     y, kept = self.splits[policy.removeprefix("split-")].fwd(self.split_params(op), h)
                     return {"send": y, "res": {**res, policy: kept}}
                 c_params = self._params(op)
                 if policy in ("full", "split-full"):  # the stage input stays in its slot until the backward
                     y = (self.first_fwd(self.embed_p, c_params, tokens, self.run_layers) if pos == FIRST
-                         else self.run_layers(c_params, x))
+                         else self.run_layers(c_params, self._stage_input(pos, op, tokens)))
                     return {"send": y, "res": res}
-                h = self.fns.embed(self.embed_p, tokens) if pos == FIRST else x
+                h = self._stage_input(pos, op, tokens)
                 y, kept = self.stores[policy].forward(c_params, h)
                 return {"send": y, "res": {**res, policy: kept}}
             return run
@@ -247,16 +273,15 @@ class StageTasks:
                 grads["head"], dy = head_vjp(self.seed)
                 grads["loss"] = loss.astype(jnp.float32)
             elif mode == "full":
-                kept = [self.fns.embed(self.embed_p, tokens) if pos == FIRST else x]
+                kept = [self._stage_input(pos, op, tokens)]
             else:
                 kept = res["split-" + policy]
             d_x, cut = split.b(c_params, kept, dy)
             stash = cut if mode == "full" else [
                 k for k, r in zip(kept, split.w_reads_kept, strict=True) if r] + list(cut)
-            if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
-                _, vjp = jax.vjp(self.fns.embed, self.embed_p, tokens)
-                grads["embed"] = vjp(d_x.astype(self.zero_h.dtype))[0]
-            send = self.zero_h if pos == FIRST else d_x
+            if pos in (FIRST, EITHER):
+                grads["embed"] = self._embed_grad(tokens, d_x)
+            send = self._sent_back(pos, op, d_x)
             return {"send": send, "grads": grads, "stash": {**op["stash"], name: stash}}
         return run
 
@@ -308,15 +333,15 @@ class StageTasks:
                 if want_w:
                     grads["head"], grads["chunk"] = d_h, self.weights(d_c)
                 return {"send": d_x if want_x else self.zero_h, "grads": grads}
-            d_e, d_c, d_x = self._stage_vjp(op, c_params, tokens, pos, policy, x, dy, res)
+            d_e, d_c, d_x = self._stage_vjp(op, c_params, tokens, pos, policy, dy, res)
             if want_w:
                 grads["chunk"] = self.weights(d_c)
                 if d_e is not None:
                     grads["embed"] = d_e
-            return {"send": d_x if want_x and pos != FIRST else self.zero_h, "grads": grads}
+            return {"send": self._sent_back(pos, op, d_x) if want_x else self.zero_h, "grads": grads}
         return run
 
-    def _stage_vjp(self, op, c_params, tokens, pos, policy, x, dy, res):
+    def _stage_vjp(self, op, c_params, tokens, pos, policy, dy, res):
         """(embed grad or None, chunk grad, input grad) of a first or middle stage."""
         if policy == "full":
             if pos == FIRST:
@@ -324,10 +349,10 @@ class StageTasks:
                                  self.embed_p, c_params, tokens)
                 d_e, d_c, _ = vjp(dy)
                 return d_e, d_c, self.zero_h
-            d_c, d_x = jax.vjp(self.recompute_layers, c_params, x)[1](dy)
-            return None, d_c, d_x
+            h = self._stage_input(pos, op, tokens)
+            d_c, d_x = jax.vjp(self.recompute_layers, c_params, h)[1](dy)
+            return (self._embed_grad(tokens, d_x) if pos == EITHER else None), d_c, d_x
         d_c, d_x = self.stores[policy].backward(c_params, res[policy], dy)
-        if pos == FIRST:  # re-running the embedding lookup is cheaper than keeping it
-            _, vjp = jax.vjp(self.fns.embed, self.embed_p, tokens)
-            return vjp(d_x.astype(self.zero_h.dtype))[0], d_c, self.zero_h
-        return None, d_c, d_x
+        if pos == FIRST:
+            return self._embed_grad(tokens, d_x), d_c, self.zero_h
+        return (self._embed_grad(tokens, d_x) if pos == EITHER else None), d_c, d_x

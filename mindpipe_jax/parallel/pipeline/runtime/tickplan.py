@@ -30,6 +30,11 @@ from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 from mindpipe_jax.parallel.pipeline.schedules.fused import PART_OF, PARTS, FusedSchedule, fuse
 
 MID, FIRST, LAST = 0, 1, 2
+# The branch position of a first or middle stage when ``make_plan(merge_first=True)``:
+# one branch serves both, the first stage's embedding under a select on the device's
+# own task (stages in lockstep run every branch of a tick on every device: two
+# branches that differ only by the embedding would run the stage's layers twice).
+EITHER = 3
 # What a stage keeps between a microbatch's forward and its backward:
 #   "none"  the forward's residuals (recomputes nothing);
 #   "dots"  residuals under jax.checkpoint with dots_with_no_batch_dims_saveable
@@ -38,7 +43,7 @@ MID, FIRST, LAST = 0, 1, 2
 REMAT_POLICIES = ("none", "dots", "full")
 DIRECTIONS = ("next", "prev", "self")
 _SHIFT = {"next": 1, "prev": -1, "self": 0}
-_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "stash_slot")
+_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "stash_slot", "position")
 
 
 def split_mode(policy: str, position: int) -> str:
@@ -74,10 +79,12 @@ class PartPlan:
     """One part of the fused ticks (F, backward or W): ``[ticks, p]`` arrays.
 
     ``branch`` is 0 for idle, else ``1 + keys.index((kind, position, policy))``:
-    only the combinations the table uses become branches. Slots are -1 where the
-    task keeps nothing there."""
+    only the combinations the table uses become branches. ``position``: each task's
+    own stage position (``FIRST``, ``MID``, ``LAST``; a key's may be ``EITHER``).
+    Slots are -1 where the task keeps nothing there."""
 
     branch: np.ndarray
+    position: np.ndarray
     microbatch: np.ndarray
     chunk: np.ndarray
     x_slot: np.ndarray  # slot holding the task's stage input
@@ -142,12 +149,14 @@ def _colour(intervals: dict) -> tuple[dict, int]:
 
 
 def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_backward: bool = True,
-              fuse_cost=None) -> Plan:
+              fuse_cost=None, merge_first: bool = False) -> Plan:
     """``remat``: see ``normalize_remat``; it decides what each global stage keeps
     and for how long, so it shapes the buffers as much as the table does.
     ``fuse_mode``, ``fuse_cost``: how the table is re-timed (``schedules.fused.fuse``).
     ``split_backward``: B and W tasks split the backward's equations (``bwsplit``);
-    False: each forms the whole vjp and keeps its half (the collective matmul's rings need this)."""
+    False: each forms the whole vjp and keeps its half (the collective matmul's rings need this).
+    ``merge_first``: the first stage's tasks share the middle stages' branches (position
+    ``EITHER``; for stages in lockstep, where it saves a run of the layers per part)."""
     fused = fuse(schedule, fuse_mode, fuse_cost)
     p, ticks = schedule.num_stages, fused.num_ticks
     last_global = schedule.num_global_stages - 1
@@ -206,18 +215,20 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
         stash_slot_of.append(_colour_each(stash_life[s], stash_slots))
 
     shape = (ticks, p)
-    arrays = [{n: np.zeros(shape, np.int32) if n in ("branch", "microbatch", "chunk")
+    arrays = [{n: np.zeros(shape, np.int32) if n in ("branch", "microbatch", "chunk", "position")
                else np.full(shape, -1, np.int32) for n in _FIELDS} for _ in PARTS]
     keys: list[list] = [[] for _ in PARTS]
     send = {w: {d: np.zeros(shape, bool) for d in DIRECTIONS} for w in ("x", "g")}
     recv = {w: {d: np.full(shape, -1, np.int32) for d in DIRECTIONS} for w in ("x", "g")}
     for (kind, mb, g), (t, s) in sorted(where.items(), key=lambda kv: kv[1]):
         position = FIRST if g == 0 else (LAST if g == last_global else MID)
-        part, key = PART_OF[kind], (kind, position, res_key(g))
+        branch_at = EITHER if merge_first and position != LAST else position
+        part, key = PART_OF[kind], (kind, branch_at, res_key(g))
         if key not in keys[part]:
             keys[part].append(key)
         arr = arrays[part]
         arr["branch"][t, s] = 1 + keys[part].index(key)
+        arr["position"][t, s] = position
         arr["microbatch"][t, s] = mb
         arr["chunk"][t, s] = schedule.owner(g)[1]
         arr["x_slot"][t, s] = x_slot_of[s].get((mb, g), -1)

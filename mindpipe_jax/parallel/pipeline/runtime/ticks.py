@@ -32,7 +32,7 @@ from mindpipe_jax.parallel.collectives import runs_tag
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, _add_at, _put, _take
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
-from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, Plan, shift
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, MID, Plan, shift
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
 
@@ -71,9 +71,15 @@ def _gates(plan: Plan) -> dict[tuple[int, str], np.ndarray]:
     gates = {}
     for i, part in enumerate(plan.parts[1:], start=1):
         for name, adds in _ADDS_TO.items():
-            hit = np.asarray([False] + [adds(kind, pos, mode) for kind, pos, mode in part.keys])
-            if hit.any():
-                gates[(i, name)] = hit[part.branch]
+            # Per cell, at the task's own position: a branch shared by the first and the
+            # middle stages (``EITHER``) adds the embedding's gradient on the first only.
+            gate = np.zeros(part.branch.shape, bool)
+            for k, (kind, _, mode) in enumerate(part.keys, start=1):
+                for pos in (MID, FIRST, LAST):
+                    if adds(kind, pos, mode):
+                        gate |= (part.branch == k) & (part.position == pos)
+            if gate.any():
+                gates[(i, name)] = gate
     return gates
 
 
