@@ -155,32 +155,20 @@ def test_count_kernels_reads_the_compiled_entry():
 
 
 def _lockstep_by_hand(model: CostModel, c: Candidate) -> float:
-    """Every fused tick, every device runs each (part, kind, stage position) some device
-    runs there; a branch costs the stage's own work (the last stage's F is idle: its
-    forward runs inside its backward)."""
+    """Every fused tick, every device runs each (part, kind) some device runs there: one
+    branch that every stage's tasks of that kind share (the last stage's forward runs
+    its layers and the loss), costing the dearest stage's work."""
     fused = fuse(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), model.fuse_mode)
     sc = model._stage_costs(c, c.global_batch / (c.batch_shards * c.microbatches), solo=False)
-    last = fused.schedule.num_global_stages - 1
+    stages = range(fused.schedule.num_global_stages)
 
-    def cost(kind, g):
-        if kind.value == "F":
-            return 0.0 if g == last else sc.F[g]
-        return {"B": sc.B, "W": sc.W, "BW": sc.BW}[kind.value][g] + (
-            sc.F[g] if g == last and kind.value != "W" else 0.0)
+    def cost(kind):
+        return max({"F": sc.F, "B": sc.B, "W": sc.W, "BW": sc.BW}[kind.value][g] for g in stages)
 
     total = 0.0
     for row in fused.cells:
         for part in range(3):
-            kinds = set()
-            for s, cell in enumerate(row):
-                if cell[part] is not None:
-                    g = fused.schedule.global_stage(s, cell[part].chunk)
-                    # with middle stages, the first runs the middle stages' branch
-                    pos = "last" if g == last else "first-or-mid" if last > 1 else "first"
-                    kinds.add((cell[part].kind, pos))
-            for kind, pos in kinds:
-                total += {"first": lambda k: cost(k, 0), "last": lambda k: cost(k, last),
-                          "first-or-mid": lambda k: max(cost(k, 0), cost(k, 1))}[pos](kind)
+            total += sum(cost(kind) for kind in {cell[part].kind for cell in row if cell[part] is not None})
     return total
 
 
@@ -188,14 +176,17 @@ def _lockstep_by_hand(model: CostModel, c: Candidate) -> float:
 def test_tensor_inside_a_pipeline_costs_every_active_branch_on_every_device(schedule, m):
     """With tensor > 1 the runtime runs its stages in lockstep (``needs_lockstep``): the
     stage work is split over tensor, but each tick costs the sum of its active
-    branches on every device. Without tensor the per-device branches stay."""
+    branches on every device, bubbles included. Without tensor the per-device branches
+    stay, and a device idle in a bubble frees the host's cores."""
     tp = Candidate(tensor=2, pipe=4, microbatches=m, schedule=schedule, global_batch=32)
     dp = Candidate(data=2, pipe=4, microbatches=m, schedule=schedule, global_batch=32)
     model = _model()
     assert model.breakdown(tp).compute_s == pytest.approx(_lockstep_by_hand(model, tp), rel=1e-9)
     # The same rows per device and the same split work: lockstep costs more than branches.
     assert model.breakdown(tp).compute_s > 1.2 * model.breakdown(dp).compute_s
-    assert model.breakdown(tp).bubble_fraction > model.breakdown(dp).bubble_fraction
+    # Every stage shares one branch per kind, so a lockstep tick is as long as the
+    # switch's busiest device: the bubble is the same (fuller with branches apart).
+    assert model.breakdown(tp).bubble_fraction >= model.breakdown(dp).bubble_fraction - 1e-9
     unsplit = _model(pipeline_tensor_split=False)  # the older model: tensor ranks do it all
     assert unsplit.breakdown(tp).compute_s > 1.5 * unsplit.breakdown(dp).compute_s
 

@@ -173,7 +173,43 @@ def test_lockstep_first_stage_shares_the_middle_branches_and_equals_unpipelined(
     inputs, targets = microbatches(p * m + 1, m)
     ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
-    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True)
+    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True,
+                         merge_last=False)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("name,p,m,v,remat,split", [
+    ("1f1b", 4, 8, 1, "none", True),  # every last-stage backward in its forward's tick (inline)
+    ("1f1b", 2, 4, 1, "full", True),  # no middle stage: the first and the last share
+    ("zb-h1", 4, 8, 1, "dots", True),  # split: the loss's gradient kept for a later B
+    ("zb-h1", 2, 4, 1, False, False),  # B inline, its unsplit W later reads what the F stored
+    ("interleaved", 2, 4, 2, "none", True),
+    ("zbv", 2, 4, 2, "none", True)])  # split B inline, the V's turn on the device
+def test_lockstep_last_stage_shares_the_branches_and_equals_unpipelined(name, p, m, v, remat, split):
+    """In lockstep the last stage's tasks take the other stages' branches too: its forward
+    runs its layers and the loss (the head's gradient and the loss's gradient at its
+    output, kept for its backward), so a tick runs each kind's layers once, whatever
+    stages its tasks are at. Gradients equal plain value_and_grad, with NaN in every
+    buffer a bubble leaves unwritten (a slot read before the F that fills it, or a
+    forwarded value dropped, shows)."""
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER
+
+    schedule = get_schedule(name, p, m, v)
+    both = make_plan(schedule, remat, split_backward=split, merge_first=True, merge_last=True)
+    first = make_plan(schedule, remat, split_backward=split, merge_first=True)
+    assert all(pos == EITHER for part in both.parts for _, pos, _ in part.keys)
+    runs = [sum(int(part.active().sum()) for part in plan.parts) for plan in (both, first)]
+    assert runs[0] < runs[1], runs
+    if name == "1f1b":
+        assert both.parts[1].inline.any()
+    model, params = tiny_gpt(p * v)
+    inputs, targets = microbatches(p * m + 3, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True,
+                         split_backward=split)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     assert_matches(loss, grads, ref_loss, ref_grads)

@@ -182,30 +182,32 @@ class CostModel:
         device takes (a branch is a task kind at a stage position: first, middle or
         last; ``PartPlan.active``), each on its own stage's weights, so a tick costs the
         sum of its active branches on every device, at the all-busy rates (no device
-        idles, so none frees a core). The last stage's F is idle (its forward runs
-        inside its backward); a middle position costs the widest middle stage's work,
-        the branch the first stage shares with them the dearer of the two."""
+        idles, so none frees a core). The runtime merges every stage's tasks of a kind
+        into one branch (``make_plan(merge_first, merge_last)``: the last stage's forward
+        runs its layers and the loss), which costs the dearest of the stages sharing it
+        (the widest middle stage's work for a middle position)."""
         from mindpipe_jax.parallel.pipeline import get_schedule
         from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, MID, make_plan
         from mindpipe_jax.parallel.pipeline.schedules import Kind
 
-        # The plan as the runtime makes it in lockstep: the first stage shares the middle
-        # stages' branches where there are middle stages.
+        # The plan as the runtime makes it in lockstep (``pipeline_grads``' defaults).
         plan = make_plan(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), c.remat,
-                         self.fuse_mode, merge_first=c.pipe * c.virtual_stages > 2)
+                         self.fuse_mode, merge_first=True, merge_last=True)
         sc = self._stage_costs(c, rows_mb, solo=False)
         last = len(sc.F) - 1
         middle = max(range(1, last), key=lambda g: sc.BW[g]) if last > 1 else 0  # the widest
         stage_at = {FIRST: 0, LAST: last}
 
+        inside = not plan.merge_last  # the last stage's forward runs inside its backward
+
         def cost(kind, pos) -> float:
-            if pos == EITHER:  # the middle stage's layers and the first's embedding
-                return max(cost(kind, FIRST), cost(kind, MID))
+            if pos == EITHER:  # the stages sharing the branch: the dearest of them
+                return max(cost(kind, q) for q in ((FIRST, MID) if inside else (FIRST, MID, LAST)))
             g = stage_at.get(pos, middle)
             if kind is Kind.F:
-                return 0.0 if pos == LAST else sc.F[g]
+                return 0.0 if pos == LAST and inside else sc.F[g]
             work = {Kind.B: sc.B[g], Kind.W: sc.W[g], Kind.BW: sc.BW[g]}[kind]
-            return work + (sc.F[g] if pos == LAST and kind is not Kind.W else 0.0)
+            return work + (sc.F[g] if pos == LAST and inside and kind is not Kind.W else 0.0)
 
         total = sum(float((part.active() @ np.array([cost(kind, pos) for kind, pos, _ in part.keys])).sum())
                     for part in plan.parts if part.keys)

@@ -130,7 +130,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                    grad_sync: str = "end", sync_bucket_bytes: int | None = None,
                    grad_sync_dtype: str = "fp32", lockstep: bool | None = None, fuse_mode: str = "auto",
                    fuse_cost=None, param_specs=None, fsdp_gather: str = "step", split_backward: bool = True,
-                   gradient_groups: int = 1, deterministic: bool = False, merge_first: bool | None = None):
+                   gradient_groups: int = 1, deterministic: bool = False, merge_first: bool | None = None,
+                   merge_last: bool | None = None):
     """Build ``f(embed_p, blocks_p, head_p, inputs, targets, block_context=None) -> (loss, grads)``.
 
     ``blocks_p`` leaves have a leading layer axis ``L``, split into stages by
@@ -168,9 +169,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     A chunk's ring sends each device's own shards of leaves sharded over an automatic
     axis (tensor, expert: read from ``param_specs``; ``ringsync.LocalRing``).
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
-    None decides from the mesh. ``merge_first``: the first stage shares the middle
-    stages' branches (``make_plan``); None: in lockstep where there are middle stages
-    (False there runs them apart, what ``benchmarks/pipeline_lockstep.py`` compares).
+    None decides from the mesh. ``merge_first``, ``merge_last``: the first / the last
+    stage shares the middle stages' branches (``make_plan``); None: in lockstep (False
+    there runs them apart, what ``benchmarks/pipeline_lockstep.py`` compares).
     ``fuse_mode``, ``fuse_cost``: how the table is re-timed
     into fused ticks (``schedules.fused.fuse``; "table" runs one task per tick; "auto"
     picks the fastest under ``fuse_cost``, e.g. measured F/B/W/BW times).
@@ -226,9 +227,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         lockstep = needs_lockstep(mesh)
     # In lockstep every device runs every branch of a tick: the first stage shares the
     # middle stages' branches (position EITHER), so its layers are not run a second time.
+    # So do the last stage's (its forward runs its layers and the loss), so a tick runs a
+    # kind's layers once whatever stages its tasks are at.
     plan = make_plan(schedule, remat, fuse_mode, split_backward=split_backward, fuse_cost=fuse_cost,
-                     merge_first=(lockstep and schedule.num_global_stages > 2) if merge_first is None
-                     else merge_first)
+                     merge_first=lockstep if merge_first is None else merge_first,
+                     merge_last=lockstep if merge_last is None else merge_last)
     points = sync_points(plan.fused, grad_sync)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     groups = gradient_groups

@@ -68,7 +68,7 @@ class StageTasks:
 
     def __init__(self, fns, plan: Plan, params, data, counts, width, stage_idx, *, lockstep, fill,
                  num_microbatches):
-        self.fns, self.plan = fns, plan
+        self.fns, self.plan, self.lockstep = fns, plan, lockstep
         self.embed_p, self.chunks, self.head_p = params["embed"], params["chunks"], params["head"]
         # One chunk's layers, whole: the shapes the branches trace with (with ``chunks``
         # kept as fsdp shards, the tick hands each task its gathered chunk).
@@ -192,11 +192,37 @@ class StageTasks:
             return d_x
         return jnp.where(op["task"]["position"] == FIRST, self.zero_h, d_x)
 
+    def _loss_at_output(self, pos, op, y):
+        """A merged last stage's F (``Plan.merge_last``): ``{dy, grads: {head, loss}}``, the
+        loss's gradient at the stage output (what its backward reads) and the head's. Run
+        in a tick where some device runs the last stage's forward (in lockstep: the same
+        predicate on every device, so the head's collectives are everyone's) and kept
+        where the task is the last stage's (``ticks``: its ``g`` slot, its gates)."""
+        none = {"dy": self.zero_h, "grads": {"head": _zeros_like(self.head_p, jnp.float32),
+                                             "loss": jnp.zeros((), jnp.float32)}}
+        if pos != EITHER:
+            return none
+        task = op["task"]
+        tgt = _take(self.targets, task["microbatch"])
+
+        def head(yy):
+            loss, vjp = jax.vjp(lambda hp, h: self.fns.head_loss(hp, h, tgt), self.head_p, yy)
+            d_head, d_y = vjp(self.seed)
+            d_head = jax.tree.map(lambda g: g.astype(jnp.float32), d_head)
+            return {"dy": d_y.astype(self.zero_h.dtype),
+                    "grads": {"head": d_head, "loss": loss.astype(jnp.float32)}}
+        now = task["head_now"] == 1 if self.lockstep else task["position"] == LAST
+        return lax.cond(now, lambda yy: _vary(head(yy)), lambda yy: _vary(none), y)
+
     # ------------------------------------------------------------- the parts
     def forward_branches(self):
-        """F: ``op = {task, x, res}`` -> ``{send, res}``."""
+        """F: ``op = {task, x, res}`` -> ``{send, res}``, and with ``Plan.merge_last``
+        ``{dy, grads}`` (``_loss_at_output``)."""
+        merged = self.plan.merge_last
+
         def idle(op):
-            return {"send": self.zero_h, "res": op["res"]}
+            out = {"send": self.zero_h, "res": op["res"]}
+            return {**out, **self._loss_at_output(None, op, self.zero_h)} if merged else out
 
         def make(pos, policy):
             def run(op):
@@ -216,7 +242,11 @@ class StageTasks:
                 h = self._stage_input(pos, op, tokens)
                 y, kept = self.stores[policy].forward(c_params, h)
                 return {"send": y, "res": {**res, policy: kept}}
-            return run
+
+            def run_with_loss(op):
+                out = run(op)
+                return {**out, **self._loss_at_output(pos, op, out["send"])}
+            return run_with_loss if merged else run
 
         return self._branches(0, idle, make)
 

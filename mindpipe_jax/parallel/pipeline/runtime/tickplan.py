@@ -30,10 +30,11 @@ from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 from mindpipe_jax.parallel.pipeline.schedules.fused import PART_OF, PARTS, FusedSchedule, fuse
 
 MID, FIRST, LAST = 0, 1, 2
-# The branch position of a first or middle stage when ``make_plan(merge_first=True)``:
-# one branch serves both, the first stage's embedding under a select on the device's
-# own task (stages in lockstep run every branch of a tick on every device: two
-# branches that differ only by the embedding would run the stage's layers twice).
+# The branch position of stages whose tasks share one branch (``make_plan(merge_first=True)``:
+# the first and the middle ones; ``merge_last=True``: the last and the middle ones): the
+# first stage's embedding under a select on the device's own task, the last stage's loss
+# in its forward. Stages in lockstep run every branch of a tick on every device: branches
+# that differ only by the embedding or the head would run the stage's layers twice.
 EITHER = 3
 # What a stage keeps between a microbatch's forward and its backward:
 #   "none"  the forward's residuals (recomputes nothing);
@@ -43,7 +44,8 @@ EITHER = 3
 REMAT_POLICIES = ("none", "dots", "full")
 DIRECTIONS = ("next", "prev", "self")
 _SHIFT = {"next": 1, "prev": -1, "self": 0}
-_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "stash_slot", "position")
+_FIELDS = ("branch", "microbatch", "chunk", "x_slot", "g_slot", "res_slot", "stash_slot", "position",
+           "inline", "head_now")
 
 
 def split_mode(policy: str, position: int) -> str:
@@ -81,12 +83,19 @@ class PartPlan:
     ``branch`` is 0 for idle, else ``1 + keys.index((kind, position, policy))``:
     only the combinations the table uses become branches. ``position``: each task's
     own stage position (``FIRST``, ``MID``, ``LAST``; a key's may be ``EITHER``).
-    Slots are -1 where the task keeps nothing there."""
+    Slots are -1 where the task keeps nothing there. With the last stage merged
+    (``Plan.merge_last``): an F cell's ``g_slot`` is where the last stage's forward
+    keeps the loss's gradient for its backward; a backward cell's ``inline`` is 1 where
+    it reads the forward of the same tick and device (its residuals and that gradient
+    straight from the F part's outputs, never stored); ``head_now`` (F part, the same
+    in a whole row) is 1 in a tick where some device runs the last stage's forward."""
 
     branch: np.ndarray
     position: np.ndarray
     microbatch: np.ndarray
     chunk: np.ndarray
+    inline: np.ndarray
+    head_now: np.ndarray
     x_slot: np.ndarray  # slot holding the task's stage input
     g_slot: np.ndarray  # slot holding the task's output gradient
     res_slot: np.ndarray  # slot of the task's residuals in its buffer
@@ -109,7 +118,8 @@ class Plan:
     ``[ticks, p]`` slot storing what arrives from that direction (-1: nothing).
     Only directions the schedule uses appear. The last global stage's forward runs
     inside its backward, so it keeps its input and no residuals whatever its policy
-    (which then only decides what that backward's vjp holds while it runs)."""
+    (which then only decides what that backward's vjp holds while it runs), except
+    with ``merge_last``, where it keeps what a middle stage keeps."""
 
     fused: FusedSchedule
     parts: tuple[PartPlan, PartPlan, PartPlan]
@@ -121,6 +131,7 @@ class Plan:
     policies: tuple[str, ...]  # per global stage
     stash_slots: dict[str, int] = dataclasses.field(default_factory=dict)  # "stash-<mode>" -> depth
     split: frozenset = frozenset()  # global stages whose backward is split into B and W
+    merge_last: bool = False  # the last stage's F runs its layers and the loss (``make_plan``)
 
     @property
     def num_ticks(self) -> int:
@@ -149,14 +160,19 @@ def _colour(intervals: dict) -> tuple[dict, int]:
 
 
 def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_backward: bool = True,
-              fuse_cost=None, merge_first: bool = False) -> Plan:
+              fuse_cost=None, merge_first: bool = False, merge_last: bool = False) -> Plan:
     """``remat``: see ``normalize_remat``; it decides what each global stage keeps
     and for how long, so it shapes the buffers as much as the table does.
     ``fuse_mode``, ``fuse_cost``: how the table is re-timed (``schedules.fused.fuse``).
     ``split_backward``: B and W tasks split the backward's equations (``bwsplit``);
     False: each forms the whole vjp and keeps its half (the collective matmul's rings need this).
     ``merge_first``: the first stage's tasks share the middle stages' branches (position
-    ``EITHER``; for stages in lockstep, where it saves a run of the layers per part)."""
+    ``EITHER``; for stages in lockstep, where it saves a run of the layers per part).
+    ``merge_last``: so do the last stage's: its F runs its layers, keeps their residuals
+    as a middle stage does, and forms the loss, the head's gradient and the loss's
+    gradient at its output (kept in a ``g`` slot), so its backward is a middle stage's.
+    Where the fused table puts that F and its backward in one tick, the backward reads
+    them from the F (``inline``) and nothing is stored."""
     fused = fuse(schedule, fuse_mode, fuse_cost)
     p, ticks = schedule.num_stages, fused.num_ticks
     last_global = schedule.num_global_stages - 1
@@ -170,7 +186,16 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
         return where[(Kind.W, mb, g)][0] if (Kind.W, mb, g) in where else backward_tick(mb, g)
 
     def keeps_input(g):  # remat "full" re-runs the forward; the last stage runs it in its backward
-        return policies[g] == "full" or g == last_global
+        return policies[g] == "full" or (g == last_global and not merge_last)
+
+    def inline(mb, g):  # a merged last stage's backward in the tick of its F reads the F's outputs
+        return merge_last and g == last_global and where[(Kind.F, mb, g)][0] == backward_tick(mb, g)
+
+    def read_later(mb, g):  # is the F's output read after its own tick? (else it is not stored)
+        return where[(Kind.F, mb, g)][0] < input_use(mb, g)
+
+    def split_position(g):  # what a split backward of stage g keeps (``split_mode``)
+        return LAST if g == last_global and not merge_last else MID
 
     # A split stage's W reads only what its B stashed: its input, output gradient and
     # residuals are free after the B.
@@ -192,17 +217,19 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
     stash_life = [{} for _ in range(p)]
     for (kind, mb, g), (t, s) in where.items():
         if kind is Kind.B:
-            name = "stash-" + split_mode(policies[g], LAST if g == last_global else MID)
+            name = "stash-" + split_mode(policies[g], split_position(g))
             stash_life[s].setdefault(name, {})[(mb, g)] = (t, where[(Kind.W, mb, g)][0])
         if kind is not Kind.F:
             continue
         if g > 0:
             t_in = where[(Kind.F, mb, g - 1)][0]
             x_life[s][(mb, g)] = (t_in, input_use(mb, g) if keeps_input(g) else t)
-        if not keeps_input(g):
+        if not keeps_input(g) and read_later(mb, g):
             res_life[s].setdefault(res_key(g), {})[(mb, g)] = (t, input_use(mb, g))
         if g < last_global:
             g_life[s][(mb, g)] = (backward_tick(mb, g + 1), input_use(mb, g))
+        elif merge_last and read_later(mb, g):  # the loss's gradient, from the F to its last reader
+            g_life[s][(mb, g)] = (t, input_use(mb, g))
     x_slot_of, g_slot_of, res_slot_of, stash_slot_of = [], [], [], []
     x_slots, g_slots, res_slots, stash_slots = 1, 1, {}, {}
     for s in range(p):
@@ -215,14 +242,16 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
         stash_slot_of.append(_colour_each(stash_life[s], stash_slots))
 
     shape = (ticks, p)
-    arrays = [{n: np.zeros(shape, np.int32) if n in ("branch", "microbatch", "chunk", "position")
-               else np.full(shape, -1, np.int32) for n in _FIELDS} for _ in PARTS]
+    zero_fields = ("branch", "microbatch", "chunk", "position", "inline", "head_now")
+    arrays = [{n: np.zeros(shape, np.int32) if n in zero_fields else np.full(shape, -1, np.int32)
+               for n in _FIELDS} for _ in PARTS]
     keys: list[list] = [[] for _ in PARTS]
     send = {w: {d: np.zeros(shape, bool) for d in DIRECTIONS} for w in ("x", "g")}
     recv = {w: {d: np.full(shape, -1, np.int32) for d in DIRECTIONS} for w in ("x", "g")}
     for (kind, mb, g), (t, s) in sorted(where.items(), key=lambda kv: kv[1]):
         position = FIRST if g == 0 else (LAST if g == last_global else MID)
-        branch_at = EITHER if merge_first and position != LAST else position
+        merged = {FIRST: merge_first, LAST: merge_last, MID: merge_first or merge_last}[position]
+        branch_at = EITHER if merged else position
         part, key = PART_OF[kind], (kind, branch_at, res_key(g))
         if key not in keys[part]:
             keys[part].append(key)
@@ -232,7 +261,13 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
         arr["microbatch"][t, s] = mb
         arr["chunk"][t, s] = schedule.owner(g)[1]
         arr["x_slot"][t, s] = x_slot_of[s].get((mb, g), -1)
-        arr["g_slot"][t, s] = g_slot_of[s].get((mb, g), -1)
+        # An F reads no output gradient; a merged last stage's F writes the loss's.
+        if kind is not Kind.F or (merge_last and g == last_global):
+            arr["g_slot"][t, s] = g_slot_of[s].get((mb, g), -1)
+        if kind in (Kind.B, Kind.BW) and inline(mb, g):
+            arr["inline"][t, s] = 1
+        if kind is Kind.F and merge_last and g == last_global:
+            arr["head_now"][t, :] = 1
         arr["res_slot"][t, s] = res_slot_of[s].get((mb, g), -1)
         arr["stash_slot"][t, s] = stash_slot_of[s].get((mb, g), -1)
         if kind is Kind.F and g < last_global:
@@ -248,7 +283,7 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
     parts = tuple(PartPlan(**arrays[i], keys=tuple(keys[i])) for i in range(len(PARTS)))
     used = {w: {d: a for d, a in send[w].items() if a.any()} for w in send}
     return Plan(fused, parts, used, {w: {d: recv[w][d] for d in used[w]} for w in recv},
-                x_slots, g_slots, res_slots, policies, stash_slots, split)
+                x_slots, g_slots, res_slots, policies, stash_slots, split, merge_last)
 
 
 def _colour_each(lives: dict[str, dict], depth: dict[str, int]) -> dict:

@@ -63,14 +63,17 @@ _ADDS_TO = {"chunk": lambda kind, pos, mode: kind in (Kind.BW, Kind.W),
             "embed": lambda kind, pos, mode: pos == FIRST and _weights_of(kind, mode),
             "head": lambda kind, pos, mode: pos == LAST and _weights_of(kind, mode),
             "loss": lambda kind, pos, mode: kind in (Kind.BW, Kind.B) and pos == LAST}
+# A merged last stage (``Plan.merge_last``) forms the loss and the head's gradient in its F.
+_ADDS_TO_MERGED = {**_ADDS_TO, "head": lambda kind, pos, mode: pos == LAST and kind is Kind.F,
+                   "loss": lambda kind, pos, mode: pos == LAST and kind is Kind.F}
 
 
 def _gates(plan: Plan) -> dict[tuple[int, str], np.ndarray]:
     """``[ticks, p]`` bool per (part, accumulator): does this device's task add to it?
     Pairs no task of the schedule adds to are left out."""
     gates = {}
-    for i, part in enumerate(plan.parts[1:], start=1):
-        for name, adds in _ADDS_TO.items():
+    for i, part in enumerate(plan.parts):
+        for name, adds in (_ADDS_TO_MERGED if plan.merge_last else _ADDS_TO).items():
             # Per cell, at the task's own position: a branch shared by the first and the
             # middle stages (``EITHER``) adds the embedding's gradient on the first only.
             gate = np.zeros(part.branch.shape, bool)
@@ -180,6 +183,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     send = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.send.items()}
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
+    inline = bool(plan.parts[1].inline.any())
     v = plan.fused.schedule.virtual_stages
     per_group = plan.fused.schedule.num_microbatches // groups
     if per_chunk is not None:
@@ -234,9 +238,15 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         res_at, stash_at = res_at[0], stash_at[0]
         ordered = lockstep or per_chunk is not None  # collectives between the parts
         f_out = run_part(0, t, f_op, None)
+        if inline:  # a merged last stage's backward in its F's tick reads what that F made
+            here = cells[1]["inline"] == 1
+            b_op = {**b_op, "dy": jnp.where(here, f_out["dy"], b_op["dy"]),
+                    "res": {r: [jnp.where(here, new, old) for new, old in zip(f_out["res"][r], b_op["res"][r],
+                                                                              strict=True)]
+                            for r in b_op["res"]}}
         b_out = run_part(1, t, b_op, f_out if ordered else None)
         w_out = run_part(2, t, w_op, b_out if ordered else None)
-        made = {(i, name): (b_out, w_out)[i - 1]["grads"][name] for (i, name) in gates}
+        made = {(i, name): (f_out, b_out, w_out)[i]["grads"][name] for (i, name) in gates}
         if per_chunk is not None:  # each part's chunk gradient to this device's shard, in order
             last = w_out
             for key in sorted(k for k in made if k[1] == "chunk"):
@@ -263,7 +273,15 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
             key = "blocks" if name == "chunk" else name
             acc[key] = lax.cond(gate[t, stage_idx], add, lambda a: a, acc[key])
 
-        res_buf = {r: ResidualStore.write(res_buf[r], res_at[r], f_out["res"][r]) for r in res_buf}
+        f_res = f_out["res"]
+        if plan.merge_last:  # a merged last stage's F whose residuals no later task reads keeps none
+            stores = cells[0]["res_slot"] >= 0
+            f_res = {r: [jnp.where(stores, new, old)
+                         for new, old in zip(f_res[r], f_op["res"][r], strict=True)] for r in f_res}
+            slot = cells[0]["g_slot"]  # its loss's gradient, for its backward
+            keep = _take(g_buf, jnp.maximum(slot, 0))
+            g_buf = _put(g_buf, jnp.maximum(slot, 0), jnp.where(slot >= 0, f_out["dy"], keep))
+        res_buf = {r: ResidualStore.write(res_buf[r], res_at[r], f_res[r]) for r in res_buf}
         stash_buf = {r: ResidualStore.write(stash_buf[r], stash_at[r], b_out["stash"][r]) for r in stash_buf}
         # Every device takes part in every transfer of every tick (outside the branches).
         for what, made, buf_name in (("x", f_out["send"], "x"), ("g", b_out["send"], "g")):
