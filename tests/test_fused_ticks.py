@@ -167,14 +167,25 @@ def test_lockstep_first_stage_shares_the_middle_branches_and_equals_unpipelined(
     merged, apart = make_plan(schedule, remat, merge_first=True), make_plan(schedule, remat)
     assert all(pos != FIRST for part in merged.parts for _, pos, _ in part.keys)
     assert any(pos == EITHER for part in merged.parts for _, pos, _ in part.keys)
-    runs = [sum(int(part.active().sum()) for part in plan.parts) for plan in (merged, apart)]
-    assert runs[0] < runs[1], runs  # fewer branch runs per step on every device
+    assert _branch_runs(merged) < _branch_runs(apart)  # fewer branch runs per step on every device
+    _lockstep_equals_unpipelined(schedule, remat, seed=p * m + 1, merge_last=False)
+
+
+def _branch_runs(plan) -> int:
+    """Branch runs per step on every device in lockstep."""
+    return sum(int(part.active().sum()) for part in plan.parts)
+
+
+def _lockstep_equals_unpipelined(schedule, remat, seed, **options):
+    """The pipeline forced into lockstep on pipe x data, NaN in every buffer a bubble leaves
+    unwritten, against plain value_and_grad."""
+    p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     model, params = tiny_gpt(p * v)
-    inputs, targets = microbatches(p * m + 1, m)
+    inputs, targets = microbatches(seed, m)
     ref_loss, ref_grads = reference(model, params, inputs, targets)
     mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
     run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True,
-                         merge_last=False)
+                         **options)
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
     assert_matches(loss, grads, ref_loss, ref_grads)
@@ -200,19 +211,10 @@ def test_lockstep_last_stage_shares_the_branches_and_equals_unpipelined(name, p,
     both = make_plan(schedule, remat, split_backward=split, merge_first=True, merge_last=True)
     first = make_plan(schedule, remat, split_backward=split, merge_first=True)
     assert all(pos == EITHER for part in both.parts for _, pos, _ in part.keys)
-    runs = [sum(int(part.active().sum()) for part in plan.parts) for plan in (both, first)]
-    assert runs[0] < runs[1], runs
+    assert _branch_runs(both) < _branch_runs(first)
     if name == "1f1b":
         assert both.parts[1].inline.any()
-    model, params = tiny_gpt(p * v)
-    inputs, targets = microbatches(p * m + 3, m)
-    ref_loss, ref_grads = reference(model, params, inputs, targets)
-    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
-    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True, lockstep=True,
-                         split_backward=split)
-    with jax.set_mesh(mesh):
-        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
-    assert_matches(loss, grads, ref_loss, ref_grads)
+    _lockstep_equals_unpipelined(schedule, remat, seed=p * m + 3, split_backward=split)
 
 
 def _loop_body_copies(hlo: str) -> list[str]:
