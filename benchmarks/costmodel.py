@@ -11,8 +11,12 @@ Setup: 8 simulated CPU devices, the tuner tests' small GPT (d_model 64, 4 layers
    64), each measured like the held-out ones.
 3. **Hold out** ``HELD_OUT`` layouts (global batch 32, never used in 1 or 2),
    mixing data, fsdp, tensor and pipe (schedules 1f1b, zb-h1, interleaved; remat
-   none/full). The dense train step has no subnet axis (a subnet > 1 is refused
-   by the space for a non-supernet model), so none is in the set.
+   none/full), and ``SUPERNET_HELD_OUT``: SPara steps (``sync``, masked) of a SuperGPT
+   of the same size split between the ``subnet`` and ``data`` axes with K subnets per
+   step and vmap width W, priced from the supernet's own compiled pieces
+   (``tuner/supernet_costs.py``) with the coefficients fitted on dense layouts only: the
+   model has run no supernet step. Each is timed as the trainer runs it
+   (``supernet_trial.SparaRun``: host planning, the batch, the step).
 
 Measurement: every layout is compiled and warmed up (2 steps), then all layouts
 are timed in ``--rounds`` interleaved round-robin rounds of ``--steps`` steps each
@@ -31,6 +35,7 @@ Usage: ``python benchmarks/costmodel.py [--rounds 5] [--steps 2] [--out FILE]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,9 +51,13 @@ import numpy as np  # noqa: E402
 from _report import report  # noqa: E402
 
 from mindpipe_jax.config import Config  # noqa: E402
+from mindpipe_jax.data import load_tokens  # noqa: E402
 from mindpipe_jax.tuner import calibrate  # noqa: E402
 from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman  # noqa: E402
 from mindpipe_jax.tuner.space import Candidate, check_candidate  # noqa: E402
+from mindpipe_jax.tuner.supernet import SupernetCandidate  # noqa: E402
+from mindpipe_jax.tuner.supernet_costs import SupernetCosts  # noqa: E402
+from mindpipe_jax.tuner.supernet_trial import SparaRun  # noqa: E402
 from mindpipe_jax.tuner.trial import Trial  # noqa: E402
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=32",
@@ -70,12 +79,33 @@ HELD_OUT = [C(data=8, **HELD), C(data=8, microbatches=2, **HELD), C(data=8, rema
             # added 2026-12-04 with the lockstep term (tensor inside a pipeline), unseen before it
             C(tensor=4, pipe=2, microbatches=4, **HELD), C(data=2, tensor=2, pipe=2, microbatches=2, **HELD),
             C(tensor=2, pipe=4, microbatches=8, schedule="zb-h1", **HELD)]
+# SPara (sync, masked: supernet.ladder_levels=0) on the same model size, B32: (S, D, K, W, B)
+SUPERNET = ("supernet.ladder_levels=0", "supernet.semantics=sync")
+S = SupernetCandidate
+SUPERNET_HELD_OUT = [S(1, 8, 4, 1, 32), S(2, 4, 4, 1, 32), S(4, 2, 4, 1, 32), S(2, 4, 8, 2, 32),
+                     S(1, 8, 2, 1, 32)]
 RELIABLE_SPREAD = 0.25  # a layout whose 10-90% range exceeds this fraction of its median is noisy
 
 
 def spread(times) -> float:
     lo, hi = np.percentile(times, [10, 90])
     return float((hi - lo) / statistics.median(times))
+
+
+class SparaTrial:
+    """A SPara run kept ready to time, like ``Trial``: ``run(steps)`` records each step."""
+
+    def __init__(self, cfg: Config, cand: SupernetCandidate, splits, warmup: int = 2):
+        self.spara = SparaRun(cand.apply(cfg), splits=splits)
+        self.spara.run(warmup)  # compiles
+        self.times: list[float] = []
+
+    def run(self, steps: int) -> None:
+        self.times += self.spara.run(steps)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
 
 
 def main(args) -> None:
@@ -101,13 +131,26 @@ def main(args) -> None:
         for k, p in costs.pieces.items() if k != "update") +
         f"\n  {'update':14s} {update.fixed_bytes / 1e6:.1f} MB, {update.kernels:.0f} kernels")
 
-    prior = CostModel(costs, hw, cfg.model.seq_len)
+    t0 = time.perf_counter()
+    scfg = cfg.replace(*SUPERNET)
+    scosts = SupernetCosts.measure(scfg)
+    print(f"supernet pieces (SuperGPT of the same size, compiled on one device in "
+          f"{time.perf_counter() - t0:.1f} s):\n  subnet {scosts.subnet.flops / 1e6:5.1f} MFLOP + "
+          f"{scosts.subnet.bytes / 1e6:5.2f} MB per row, {scosts.subnet.kernels:.0f} kernels; raveled "
+          f"parameters {scosts.param_bytes / 1e6:.1f} MB; AdamW {scosts.update.fixed_bytes / 1e6:.1f} MB")
+    held_out = HELD_OUT + SUPERNET_HELD_OUT
+
+    prior = CostModel(costs, hw, cfg.model.seq_len, supernet=scosts)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     trials = {}
     for i, cand in enumerate(FIT + HELD_OUT, 1):
         trials[cand] = Trial(cfg, cand, devices=devices)
-        print(f"  [{i:2d}/{len(FIT) + len(HELD_OUT)}] compiled {cand.label()}", flush=True)
+        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled {cand.label()}", flush=True)
+    splits = load_tokens(scfg.data, scfg.model.vocab_size)
+    for i, cand in enumerate(SUPERNET_HELD_OUT, len(trials) + 1):
+        trials[cand] = SparaTrial(scfg, cand, splits)
+        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled SPara {cand.label()}", flush=True)
     print(f"compiled and warmed up {len(trials)} layouts in {time.perf_counter() - t0:.0f} s")
     for _ in range(args.rounds):  # round-robin: the machine's drift hits every layout alike
         for trial in trials.values():
@@ -116,9 +159,10 @@ def main(args) -> None:
     measured = {c: t.median for c, t in trials.items()}
     if args.save_times:
         with open(args.save_times, "w") as f:
-            json.dump([{"candidate": c.to_dict(), "times": t.times} for c, t in trials.items()], f)
+            json.dump([{"candidate": c.to_dict() if isinstance(c, Candidate) else dataclasses.asdict(c),
+                        "times": t.times} for c, t in trials.items()], f)
 
-    fitted = CostModel(costs, hw, cfg.model.seq_len)
+    fitted = CostModel(costs, hw, cfg.model.seq_len, supernet=scosts)
     for cand in FIT:
         fitted.observe(cand, measured[cand])
     names = ("compute", "comm", "update", "launch s", "pipeline tick s")
@@ -129,39 +173,45 @@ def main(args) -> None:
     for cand in FIT:
         print(f"  {cand.label():44s} measured {measured[cand] * 1e3:7.1f} ms  prior "
               f"{prior.step_time(cand) * 1e3:7.1f}  fitted {fitted.step_time(cand) * 1e3:7.1f}")
-    print("\nHELD-OUT layouts (B32; never run before this table's measurement, never fitted)")
+    print("\nHELD-OUT layouts (B32; never run before this table's measurement, never fitted; the SPara "
+          "rows: the model has run no supernet step)")
     # The same measurements through the model before the lockstep term (tensor inside a
     # pipeline counted as unsplit stage work in per-device branches), fitted alike.
-    older = CostModel(costs, hw, cfg.model.seq_len, pipeline_tensor_split=False)
+    older = CostModel(costs, hw, cfg.model.seq_len, pipeline_tensor_split=False, supernet=scosts)
     for cand in FIT:
         older.observe(cand, measured[cand])
     head = (f"  {'layout':44s} {'calib-only':>10} {'err':>6} {'fitted':>8} {'err':>6} {'measured':>9} "
             f"{'spread':>7} {'pipe ticks':>10} {'no-lockstep err':>15}")
     print(head + "\n  " + "-" * (len(head) - 2))
-    err_prior, err_fit, spreads = [], [], []
-    for cand in HELD_OUT:
+    for cand in held_out:
         p0, p1, m = prior.step_time(cand), fitted.step_time(cand), measured[cand]
         e0, e1, s = p0 / m - 1, p1 / m - 1, spread(trials[cand].times)
-        err_prior.append(abs(e0))
-        err_fit.append(abs(e1))
-        spreads.append(s)
-        ticks = fitted.breakdown(cand).iterations if cand.pipe > 1 else ""
-        print(f"  {cand.label():44s} {p0 * 1e3:8.1f}ms {e0:+6.0%} {p1 * 1e3:6.1f}ms {e1:+6.0%} "
+        ticks = fitted.breakdown(cand).iterations if getattr(cand, "pipe", 1) > 1 else ""
+        label = cand.label() if isinstance(cand, Candidate) else f"SPara sync {cand.label()}"
+        print(f"  {label:44s} {p0 * 1e3:8.1f}ms {e0:+6.0%} {p1 * 1e3:6.1f}ms {e1:+6.0%} "
               f"{m * 1e3:7.1f}ms {s:7.0%} {ticks:>10} {older.step_time(cand) / m - 1:+15.0%}")
-    rho0 = spearman([prior.step_time(c) for c in HELD_OUT], [measured[c] for c in HELD_OUT])
-    rho1 = spearman([fitted.step_time(c) for c in HELD_OUT], [measured[c] for c in HELD_OUT])
-    mae0, mae1 = statistics.median(err_prior), statistics.median(err_fit)
-    print(f"\n{len(HELD_OUT)} held-out layouts, global batch 32, median of {args.rounds} x {args.steps} "
-          f"steps each, timed round-robin")
-    print(f"median |error|   calibration only {mae0:5.0%}   fitted on {len(FIT)} other layouts {mae1:5.0%}"
+
+    def scores(model, cands):
+        """(median |error|, Spearman) of ``model`` over ``cands``."""
+        return (statistics.median(abs(model.step_time(c) / measured[c] - 1) for c in cands),
+                spearman([model.step_time(c) for c in cands], [measured[c] for c in cands]))
+
+    (mae0, rho0), (mae1, rho1) = scores(prior, held_out), scores(fitted, held_out)
+    print(f"\n{len(held_out)} held-out layouts ({len(HELD_OUT)} dense, {len(SUPERNET_HELD_OUT)} SPara), "
+          f"global batch 32, median of {args.rounds} x {args.steps} steps each, timed round-robin")
+    print(f"median |error|   calibration only {mae0:5.0%}   fitted on {len(FIT)} dense layouts {mae1:5.0%}"
           f"   (goal <= 25%: {'met' if mae1 <= 0.25 else 'NOT met'})")
     print(f"Spearman rho     calibration only {rho0:5.2f}   fitted {rho1:5.2f}"
           f"   (goal >= 0.8: {'met' if rho1 >= 0.8 else 'NOT met'})")
-    mae_old = statistics.median(abs(older.step_time(c) / measured[c] - 1) for c in HELD_OUT)
-    rho_old = spearman([older.step_time(c) for c in HELD_OUT], [measured[c] for c in HELD_OUT])
+    for name, cands in (("dense only", HELD_OUT), ("SPara only", SUPERNET_HELD_OUT)):
+        (e0, r0), (e1, r1) = scores(prior, cands), scores(fitted, cands)
+        print(f"  {name:11s} median |error| {e0:4.0%} calibration only, {e1:4.0%} fitted; Spearman "
+              f"{r0:5.2f} / {r1:5.2f}")
+    mae_old, rho_old = scores(older, held_out)
     print(f"without the lockstep term (pipeline_tensor_split=False), fitted alike: median |error| "
           f"{mae_old:.0%}, Spearman {rho_old:.2f}")
-    noisy = [c for c, s in zip(HELD_OUT, spreads, strict=True) if s > RELIABLE_SPREAD]
+    spreads = [spread(trials[c].times) for c in held_out]
+    noisy = [c for c, s in zip(held_out, spreads, strict=True) if s > RELIABLE_SPREAD]
     cores = os.cpu_count() or 1
     load = max(load_before[0], load_after[0])
     print(f"spread (10-90% range / median) over the held-out layouts: median "
@@ -169,7 +219,7 @@ def main(args) -> None:
           f"before, {load_after[0]:.1f} after the timing, on {cores} cores")
     if noisy or load > 2 * cores:
         print(f"RELIABILITY: the machine was loaded (load average up to {load:.1f} on {cores} cores) and "
-              f"{len(noisy)} of {len(HELD_OUT)} layouts spread by more than {RELIABLE_SPREAD:.0%}: "
+              f"{len(noisy)} of {len(held_out)} layouts spread by more than {RELIABLE_SPREAD:.0%}: "
               f"differences under that spread are noise, and the errors above carry it.")
     else:
         print("RELIABILITY: load and spreads were low enough for the errors to be read as the model's.")

@@ -51,6 +51,9 @@ A candidate's prediction is ``coef · (compute, comm, update, 1, ticks)``:
 ``update`` is the optimizer's piece over the device's parameter shard, ``ticks``
 the pipeline's fused ticks (0 without a pipeline); the priors are 1, 1, 1, the
 calibrated launch and the calibrated loop iteration.
+A supernet job's candidate (``SupernetCandidate``: SPara's step) is priced in the
+same five terms from its own compiled pieces (``tuner/supernet_costs.py``, given as
+``CostModel(supernet=...)``), so one calibration and one fit serve both.
 ``observe`` refits the five coefficients by ridge regression towards those
 priors from measured trials, so a few fitted layouts teach it what the
 micro-benchmarks cannot see (the runtime's per-tick bookkeeping, a step's host
@@ -113,9 +116,10 @@ class CostModel:
     runs in the tick (``_lockstep_compute``); False models the stage work unsplit
     and per-device branches (the model before lockstep was counted)."""
 
-    def __init__(self, costs: ModelCosts, hardware: Hardware, seq_len: int, ridge: float = 0.1,
-                 fuse_mode: str = "auto", pipeline_tensor_split: bool = True):
+    def __init__(self, costs: ModelCosts | None, hardware: Hardware, seq_len: int, ridge: float = 0.1,
+                 fuse_mode: str = "auto", pipeline_tensor_split: bool = True, supernet=None):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
+        self.supernet = supernet  # a SupernetCosts: prices SupernetCandidates (tuner/supernet_costs.py)
         self.fuse_mode = fuse_mode
         self.pipeline_tensor_split = pipeline_tensor_split
         self.prior = np.array([1.0, 1.0, 1.0, hardware.launch_s, hardware.iteration_s])
@@ -246,10 +250,16 @@ class CostModel:
             out["expert"] = count * hw.collective("all-gather", c.expert, routed)
         return out
 
-    def _parts(self, c: Candidate) -> tuple:
+    def _parts(self, c) -> tuple:
         if c not in self._cache:
-            compute, bubble, iters = self._compute(c)
-            self._cache[c] = (compute, bubble, iters, self._comm(c), self._update(c))
+            if not isinstance(c, Candidate):  # a supernet job's SupernetCandidate
+                if self.supernet is None:
+                    raise ValueError(f"{c.label()}: a supernet candidate needs CostModel(supernet="
+                                     f"SupernetCosts.measure(cfg))")
+                self._cache[c] = self.supernet.parts(c, self.hw)
+            else:
+                compute, bubble, iters = self._compute(c)
+                self._cache[c] = (compute, bubble, iters, self._comm(c), self._update(c))
         return self._cache[c]
 
     def features(self, c: Candidate) -> np.ndarray:
@@ -258,7 +268,7 @@ class CostModel:
         per part) besides its tasks, while an accumulated microbatch's cost is its
         pieces' kernels, already in the compute term."""
         compute, _, iters, comm, update = self._parts(c)
-        ticks = float(iters) if c.pipe > 1 else 0.0
+        ticks = float(iters) if getattr(c, "pipe", 1) > 1 else 0.0
         return np.array([compute, sum(comm.values()), update, 1.0, ticks])
 
     # ------------------------------------------------------------- prediction

@@ -109,7 +109,7 @@ def count_kernels(hlo_text: str) -> int:
     return count
 
 
-def _compiled_piece(fn, *args) -> tuple[float, float, int]:
+def compiled_piece(fn, *args) -> tuple[float, float, int]:
     """(FLOPs, bytes accessed, kernels) of ``fn(*args)`` compiled."""
     import jax
 
@@ -120,6 +120,14 @@ def _compiled_piece(fn, *args) -> tuple[float, float, int]:
     analysis = analysis or {}
     return (float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0)),
             count_kernels(compiled.as_text()))
+
+
+def fitted_piece(at_one: tuple, at_more: tuple, rows: int) -> Piece:
+    """A piece from its (FLOPs, bytes, kernels) compiled at 1 and ``rows`` + 1 rows: per
+    row from the difference, per call from the rest, kernels as at one row."""
+    (f1, b1, k1), (f2, b2, _) = at_one, at_more
+    per_f, per_b = (f2 - f1) / rows, (b2 - b1) / rows
+    return Piece(per_f, per_b, max(f1 - per_f, 0.0), max(b1 - per_b, 0.0), float(k1))
 
 
 def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
@@ -162,21 +170,21 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
         def backward(fn, w, x, ct):
             """The backward alone: the vjp closure (its residuals) is an argument."""
             vjp_fn = jax.jit(lambda a, b: jax.vjp(fn, a, b)[1])(w, x)
-            return _compiled_piece(lambda f, c: f(c), vjp_fn, ct)
+            return compiled_piece(lambda f, c: f(c), vjp_fn, ct)
 
         dots = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         full = jax.checkpoint(fns.layer)  # keeps only the inputs: the backward re-runs the forward
         found = {
-            "layer_F": _compiled_piece(fns.layer, block, hidden),
+            "layer_F": compiled_piece(fns.layer, block, hidden),
             # the forward a step runs: it also writes the residuals its policy keeps
-            **{f"layer_F:{name}": _compiled_piece(lambda w, x, f=f: jax.vjp(f, w, x), block, hidden)
+            **{f"layer_F:{name}": compiled_piece(lambda w, x, f=f: jax.vjp(f, w, x), block, hidden)
                for name, f in (("none", fns.layer), ("dots", dots), ("full", full))},
             "layer_BW:none": backward(fns.layer, block, hidden, dy),
             "layer_BW:dots": backward(dots, block, hidden, dy),
             "layer_BW:full": backward(full, block, hidden, dy),
-            "embed_F": _compiled_piece(fns.embed, embed_p, tokens),
-            "embed_BW": _compiled_piece(embed_bw, embed_p, dy),
-            "head_F": _compiled_piece(head, head_p, hidden),
+            "embed_F": compiled_piece(fns.embed, embed_p, tokens),
+            "embed_BW": compiled_piece(embed_bw, embed_p, dy),
+            "head_F": compiled_piece(head, head_p, hidden),
             "head_BW": backward(head, head_p, hidden, jnp.ones((), jnp.float32)),
         }
         return found, split.num_units, hidden.size * hidden.dtype.itemsize / n_rows
@@ -188,9 +196,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
             measured.setdefault(k, []).append(v)
 
     def fitted(name) -> Piece:
-        (f1, b1, k1), (f2, b2, _) = measured[name]
-        per_f, per_b = (f2 - f1) / rows, (b2 - b1) / rows
-        return Piece(per_f, per_b, max(f1 - per_f, 0.0), max(b1 - per_b, 0.0), float(k1))
+        return fitted_piece(*measured[name], rows)
 
     pieces = {k: fitted(k) for k in measured if not k.startswith(("embed", "head"))}
     pieces["rest_F"] = fitted("embed_F") + fitted("head_F")
@@ -211,7 +217,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    uf, ub, uk = _compiled_piece(update, params, opt_state, params)
+    uf, ub, uk = compiled_piece(update, params, opt_state, params)
     pieces["update"] = Piece(0.0, 0.0, uf, ub, float(uk))
 
     param_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
