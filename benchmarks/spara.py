@@ -51,6 +51,11 @@ it calls) against the sum of the step's subnets at their own size (each subnet's
 gradient program at its own shape), and what the masked step computes (K x the
 largest), at B = the middle batch.
 
+On one accelerator (a GPU: fewer than 8 devices) every method runs on it: one by one and
+SPara sequential on that device, SPara sync with all K subnets of a shape group in one
+program (``vmap_width`` = K) — where a small subnet leaves most of the GPU idle.
+``--d-model`` and ``--seq`` size the supernet (``benchmarks/gpu/issues.sh`` runs it so).
+
 Usage: ``python benchmarks/spara.py [--steps 4] [--repeats 5] [--batches 4,16,64]
 [--out benchmarks/results/DATE-cpu-spara-sliced.txt]``; ``--quick`` (or ``--smoke``):
 d_model 32, batches 4 and 8, 2 steps, 2 repeats (checks the script runs).
@@ -167,10 +172,10 @@ class OneByOne:
 
 
 class SparaSliced:
-    def __init__(self, spec, create, mesh, optim, batch, v, semantics="sync"):
+    def __init__(self, spec, create, mesh, optim, batch, v, semantics="sync", width=1):
         self.spec = spec
-        self.name = f"SPara {semantics}, sliced"
-        self.fn = SlicedStep(spec, mesh, semantics=semantics, subnets_per_step=K, vmap_width=1,
+        self.name = f"SPara {semantics}, sliced" + (f" W{width}" if width > 1 else "")
+        self.fn = SlicedStep(spec, mesh, semantics=semantics, subnets_per_step=K, vmap_width=width,
                              virtual_shards=v, global_batch=len(batch["inputs"]), optim=optim,
                              total_steps=TOTAL_STEPS, levels=LEVELS)
         self.batch = {k: jax.device_put(x, NamedSharding(mesh, P("data"))) for k, x in batch.items()}
@@ -186,19 +191,20 @@ class SparaSliced:
 
 
 class SparaMasked:
-    name = "SPara sync, masked (full size)"
-
-    def __init__(self, spec, create, mesh, optim, batch, v):
-        self.spec = spec
-        self.fn = jit_step(make_spara_step(spec, mesh, semantics="sync", subnets_per_step=K, vmap_width=1,
+    def __init__(self, spec, create, mesh, optim, batch, v, width=1):
+        self.spec, self.width = spec, width
+        self.name = "SPara sync, masked (full size)" + (f" W{width}" if width > 1 else "")
+        self.fn = jit_step(make_spara_step(spec, mesh, semantics="sync", subnets_per_step=K, vmap_width=width,
                                            virtual_shards=v, global_batch=len(batch["inputs"]), optim=optim,
                                            total_steps=TOTAL_STEPS), mesh, spec)
         self.batch = {k: jax.device_put(x, NamedSharding(mesh, P("data"))) for k, x in batch.items()}
         self.state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
         self.programs = 1
+        self.fn_slots = mesh.shape["subnet"] * width  # a round's slots: S x W
 
     def step(self, subnets):
-        self.state, _ = self.fn(self.state, plan_step(self.spec, subnets, "sync", 8).arrays(), self.batch)
+        self.state, _ = self.fn(self.state, plan_step(self.spec, subnets, "sync", self.fn_slots).arrays(),
+                                self.batch)
         return self.state
 
 
@@ -241,6 +247,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the output to this file")
     parser.add_argument("--quick", "--smoke", dest="quick", action="store_true",
                         help="d_model 32, batches 4,8, 2 steps, 2 repeats")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--devices", type=int, default=0, choices=(0, 1, 8),
+                        help="8 or 1 (0: 8 when there are, else 1)")
     args = parser.parse_args()
     buffer = io.StringIO()
     out = Tee(sys.stdout, buffer)
@@ -248,11 +258,16 @@ def main() -> None:
     def say(text: str = "") -> None:
         out.write(text + "\n")
 
-    d = 32 if args.quick else 64
+    d = 32 if args.quick else args.d_model
+    # 8 devices (the simulated CPU ones): one by one data-parallel, SPara sync one subnet
+    # per device. One device (a GPU): everything on it, SPara sync vmaps all K subnets of
+    # a shape group in one program (vmap width K), where one by one runs them one at a time.
+    n_dev = args.devices or (8 if len(jax.devices()) >= 8 else 1)
+    width = 1 if n_dev == 8 else K
     steps = 2 if args.quick else args.steps
     repeats = 2 if args.quick else args.repeats
     batches = [4, 8] if args.quick else [int(b) for b in args.batches.split(",")]
-    cfg = ModelConfig(d_model=d, n_layers=2, n_heads=4, seq_len=64)
+    cfg = ModelConfig(d_model=d, n_layers=2, n_heads=4, seq_len=args.seq)
     # A small space (2 widths, 2 head counts, 2 depths: 20 own shapes, 8 ladder shapes) keeps the
     # compiles, at ~2-10 s each on this machine, inside the ~10 minute budget.
     spec, create = supernet_spec(lambda r: SuperGPT(cfg, ffn_widths=(d, 4 * d), heads=(2, 4), depths=(1, 2),
@@ -267,8 +282,8 @@ def main() -> None:
     say(f"# SuperGPT d_model={d} n_layers=2 n_heads=4 seq_len={cfg.seq_len}; {spec.num_params:,} parameters; "
         f"{spec.space.num_architectures:,} architectures; ladder ({LEVELS} levels): widths {widths}, heads "
         f"{heads} -> at most {len(spec.module.depths) * len(widths) * len(heads)} "
-        f"shapes + 2 programs; 8 simulated CPU devices; sandwich sampler; {steps} steps per pass, "
-        f"{repeats} warm passes")
+        f"shapes + 2 programs; {n_dev} x {jax.devices()[0].device_kind}; sandwich sampler; {steps} steps "
+        f"per pass, {repeats} warm passes")
     say(f"# command: python benchmarks/spara.py {' '.join(sys.argv[1:])}".rstrip())
     draws = [sample_subnets(spec.space, 0, t, K, "sandwich") for t in range(steps)]
     own_shapes = {spec.module.own_shape(s) for sub in draws for s in sub}
@@ -281,13 +296,13 @@ def main() -> None:
         rng = np.random.default_rng(b)
         toks = rng.integers(0, 256, (b, cfg.seq_len + 1)).astype(np.int32)
         batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
-        n_dp = min(8, b)  # rows cannot be split finer than one sequence
+        n_dp = min(n_dev, b)  # rows cannot be split finer than one sequence
         dp_mesh = make_mesh(ParallelConfig(subnet=1, data=n_dp, tensor=1), devices=jax.devices()[:n_dp])
-        mesh = make_mesh(ParallelConfig(subnet=8, data=1, tensor=1))
+        mesh = make_mesh(ParallelConfig(subnet=n_dev, data=1, tensor=1), devices=jax.devices()[:n_dev])
         methods = [OneByOne(spec, create, dp_mesh, optim, batch),
                    SparaSliced(spec, create, dp_mesh, optim, batch, n_dp, semantics="sequential"),
-                   SparaSliced(spec, create, mesh, optim, batch, n_dp),
-                   SparaMasked(spec, create, mesh, optim, batch, n_dp)]
+                   SparaSliced(spec, create, mesh, optim, batch, n_dp, width=width),
+                   SparaMasked(spec, create, mesh, optim, batch, n_dp, width=width)]
         cold = {}
         for m in methods:  # cold: compile as the steps meet new shapes
             c0, w0, p0 = _compile_s[0], time.perf_counter(), time.process_time()
@@ -332,8 +347,9 @@ def main() -> None:
     say(f"# one step = all K={K} subnets on B sequences each; e2e = {steps} steps from a cold cache, "
         f"compile included; wall/CPU ms/step: warm, median [min, max] of {repeats} passes; base/this > 1: "
         f"faster than one by one")
-    say(f"# one by one and SPara sequential run data-parallel on min(8, B) devices ({min(8, batches[0])} at "
-        f"B={batches[0]}); SPara sync on subnet=8 x data=1; virtual_shards = that count")
+    say(f"# one by one and SPara sequential run data-parallel on min({n_dev}, B) devices "
+        f"({min(n_dev, batches[0])} at B={batches[0]}); SPara sync on subnet={n_dev} x data=1 with vmap "
+        f"width {width}; virtual_shards = the data-parallel count")
     for line in flops:
         say(line)
     say(f"# total {time.perf_counter() - t_start:.0f}s; load average at end "

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 from mindpipe_jax.errors import ConfigError
 
-__all__ = ["grad_bytes_per_element", "measure_grad_bytes_per_element", "BYTES_DIMS"]
+__all__ = ["grad_bytes_per_element", "measure_grad_bytes_per_element", "compile_pipeline_step", "BYTES_DIMS"]
 
 
 def grad_bytes_per_element(hlo: str, device_ids, axis_names: Iterable[str], grad_elements: int, *,
@@ -66,6 +66,22 @@ def compile_afapab_step(grad_sync: str = "chunk", grad_sync_dtype: str = "fp32",
                         dims: dict | None = None):
     """``(hlo text, mesh, params)`` of the compiled pipe2 x data2 x tensor2 AFAPAB step of a
     small GPT (``dims``: ``BYTES_DIMS``), weights sharded as training stores them."""
+    d = dict(BYTES_DIMS, **(dims or {}))
+    compiled, mesh, params = compile_pipeline_step(
+        d, dict(pipe=2, data=2, tensor=2), "afapab", d["m"], d["v"], grad_sync=grad_sync,
+        grad_sync_dtype=grad_sync_dtype)
+    return compiled.as_text(), mesh, params
+
+
+def compile_pipeline_step(dims: dict, axes: dict, schedule: str, m: int, v: int = 1, *, remat: str = "full",
+                          grad_sync: str = "end", grad_sync_dtype: str = "fp32", dtype: str = "float32",
+                          abstract: bool = False):
+    """``(compiled, mesh, params)``: the pipeline train step of a reference GPT of ``dims``
+    (``BYTES_DIMS``' keys) on a mesh of ``axes`` (e.g. ``{"pipe": 2, "data": 2, "tensor":
+    2}``, over all of JAX's devices), ``schedule`` with ``m`` microbatches of ``dims["rows"]``
+    rows per data rank, weights sharded as training stores them. ``abstract``: the
+    parameters are shapes only (nothing is allocated: a model of any size compiles, e.g.
+    for a mock topology of GPUs this machine does not have), and ``params`` is those shapes."""
     import jax
     import numpy as np
     from flax import nnx
@@ -78,24 +94,31 @@ def compile_afapab_step(grad_sync: str = "chunk", grad_sync_dtype: str = "fp32",
     from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
     from mindpipe_jax.parallel.rules import state_shardings
 
-    dims = dict(BYTES_DIMS, **(dims or {}))
-    if jax.device_count() < 8:
-        raise ConfigError(f"the AFAPAB bytes program compiles for 8 devices, JAX has "
-                          f"{jax.device_count()} (on the CPU set jax_num_cpu_devices=8 before JAX starts)")
+    n = math.prod(axes.values())
+    if jax.device_count() != n:
+        raise ConfigError(f"the pipeline program compiles for {n} devices ({axes}), JAX has "
+                          f"{jax.device_count()} (on the CPU set jax_num_cpu_devices before JAX starts)")
     cfg = ModelConfig(vocab_size=dims["vocab"], seq_len=dims["seq"], d_model=dims["d_model"],
-                      n_layers=dims["layers"], n_heads=dims["heads"])
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    mesh = make_mesh(ParallelConfig(pipe=2, data=2, tensor=2, simulate_cpu_devices=0))
+                      n_layers=dims["layers"], n_heads=dims["heads"], dtype=dtype)
+    make = lambda: GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    model = nnx.eval_shape(make) if abstract else make()
+    mesh = make_mesh(ParallelConfig(**axes, simulate_cpu_devices=0))
     storage = nnx.to_pure_dict(state_shardings(nnx.state(model, nnx.Param), mesh, "storage"))
-    params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), storage)
-    tokens = np.zeros((dims["m"], 2 * dims["rows"], dims["seq"]), np.int32)   # rows x data=2
-    sched = get_schedule("afapab", 2, dims["m"], dims["v"])
-    run = pipeline_grads(stage_fns(model), sched, mesh, remat="full", grad_sync=grad_sync,
+    values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if abstract:
+        params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), values,
+                              storage)
+    else:
+        params = jax.device_put(values, storage)
+    data = axes.get("data", 1) * axes.get("fsdp", 1)
+    tokens = jax.ShapeDtypeStruct((m, data * dims["rows"], dims["seq"]), np.int32)
+    sched = get_schedule(schedule, axes["pipe"], m, v)
+    run = pipeline_grads(stage_fns(model), sched, mesh, remat=remat, grad_sync=grad_sync,
                          grad_sync_dtype=grad_sync_dtype, param_specs=storage)
     with jax.set_mesh(mesh):
-        hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"], tokens,
-                                 tokens).compile().as_text()
-    return hlo, mesh, params
+        compiled = jax.jit(run).lower(params["embed"], params["blocks"], params["head"], tokens,
+                                      tokens).compile()
+    return compiled, mesh, params
 
 
 def measure_grad_bytes_per_element(grad_sync_dtype: str = "fp32", grad_sync: str = "chunk", *,
