@@ -249,6 +249,7 @@ def main() -> None:
                         help="d_model 32, batches 4,8, 2 steps, 2 repeats")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count (compiles every shape)")
     parser.add_argument("--devices", type=int, default=0, choices=(0, 1, 8),
                         help="8 or 1 (0: 8 when there are, else 1)")
     args = parser.parse_args()
@@ -326,7 +327,7 @@ def main() -> None:
             rows.append((b, n_dp, m.name, *cold[m.name], wall[m.name], cpu[m.name]))
             say(f"# B={b} | {m.name}: {cold[m.name][3]} programs, compile {cold[m.name][0]:.1f}s, "
                 f"e2e {cold[m.name][1]:.1f}s")
-        if b == batches[len(batches) // 2]:
+        if b == batches[len(batches) // 2] and not args.no_flops:
             flops += flop_lines(spec, create, optim, batch, draws[1 % steps])
         del methods
 

@@ -3,7 +3,8 @@
     python benchmarks/gpu/hlo_checks.py              # on the lent GPU (issues.sh runs it)
     python benchmarks/gpu/hlo_checks.py --smoke      # 8 simulated CPU devices, small models
 
-``jax_mock_gpu_topology=1x1x8`` makes the GPU client present 8 devices, so XLA:GPU compiles
+``jax_mock_gpu_topology=1x8x1`` (8 mock hosts of one GPU each: the devices per host must be the
+local count) makes the GPU client present 8 devices, so XLA:GPU compiles
 and schedules the 8-device programs (its latency-hiding scheduler on, from
 ``xla_flags.sh``) without 8 GPUs. Nothing is executed: parameters are shapes only.
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 AFAPAB_DIMS = dict(vocab=32000, seq=1024, d_model=2048, heads=16, layers=8, rows=2, m=4, v=2)
 PIPE_DIMS = dict(vocab=50304, seq=2048, d_model=4096, heads=32, layers=12, rows=1, m=8, v=1)
+AFAPAB_SMALL = dict(vocab=8192, seq=256, d_model=512, heads=8, layers=4, rows=2, m=4, v=2)
 SMOKE_DIMS = dict(vocab=64, seq=16, d_model=64, heads=4, layers=4, rows=2, m=4, v=2)
 
 
@@ -63,13 +65,13 @@ def data_axis_ops(hlo: str, mesh):
     return {op.name: (op, axes_of(op, ids, mesh.axis_names)) for op in collectives(hlo)}
 
 
-def check_afapab(dims: dict) -> None:
+def check_afapab(dims: dict, syncs=("end", "overlap", "chunk")) -> None:
     from mindpipe_jax.parallel.async_overlap import async_pairs
     from mindpipe_jax.sim.program_bytes import compile_pipeline_step
 
     say(f"== afapab: pipe2 x data2 x tensor2, schedule afapab v={dims['v']} m={dims['m']}, GPT d_model="
         f"{dims['d_model']} layers={dims['layers']} seq={dims['seq']} vocab={dims['vocab']}, bf16 compute")
-    for sync in ("end", "overlap", "chunk"):
+    for sync in syncs:
         t0 = time.perf_counter()
         compiled, mesh, _ = compile_pipeline_step(dims, dict(pipe=2, data=2, tensor=2), "afapab", dims["m"],
                                                   dims["v"], grad_sync=sync, dtype="bfloat16", abstract=True)
@@ -138,6 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="8 simulated CPU devices, small models")
     ap.add_argument("--part", choices=("afapab", "pipeline"), required=True)
+    ap.add_argument("--small", action="store_true", help="afapab: d_model 512, 4 layers (compiles faster)")
+    ap.add_argument("--syncs", default="end,overlap,chunk")
     args = ap.parse_args()
     import jax
 
@@ -145,14 +149,15 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", 8)
         jax.config.update("jax_platforms", "cpu")
     else:
-        jax.config.update("jax_mock_gpu_topology", "1x1x8")
+        jax.config.update("jax_mock_gpu_topology", "1x8x1")  # 8 mock hosts of the one GPU each
     devices = jax.devices()
     say(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     if len(devices) != 8:
         say(f"need 8 devices, got {len(devices)}: the mock topology did not apply")
         sys.exit(1)
     if args.part == "afapab":
-        check_afapab(SMOKE_DIMS if args.smoke else AFAPAB_DIMS)
+        dims = SMOKE_DIMS if args.smoke else AFAPAB_SMALL if args.small else AFAPAB_DIMS
+        check_afapab(dims, tuple(args.syncs.split(",")))
     else:
         check_pipeline(dict(SMOKE_DIMS, m=8, rows=1) if args.smoke else PIPE_DIMS)
 
