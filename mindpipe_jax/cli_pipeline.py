@@ -179,7 +179,7 @@ def run_plan(args: argparse.Namespace) -> int:
     profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
                                   dots="dots" in options)
     plan = partition(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
-                     remat_options=options)
+                     remat_options=options, lockstep=par.tensor > 1 or par.expert > 1)
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)

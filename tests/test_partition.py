@@ -376,3 +376,44 @@ def test_a_tight_budget_trades_fused_ticks_for_lighter_remat():
     assert "parallel.fuse_ticks=table" in plan.table()
     with pytest.raises(ConfigError, match="fuse_modes \\['eager'\\] must be"):
         partition(prof, p=4, m=8, fuse_modes=("eager",))
+
+
+def test_lockstep_buffers_are_those_of_the_merged_plan():
+    """In lockstep (tensor or expert > 1) the runtime merges the last stage's tasks into
+    the middle stages' branches (``make_plan(merge_first, merge_last)``): its forward
+    keeps what a middle stage keeps, its split backward stashes what a middle stage's
+    does, and the loss's gradient waits in a g slot. The SPMD figure follows that plan:
+    under zb-h1 with remat "full" the last stage's "dots" stash (the unmerged last
+    stage's kind) is gone; under GPipe the loss's gradients add g slots."""
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+    prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
+                         residual_bytes=8e6, dots_residual_bytes=3e6, dots_recompute_s=0.25)
+    spans = [range(2 * g, 2 * g + 2) for g in range(4)]
+
+    def figure(name, policy, lockstep):
+        model = partmem.StageModel(prof, 4, name == "zb-h1")
+        return partmem.spmd_memory(model, get_schedule(name, 4, 8), spans, [policy] * 4, PARAM_COPIES,
+                                   lockstep=lockstep)
+
+    (apart, apart_parts), (merged, merged_parts) = (figure("zb-h1", "full", lock) for lock in (False, True))
+    plans = [make_plan(get_schedule("zb-h1", 4, 8), ("full",) * 4, merge_first=lock, merge_last=lock)
+             for lock in (False, True)]
+    assert set(apart_parts) == set(plans[0].stash_slots) == {"stash-full", "stash-dots"}
+    assert set(merged_parts) == set(plans[1].stash_slots) == {"stash-full"}
+    assert merged < apart
+    (g_apart, _), (g_merged, _) = (figure("gpipe", "full", lock) for lock in (False, True))
+    g_slots = [make_plan(get_schedule("gpipe", 4, 8), ("full",) * 4, merge_first=lock,
+                         merge_last=lock).g_slots for lock in (False, True)]
+    assert g_slots[1] > g_slots[0]
+    assert g_merged - g_apart == pytest.approx((g_slots[1] - g_slots[0]) * prof.layers[0].activation_bytes)
+    # The plan's budget fit reads the lockstep figure: a budget the merged zb-h1 plan meets
+    # with "full" everywhere, which the per-device figure would call too small.
+    budget = (merged + apart) / 2
+    opts = ("none", "dots", "full")
+    with pytest.raises(ConfigError, match="too small"):
+        partition(prof, p=4, m=8, schedule="zb-h1", remat_options=opts, memory_budget_bytes=budget,
+                  fuse_modes=("auto",))
+    fitted = partition(prof, p=4, m=8, schedule="zb-h1", remat_options=opts, memory_budget_bytes=budget,
+                       fuse_modes=("auto",), lockstep=True)
+    assert fitted.spmd_memory_bytes <= budget

@@ -84,9 +84,11 @@ class StageModel:
     def _sum(self, arr, i, j):
         return arr[j] - arr[i]
 
-    def stage(self, g: int, i: int, j: int, policy: str) -> dict[str, float]:
-        """Figures of global stage ``g`` holding layers ``[i, j)`` under ``policy``."""
-        prof, first, last = self.prof, g == 0, g == self.G - 1
+    def stage(self, g: int, i: int, j: int, policy: str, as_middle: bool = False) -> dict[str, float]:
+        """Figures of global stage ``g`` holding layers ``[i, j)`` under ``policy``
+        (``as_middle``: the last stage's layers kept as a middle stage keeps them, as the
+        lockstep runtime's merged last stage does; its head is then not counted)."""
+        prof, first, last = self.prof, g == 0, g == self.G - 1 and not as_middle
         e, h = prof.embed, prof.head
         fwd = self._sum(self.F, i, j) + first * e.F + last * h.F
         eb = (e.B + e.W) if self.split else e.fused
@@ -193,21 +195,28 @@ def describe_stages(spans, gs, G, name_stages: bool = False) -> str:
 
 
 def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies: float,
-                fuse_mode: str = "auto"):
+                fuse_mode: str = "auto", lockstep: bool = False):
     """(bytes per device, {policy: buffer bytes, and which stage sets its depth}) as
     the SPMD runtime lays them out: one program, so every buffer is as deep as its
     deepest stage and as wide as its widest; all parameters of a device's stages
-    plus embed and head (replicated); the largest transient of any stage."""
+    plus embed and head (replicated); the largest transient of any stage.
+    ``lockstep``: the stages run in lockstep (tensor or expert > 1,
+    ``runtime.spmd.needs_lockstep``), where the runtime merges the first and last
+    stages' tasks into the middle stages' branches: the last stage's forward then
+    keeps its layers' residuals like a middle stage, and the loss's gradient waits in
+    a ``g`` slot (``tickplan.make_plan(merge_first, merge_last)``)."""
     from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
     p, G = sched.num_stages, sched.num_global_stages
-    plan = make_plan(sched, tuple(chosen), fuse_mode)
+    plan = make_plan(sched, tuple(chosen), fuse_mode, merge_first=lockstep, merge_last=lockstep)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    kept = [model.stage(g, spans[g].start, spans[g].stop, chosen[g], as_middle=lockstep) for g in range(G)]
+    keeping = [g for g in range(G) if g != G - 1 or lockstep]  # stages whose forward keeps residuals
     width = max(len(r) for r in spans) or 1
     # Per-microbatch bytes beyond the stage input, per layer slot of the padded stage.
     # A split backward's residual buffer ("split-<policy>") holds the same residuals.
-    residual = {r: max((f["per_mb"] - model.act_in[spans[g].start]) / max(len(spans[g]), 1)
-                       for g, f in enumerate(figs) if chosen[g] == r.removeprefix("split-") and g != G - 1)
+    residual = {r: max(((kept[g]["per_mb"] - model.act_in[spans[g].start]) / max(len(spans[g]), 1)
+                        for g in keeping if chosen[g] == r.removeprefix("split-")), default=0.0)
                 for r in plan.res_slots}
     # What a split backward's B stashes for its W, per layer: the cotangents at the
     # weight-consuming matmuls and the inputs they multiply; estimated (not measured) by
@@ -222,7 +231,7 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     inflight = sched.peak_in_flight()
     for r in slots:
         policy = r.removeprefix("split-").removeprefix("stash-")
-        stages = [g for g in range(G - 1) if chosen[g] == policy] or list(range(G))
+        stages = [g for g in keeping if chosen[g] == policy] or list(range(G))
         owner[r] = max(stages, key=lambda g: (inflight[g % p], -g))
     act = max(model.act_in)
     e, h = model.prof.embed, model.prof.head
@@ -235,7 +244,7 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,
               measure: Callable[[tuple[str, ...], tuple[int, ...], str], float] | None = None,
-              fuse_mode: str = "auto"):
+              fuse_mode: str = "auto", lockstep: bool = False):
     """Make the SPMD runtime fit the budget: while it does not, move the stage whose
     next leaner policy in ``options`` saves the most modelled bytes per second of
     recompute added. "Fits" is judged by ``measure(remat, counts, fuse_mode)`` (e.g. the
@@ -246,7 +255,7 @@ def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, 
     counts = tuple(len(r) for r in spans)
     less = {"none": ("dots", "full"), "dots": ("full",)}
     while True:
-        modelled, _ = spmd_memory(model, sched, spans, chosen, param_copies, fuse_mode)
+        modelled, _ = spmd_memory(model, sched, spans, chosen, param_copies, fuse_mode, lockstep)
         total = float(measure(tuple(chosen), counts, fuse_mode)) if measure is not None else modelled
         if budget is None or total <= budget:
             return chosen, total
@@ -265,7 +274,7 @@ def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, 
             trial = chosen.copy()
             for k in group:
                 trial[k] = nxt
-            saved = modelled - spmd_memory(model, sched, spans, trial, param_copies, fuse_mode)[0]
+            saved = modelled - spmd_memory(model, sched, spans, trial, param_copies, fuse_mode, lockstep)[0]
             if saved <= 0:
                 continue
             added = sum(model.stage(k, spans[k].start, spans[k].stop, nxt)["time"]

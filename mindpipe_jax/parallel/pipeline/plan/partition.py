@@ -72,7 +72,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
               param_copies: float = PARAM_COPIES, link: Link | float | None = None,
               fit_spmd: bool = True,
               measure_memory: Callable[[tuple[str, ...], tuple[int, ...], str], float] | None = None,
-              fuse_modes: Sequence[str] = ("auto", "table")) -> PipelinePlan:
+              fuse_modes: Sequence[str] = ("auto", "table"), lockstep: bool = False) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
     each stage; see ``memory`` for the cost and memory model.
 
@@ -108,6 +108,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     the one whose fused-tick replay (the simulator's neighbour mode, with the recompute
     each fit needs) is fastest: under a tight budget one task per tick with light remat
     can beat fused ticks that need "full" (``fuse_ticks``, ``parallel.fuse_ticks``).
+    ``lockstep``: the run's stages go in lockstep (tensor or expert > 1), whose buffers
+    differ: the SPMD figure models them (``memory.spmd_memory``).
     """
     if not isinstance(profile, ProfiledModel):
         raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
@@ -192,7 +194,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     for mode in dict.fromkeys(fuse_modes):
         try:
             fit = fit_spmd_budget(model, sched, spans, chosen, options, budget if fit_spmd else None,
-                                  param_copies, measure_memory, fuse_mode=mode)
+                                  param_copies, measure_memory, fuse_mode=mode, lockstep=lockstep)
         except ConfigError:
             if mode == fuse_modes[-1] and not fits:
                 raise
