@@ -29,31 +29,24 @@ def run(smoke: bool) -> dict:
 
     from mindpipe_jax.config import ModelConfig, OptimConfig, ParallelConfig
     from mindpipe_jax.parallel.mesh import make_mesh
-    from mindpipe_jax.supernet import SuperGPT, sample_subnets
-    from mindpipe_jax.supernet.spara import (
-        init_state,
-        jit_step,
-        make_spara_step,
-        plan_step,
-        state_shardings,
-        supernet_spec,
-    )
+    from mindpipe_jax.supernet import SuperGPT, sample_subnets, spara
 
     d, seq, k, batch = (32, 16, 8, 8) if smoke else (256, 128, 8, 8)
     cfg = ModelConfig(d_model=d, n_layers=2, n_heads=4, seq_len=seq)
-    spec, create = supernet_spec(lambda r: SuperGPT(cfg, rngs=r))
+    spec, create = spara.supernet_spec(lambda r: SuperGPT(cfg, rngs=r))
     mesh = make_mesh(ParallelConfig(subnet=1, data=1, tensor=1), devices=jax.devices()[:1])
     optim = OptimConfig(lr=3e-3, warmup_steps=0, clip_norm=1.0)
-    made = make_spara_step(spec, mesh, semantics="sync", subnets_per_step=k, vmap_width=k, virtual_shards=1,
-                           global_batch=batch, optim=optim, total_steps=100)
-    step = jit_step(made, mesh, spec)
-    state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()
+    made = spara.make_spara_step(spec, mesh, semantics="sync", subnets_per_step=k, vmap_width=k,
+                                 virtual_shards=1, global_batch=batch, optim=optim, total_steps=100)
+    step = spara.jit_step(made, mesh, spec)
+    shardings = spara.state_shardings(mesh, spec)
+    state = jax.jit(lambda: spara.init_state(spec, create()), out_shardings=shardings)()
     rng = np.random.default_rng(0)
     losses = []
     with jax.set_mesh(mesh):
         for t in range(5):
             toks = rng.integers(0, 256, (batch, seq + 1)).astype(np.int32)
-            plan = plan_step(spec, sample_subnets(spec.space, 0, t, k, "sandwich"), "sync", k).arrays()
+            plan = spara.plan_step(spec, sample_subnets(spec.space, 0, t, k, "sandwich"), "sync", k).arrays()
             state, metrics = step(state, plan, {"inputs": toks[:, :-1], "targets": toks[:, 1:]})
             losses.append(np.asarray(metrics["loss"]).tolist())
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]
