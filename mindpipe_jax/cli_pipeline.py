@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+import types
 
 from mindpipe_jax.cli_common import ERRORS_HELP, OVERRIDES_HELP, add_config_args, positive_int
 from mindpipe_jax.config import load_config
@@ -175,11 +176,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
     setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
     from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
+    from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
     profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
                                   dots="dots" in options)
+    # The runtime's rule on the configured axes (an automatic tensor size counts as 1 here).
+    lockstep = needs_lockstep(types.SimpleNamespace(shape=par.axis_sizes()))
     plan = partition(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
-                     remat_options=options, lockstep=par.tensor > 1 or par.expert > 1)
+                     remat_options=options, lockstep=lockstep)
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
