@@ -71,10 +71,19 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def positive_int(value: str, option: str) -> int:
     """``value`` (an option's text) as an integer >= 1, else a ``ConfigError`` naming ``option``."""
+    return _int_at_least(value, option, 1)
+
+
+def nonnegative_int(value: str, option: str) -> int:
+    """``value`` (an option's text) as an integer >= 0, else a ``ConfigError`` naming ``option``."""
+    return _int_at_least(value, option, 0)
+
+
+def _int_at_least(value: str, option: str, low: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise ConfigError(f"{option} must be an integer >= 1, got {value!r}")
+        number = low - 1
+    if number < low:
+        raise ConfigError(f"{option} must be an integer >= {low}, got {value!r}")
     return number

@@ -10,7 +10,13 @@ import argparse
 import textwrap
 import types
 
-from mindpipe_jax.cli_common import ERRORS_HELP, OVERRIDES_HELP, add_config_args, positive_int
+from mindpipe_jax.cli_common import (
+    ERRORS_HELP,
+    OVERRIDES_HELP,
+    add_config_args,
+    nonnegative_int,
+    positive_int,
+)
 from mindpipe_jax.config import load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
@@ -44,6 +50,10 @@ def add_parsers(sub, fmt) -> None:
               dualpipev    DeepSeek's DualPipe cut in half, same V; M >= 2P; an F&B pair is
                            an F then the other chunk's BW; 2P+1 live chunks
 
+            --split-last K (zb-h1, zbv, dualpipev) splits only the last K microbatches'
+            backwards into B and W and runs the others' as one BW: the W's that fill the
+            drain stay, the steady state pays the fused backward (parallel.split_last).
+
             With a closed form the analytic bubble and memory are printed beside the
             measured ones; for dualpipev also its F&B pairs replayed as one unit, which
             gives the DualPipe repository's (p-1)(F&B+B-3W).
@@ -55,6 +65,7 @@ def add_parsers(sub, fmt) -> None:
               mindpipe schedule --schedule zb-h1 --stages 4 --microbatches 8 --weighted --out zb.pdf
               mindpipe schedule --schedule zbv --stages 4 --microbatches 16 --out zbv.png
               mindpipe schedule --schedule dualpipev --stages 4 --microbatches 10 --out dpv.png
+              mindpipe schedule --schedule zb-h1 --stages 4 --microbatches 16 --split-last 4
 
             pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
             """) + "\n" + ERRORS_HELP)
@@ -67,6 +78,9 @@ def add_parsers(sub, fmt) -> None:
     p_schedule.add_argument("--virtual", default=None, metavar="V",
                             help="model chunks per stage (interleaved, afapab; default: 1, and 2 "
                                  "for zbv and dualpipev, which take no other value)")
+    p_schedule.add_argument("--split-last", default=None, metavar="K",
+                            help="split only the last K microbatches' backwards into B and W (an "
+                                 "integer >= 0; default: as the schedule splits them)")
     p_schedule.add_argument("--out", metavar="FILE", default=None,
                             help="also draw the timeline to FILE (.png, .svg or .pdf); its "
                                  "directory must exist")
@@ -126,7 +140,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     p = positive_int(args.stages, "--stages")
     m = positive_int(args.microbatches, "--microbatches")
     v = None if args.virtual is None else positive_int(args.virtual, "--virtual")
-    schedule = get_schedule(args.schedule, p, m, v)
+    k = None if args.split_last is None else nonnegative_int(args.split_last, "--split-last")
+    schedule = get_schedule(args.schedule, p, m, v, k)
     if args.out is not None:
         viz.check_picture_path(args.out)
         viz.require_matplotlib()
@@ -151,7 +166,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "
                           f"parallel.pipe={par.pipe}; e.g. mindpipe plan parallel.pipe=4")
     p, v, m = par.pipe, par.virtual_stages, par.microbatches
-    get_schedule(par.schedule, p, m, v)  # refuses an unknown schedule or a bad (p, m, v)
+    schedule = get_schedule(par.schedule, p, m, v, par.split_last)  # refuses a bad name or (p, m, v)
     if cfg.train.global_batch % m:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")
@@ -182,7 +197,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                   dots="dots" in options)
     # The runtime's rule on the configured axes (an automatic tensor size counts as 1 here).
     lockstep = needs_lockstep(types.SimpleNamespace(shape=par.axis_sizes()))
-    plan = partition(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
+    plan = partition(profile, p=p, v=v, m=m, schedule=schedule, memory_budget_bytes=budget,
                      remat_options=options, lockstep=lockstep)
     print(plan.table(), flush=True)
     if args.out is not None:

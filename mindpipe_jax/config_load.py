@@ -184,6 +184,8 @@ def _chunk_sync_off(cfg: Config) -> str | None:
 # (keys, what makes them inert -> a description or None, how to make them count). Only
 # keys that no command reads under those settings; what one command ignores (the
 # supernet section in `mindpipe train`) its command refuses.
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev")  # the schedules with B and W tasks
+
 _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], str], ...] = (
     (("model.top_k", "model.capacity_factor", "model.moe_aux_weight"),
      lambda c: "model.n_experts=0 (the dense GPT)" if c.model.n_experts == 0 else None,
@@ -194,6 +196,11 @@ _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], 
       "parallel.grad_sync", "parallel.grad_sync_dtype", "parallel.repartition_after", "parallel.fuse_ticks"),
      _pipe_is_one,
      "set parallel.pipe > 1"),
+    (("parallel.split_last",),
+     lambda c: _pipe_is_one(c) or (None if c.parallel.schedule in SPLIT_SCHEDULES
+                                   else f"parallel.schedule={c.parallel.schedule!r} (no B/W split)"),
+     f"it says which backwards a zero-bubble schedule splits: set parallel.pipe > 1 and "
+     f"parallel.schedule to one of {', '.join(SPLIT_SCHEDULES)}"),
     (("parallel.fsdp_gather",),
      lambda c: _pipe_is_one(c) or ("parallel.fsdp=1" if c.parallel.fsdp == 1 else None),
      "it says when a pipeline gathers weights sharded over fsdp: set parallel.pipe > 1 and "

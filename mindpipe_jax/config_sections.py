@@ -167,6 +167,12 @@ class ParallelConfig:
     # (each W where its device would wait for a busier one anyway) as in
     # mindpipe_jax/parallel/pipeline/schedules/fused.py.
     fuse_ticks: Literal["auto", "table", "in-order", "forward-ahead", "fill", "slack"] = "auto"
+    # Zero-bubble schedules (zb-h1, zbv, dualpipev) split a backward into B and W so
+    # that W can wait; only the last microbatches' W's fill a bubble (the drain). -1
+    # splits every backward (the paper's table); k >= 0 splits only the last k
+    # microbatches' and runs the others' as one fused backward: better where B + W
+    # cost more than the fused vjp (this CPU: 1.15-1.31x); k = pipe is a good start.
+    split_last: int = -1
     # Pipeline memory, one policy for every stage or a list with one per global
     # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as
     # `mindpipe plan` prints it): "none" keeps each microbatch's forward residuals
@@ -214,6 +220,8 @@ class ParallelConfig:
             _check(auto or n == -1 or n >= 1, f"parallel.{axis}={n} must be >= 1 or -1 (fill)"
                    + (" or 0 (auto)" if axis == "tensor" else ""))
         _positive("parallel", microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+        _check(self.split_last >= -1, f"parallel.split_last={self.split_last} must be -1 (split every "
+               f"backward) or >= 0 (split only the last that many microbatches')")
         policies = (self.stage_remat,) if isinstance(self.stage_remat, str) else self.stage_remat
         _check(bool(policies) and all(r in STAGE_REMAT_POLICIES for r in policies),
                f"parallel.stage_remat={self.stage_remat!r} must be one of "

@@ -290,13 +290,16 @@ def test_chunk_split_equals_vjp_of_the_scanned_chunk(policy):
         dx, cut = c.b(params, kept, seed)
         assert dx is None
         dw = c.w(params, [k if r else None for k, r in zip(kept, c.w_reads_kept, strict=True)], cut)
+        no_dx, fused_dw = c.fused(params, kept, seed)  # a BW on a split stage: unsplit, same residuals
+        assert no_dx is None
         f = lambda p: _chunk_fn(p, tokens, *aux, first=True, last=True)
         ref_out, vjp = jax.vjp(f, params)
-        return out, ref_out, dw, vjp(seed)[0], kept, cut
+        return out, ref_out, dw, vjp(seed)[0], kept, cut, fused_dw
 
-    out, ref_out, dw, ref_dw, kept, cut = run(params, tokens, aux, seed)
+    out, ref_out, dw, ref_dw, kept, cut, fused_dw = run(params, tokens, aux, seed)
     _close(out, ref_out)
     _close(dw, ref_dw)
+    _close(fused_dw, ref_dw)
     assert [(k.shape, k.dtype) for k in kept] == [(a.shape, a.dtype) for a in c.kept_avals]
     assert [(k.shape, k.dtype) for k in cut] == [(a.shape, a.dtype) for a in c.cut_avals]
     if policy == "full":  # W reads the cut only; per-layer cuts are stacked [L, ...]
@@ -321,12 +324,15 @@ def test_chunk_split_inside_shard_map(policy):
         _, kept = c.fwd({"layers": lp}, x)
         dx, cut = c.b({"layers": lp}, kept, dy)
         dw = c.w({"layers": lp}, kept, cut)["layers"]
+        fused_dx, fused_dw = c.fused({"layers": lp}, kept, dy)
         ref = lambda p, h: _chunk_fn({"layers": p}, h, first=False, last=False)
         ref_dw, ref_dx = jax.vjp(ref, lp, x)[1](dy)
-        return dx, dw, ref_dx, ref_dw
+        return dx, dw, ref_dx, ref_dw, fused_dx, fused_dw["layers"]
 
     spec = P("pipe")
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec,) * 4))
-    dx, dw, ref_dx, ref_dw = f(params, x, dy)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec,) * 6))
+    dx, dw, ref_dx, ref_dw, fused_dx, fused_dw = f(params, x, dy)
     _close(dx, ref_dx)
     _close(dw, ref_dw)
+    _close(fused_dx, ref_dx)
+    _close(fused_dw, ref_dw)

@@ -153,6 +153,33 @@ def test_fused_and_v_schedules_equal_unpipelined(name, p, m, v, remat, mode):
     assert_matches(loss, grads, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("name,p,m,v,remat,k,lockstep", [("zb-h1", 4, 8, 1, False, 3, False),
+                                                        ("zbv", 2, 4, 2, "dots", 1, False),
+                                                        ("dualpipev", 2, 4, 2, "full", 2, False),
+                                                        ("zb-h1", 4, 8, 1, "dots", 2, True)])
+def test_split_only_last_equals_unpipelined(name, p, m, v, remat, k, lockstep):
+    """A zero-bubble table that splits only its last k microbatches' backwards: on each
+    split stage the earlier microbatches' BW runs the unsplit backward on the split's
+    residuals (``ChunkSplit.fused``), the tail's B stashes for its W; stash slots only for
+    the tail. Gradients equal plain value_and_grad, NaN in every buffer a bubble leaves."""
+    schedule = get_schedule(name, p, m, v, split_last=k)
+    plan = make_plan(schedule, remat)
+    assert plan.split and any(key[0] == Kind.BW for key in plan.parts[1].keys)
+    whole = make_plan(get_schedule(name, p, m, v), remat)
+    assert max(plan.stash_slots.values()) <= max(whole.stash_slots.values())
+    if lockstep:
+        _lockstep_equals_unpipelined(schedule, remat, seed=p * m + 3)
+        return
+    model, params = tiny_gpt(p * v)
+    inputs, targets = microbatches(p * m + 3, m)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), schedule, mesh, remat=remat, nan_bubbles=True)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
 @pytest.mark.parametrize("name,p,m,v,remat", [("1f1b", 4, 8, 1, "full"), ("zb-h1", 4, 8, 1, False),
                                               ("interleaved", 2, 4, 2, "dots")])
 def test_lockstep_first_stage_shares_the_middle_branches_and_equals_unpipelined(name, p, m, v, remat):

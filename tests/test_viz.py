@@ -4,6 +4,7 @@ the right numbers, and bad input that exits 2 and writes nothing."""
 from __future__ import annotations
 
 import builtins
+import re
 
 import pytest
 
@@ -95,6 +96,16 @@ def test_cli_schedule_prints_timeline_and_bubble(capsys):
     assert "wrote" not in out
 
 
+def test_cli_schedule_split_last_splits_only_the_tail(capsys):
+    assert main(["schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8",
+                 "--split-last", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "s0: F0  F1  F2  F3  ..  ..  ..  BW0" in out  # microbatches 0-3: one fused backward
+    tasks = set(re.findall(r"\b(B|W|BW)(\d)\b", out))
+    assert {("B", "4"), ("W", "7"), ("BW", "3")} <= tasks and not {("B", "3"), ("W", "3")} & tasks
+    assert "peak pending W:        s0=1  s1=2  s2=3  s3=4" in out
+
+
 def test_cli_schedule_out_writes_the_picture(tmp_path, capsys):
     out = tmp_path / "il.png"
     argv = ["schedule", "--schedule", "interleaved", "--stages", "2", "--microbatches", "4",
@@ -167,6 +178,8 @@ BAD = {
                          "(virtual_stages=2), got 3"),
     "virtual 1 on dualpipev": (["--schedule", "dualpipev", "--stages", "2", "--microbatches", "4",
                                 "--virtual", "1"], "(virtual_stages=2), got 1"),
+    "negative split tail": (["--schedule", "zb-h1", "--stages", "2", "--microbatches", "4",
+                             "--split-last", "-1"], "--split-last must be an integer >= 0, got '-1'"),
 }
 
 

@@ -262,7 +262,7 @@ class PipelinedStep:
         if (n, depth) not in self._runs:
             par = self.par
             schedule = get_schedule(par.schedule, self.mesh.shape["pipe"], n * par.microbatches,
-                                    par.virtual_stages)
+                                    par.virtual_stages, par.split_last)
             self._runs[n, depth] = pipeline_grads(
                 stage_fns(self.spec), schedule, self.mesh, remat=par.stage_remat, active_layers=depth,
                 param_specs=self._param_specs, grad_sync=par.grad_sync_mode,

@@ -262,6 +262,7 @@ def _evaluate(eval_fn, params, feed, mesh) -> float:
 
 def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     """Measure the model's layer costs now and return the balanced stage split."""
+    from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
@@ -269,8 +270,10 @@ def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
     profile = measure_layer_costs(cfg.model, microbatch=microbatch)
+    schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages,
+                            par.split_last)  # the table the runtime runs
     plan = partition(profile, p=mesh.shape["pipe"], v=par.virtual_stages, m=par.microbatches,
-                     schedule=par.schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
+                     schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
                      lockstep=needs_lockstep(mesh))
     return tuple(plan.counts)
 

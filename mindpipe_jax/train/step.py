@@ -164,7 +164,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     with jax.set_mesh(None):  # traced for its structure: no ambient mesh binds the model's constraints
         model = pipeline_model(spec, cfg.model.seq_len)
     par = cfg.parallel
-    schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages)
+    schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages,
+                            par.split_last)
     builtin = model.name in ("GPT", "MoEGPT") and model.num_units == cfg.model.n_layers
     check_pipeline_depth(model.num_units, cfg, schedule.num_global_stages, None if builtin else model.name,
                          model.group)

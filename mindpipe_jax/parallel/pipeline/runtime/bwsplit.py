@@ -162,13 +162,20 @@ class PieceSplit:
         """W's gradients of the inexact parameter leaves, flat (``dparams`` makes the tree)."""
         return list(self._w_fn(*self._w_args(params, kept), *cut))
 
-    # -- helpers -------------------------------------------------------------------
     def fused(self, params, kept, dy):
-        """(dh, dparams) from the unsplit backward: the reference and the cost baseline."""
-        outs = self._fused_fn(*jax.tree_util.tree_leaves(params), *kept, dy)
+        """(dh, dparams) from the unsplit backward on the same kept values: what a backward
+        that is not split runs (it costs the fused vjp, not B + W), and the reference."""
+        dh, flat = self.fused_flat(params, kept, dy)
+        return dh, self.dparams(flat)
+
+    def fused_flat(self, params, kept, dy):
+        """``fused`` with the inexact parameter leaves' gradients flat, as ``w_flat``."""
+        outs = list(self._fused_fn(*jax.tree_util.tree_leaves(params), *kept, dy))
         if self.has_dh:
-            return outs[0], self.dparams(outs[1:])
-        return None, self.dparams(outs)
+            return outs[0], outs[1:]
+        return None, outs
+
+    # -- helpers -------------------------------------------------------------------
 
     def _w_args(self, params, kept):
         inputs = [*jax.tree_util.tree_leaves(params), *kept]
@@ -330,6 +337,29 @@ class ChunkSplit:
         if self.head is not None:
             grads["head"] = self.head.w(params["head"], kept_h, cut_h)
         return grads
+
+    def fused(self, params, kept, dy):
+        """(dh, grads) from the unsplit backward on the kept values of ``fwd`` (``grads``
+        as ``w`` gives them): a backward of this chunk that is not split (a BW task on a
+        stage whose other backwards are) costs the fused vjp, not B + W, and needs no cut."""
+        if self.policy == "full":
+            _, kept = self._fwd_none(params, *kept)
+        kept_e, kept_l, kept_h = self._split(kept, list(self._kept_n))
+        grads, dh = {}, dy
+        if self.head is not None:
+            dh, grads["head"] = self.head.fused(params["head"], kept_h, dy)
+        skip = [_example(a) for a in self.layer.w_jaxpr.out_avals]
+
+        def one(d, xs, on):
+            lp, res = xs
+            # a skipped layer: identity for the cotangent, zero gradients
+            d, flat = self._gate(on, lambda: self.layer.fused_flat(lp, res, d), (d, skip))
+            return d, self.layer.dparams(flat)
+        dh, grads["layers"] = self._scan_layers(one, dh, (params["layers"], kept_l), params.get("n"),
+                                                reverse=True)
+        if self.embed is not None:
+            dh, grads["embed"] = self.embed.fused(params["embed"], kept_e, dh)
+        return dh, grads
 
     def empty_cut(self, slots: int, fill: float = 0.0):
         return [jnp.full((slots, *a.shape), fill, a.dtype) for a in self.cut_avals]

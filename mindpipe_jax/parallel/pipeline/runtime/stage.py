@@ -257,18 +257,10 @@ class StageTasks:
 
         def make(pos, policy, kind):
             if policy.startswith("split-"):
-                b = self._split_b(pos, policy.removeprefix("split-"))
-                if kind is Kind.B:
-                    return b
-                # A BW of a stage whose other backwards are split (DualPipeV): its B, then
-                # its W on the stash straight away; the stash buffers are handed back.
-                w = self._split_w(pos, policy.removeprefix("split-"))
-
-                def both(op):
-                    out = b(op)
-                    d_c = w({**op, "stash": out["stash"]})["grads"]["chunk"]
-                    return {**out, "grads": {**out["grads"], "chunk": d_c}, "stash": op["stash"]}
-                return both
+                # B, or a BW of a stage whose other backwards are split (DualPipeV's, or a
+                # table that splits only its last microbatches): the unsplit backward on
+                # the same residuals, at the fused vjp's cost, with no stash.
+                return self._split_b(pos, policy.removeprefix("split-"), whole=kind is Kind.BW)
             run = self._backward(pos, policy, kind)
             return lambda op: {**run(op), "stash": op["stash"]}
         return self._branches(1, idle, make)
@@ -283,10 +275,12 @@ class StageTasks:
         return self._branches(2, lambda op: {"grads": self.zero_grads()}, make)
 
     # ------------------------------------------------- split backward (B, then W)
-    def _split_b(self, pos, policy):
+    def _split_b(self, pos, policy, whole: bool = False):
         """B of a split stage: the input gradient now, and a stash of exactly what its W
         reads (``bwsplit``). The first stage's embedding gradient and the last stage's
-        head gradient and loss are formed here (they hang off the B's own values)."""
+        head gradient and loss are formed here (they hang off the B's own values).
+        ``whole``: the stage's unsplit backward instead (a BW task): the input gradient
+        and the chunk's weight gradients, nothing stashed."""
         mode = split_mode(policy, pos)
         split = self.splits[mode]
         name = "stash-" + mode
@@ -306,13 +300,18 @@ class StageTasks:
                 kept = [self._stage_input(pos, op, tokens)]
             else:
                 kept = res["split-" + policy]
-            d_x, cut = split.b(c_params, kept, dy)
-            stash = cut if mode == "full" else [
-                k for k, r in zip(kept, split.w_reads_kept, strict=True) if r] + list(cut)
+            if whole:
+                d_x, d_c = split.fused(c_params, kept, dy)
+                grads["chunk"] = self.without_context(d_c["layers"])
+                stash = op["stash"]
+            else:
+                d_x, cut = split.b(c_params, kept, dy)
+                stash = {**op["stash"], name: cut if mode == "full" else [
+                    k for k, r in zip(kept, split.w_reads_kept, strict=True) if r] + list(cut)}
             if pos in (FIRST, EITHER):
                 grads["embed"] = self._embed_grad(tokens, d_x)
             send = self._sent_back(pos, op, d_x)
-            return {"send": send, "grads": grads, "stash": {**op["stash"], name: stash}}
+            return {"send": send, "grads": grads, "stash": stash}
         return run
 
     def _split_w(self, pos, policy):

@@ -70,6 +70,7 @@ from mindpipe_jax.parallel.pipeline.schedules.generators import (
     interleaved,
     one_f_one_b,
     register_schedule,
+    split_only_last,
     zb_h1,
 )
 from mindpipe_jax.parallel.pipeline.schedules.table import Schedule, validate
@@ -94,6 +95,6 @@ from mindpipe_jax.parallel.pipeline.schedules.vshape import (  # registers "zbv"
 __all__ = [
     "Kind", "Task", "Schedule", "ScheduleError", "ScheduleReport", "Timeline",
     "validate", "from_orders", "interleaved_placement", "gpipe", "one_f_one_b", "interleaved", "zb_h1",
-    "afapab", "SCHEDULES", "register_schedule", "get_schedule", "DEFAULT_COST",
+    "afapab", "SCHEDULES", "register_schedule", "get_schedule", "split_only_last", "DEFAULT_COST",
     "zbv", "dualpipev", "v_placement", "fb_pairs", "fb_pair_timeline", "Analytic", "analytic",
 ]
