@@ -99,8 +99,10 @@ SMOKE = dict(vocab=64, seq=16, d_model=32, heads=2, layers=4, rows=4)
 def configurations(smoke: bool) -> list[dict]:
     """(schedule, m, v, role). The calibration runs cover every (device, task kind,
     global stage) the predicted runs use."""
-    def c(name, m, v=1, role="prediction", fuse="auto"):
-        return dict(key=f"{name} {fuse} v={v} m={m}", schedule=name, m=m, v=v, role=role, fuse=fuse)
+    def c(name, m, v=1, role="prediction", fuse="auto", split_last=None):
+        label = name if split_last is None else f"{name} last{split_last}"  # parallel.split_last
+        return dict(key=f"{label} {fuse} v={v} m={m}", schedule=name, label=label, m=m, v=v, role=role,
+                    fuse=fuse, split_last=split_last)
 
     if smoke:   # two compiles only: the test that runs this must stay short
         return [c("gpipe", 2, role="calibration", fuse="table"), c("1f1b", 4)]
@@ -119,6 +121,9 @@ def configurations(smoke: bool) -> list[dict]:
     calib.append(c("gpipe", 3, role="calibration", fuse="table"))
     preds = [c(name, m, v) for name, v in schedules for m in (4, 8)]
     preds += [c("zb-h1", m, fuse="fill") for m in (4, 8)] + [c("1f1b", m, fuse="table") for m in (4, 8)]
+    # Only the last 2 microbatches split (parallel.split_last=2): the others' BW runs the
+    # unsplit backward on the split's residuals, priced with the calibrated BW.
+    preds += [c("zb-h1", 8, split_last=2)]
     return calib + preds
 
 
@@ -213,7 +218,7 @@ def worker(args) -> None:
     # Both processes compile and call the same executables in the same order (SPMD).
     compiled = {}
     for c in spec["configs"]:
-        sched = get_schedule(c["schedule"], 2, c["m"], c["v"])
+        sched = get_schedule(c["schedule"], 2, c["m"], c["v"], c["split_last"])
         run = pipeline_grads(fns, sched, mesh, remat=False, fuse_mode=c["fuse"])
         ticks = make_plan(sched, False, c["fuse"]).num_ticks   # the fused ticks the runtime runs
 
@@ -313,7 +318,7 @@ def fused_plan(c: dict):
     from mindpipe_jax.parallel.pipeline import get_schedule
     from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
-    return make_plan(get_schedule(c["schedule"], 2, c["m"], c["v"]), False, c["fuse"]).fused
+    return make_plan(get_schedule(c["schedule"], 2, c["m"], c["v"], c["split_last"]), False, c["fuse"]).fused
 
 
 def _task_key(fused, t: int, s: int):
@@ -504,7 +509,7 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
     for r in rows:
         err = {k: (p - r["measured"]) / r["measured"] for k, p in r["pred"].items()}
         util = "/".join(f"{u:.2f}" for u in r["util"])
-        name = f"{r['schedule']}/{r['fuse']}"
+        name = f"{r['label']}/{r['fuse']}"
         print(f"{name:<17} {r['v']:>1} {r['m']:>2} {r['ticks']:>5} {r['role']:<11} "
               f"{ms(r['measured']):>11} {ms(r['q1']) + '-' + ms(r['q3']):>13} "
               f"{ms(r['pred']['neighbour']):>12} "
@@ -539,7 +544,7 @@ def report(out, args, dims, configs, results, cal, rows) -> None:
             e = (x["sim_busy"] - x["busy"]) / x["busy"]
             if r["role"] == "prediction":
                 busy_errs.append(abs(e))
-            print(f"{r['schedule'] + '/' + r['fuse']:<17} {r['m']:>2} {d:>3} {ms(x['sim_busy']):>8} "
+            print(f"{r['label'] + '/' + r['fuse']:<17} {r['m']:>2} {d:>3} {ms(x['sim_busy']):>8} "
                   f"{ms(x['busy']):>8} {e:>+6.1%} {ms(x['sim_idle']):>8} {ms(x['wait']):>8} "
                   f"{ms(x['cpu']):>8} {ms(x['wall']):>8} {x['cpu'] / x['wall']:>8.2f}", file=out)
     print(f"per-device busy, predicted runs: max |err| {max(busy_errs):.1%}, mean |err| "

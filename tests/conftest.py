@@ -25,6 +25,14 @@ def pytest_configure(config):
     xdist_requeue.install(config)  # a crashed worker fails its test, not the whole run
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` first, each kind in collection order. xdist's ``loadgroup``
+    hands out work units largest first, then in collection order (modules alphabetically),
+    so a slow test collected late could run alone at the end while the other worker has
+    nothing left to do."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compilation_cache(tmp_path_factory):
     """A persistent compilation cache for the programs this test process compiles.

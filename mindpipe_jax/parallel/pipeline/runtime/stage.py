@@ -22,7 +22,9 @@ its F computes nothing.
 A split backward (B and W tasks: ZB-H1, ZB-V, DualPipeV's B/W) is split at the
 level of its equations (``bwsplit.ChunkSplit``): the F keeps the split's residuals,
 the B computes the input gradient and stashes exactly what the W reads, the W forms
-the weight gradients from that stash alone; B + W execute one backward's work.
+the weight gradients from that stash alone; B + W execute one backward's work. A BW
+on such a stage (DualPipeV's, or an unsplit microbatch's under ``parallel.split_last``)
+runs the unsplit backward on the split's residuals (``ChunkSplit.fused``).
 Uneven stages (padded layer stacks) and a shallow subnet's pass skip the layers
 past their count in the F, the B and the W alike.
 """
