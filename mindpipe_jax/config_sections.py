@@ -171,7 +171,8 @@ class ParallelConfig:
     # that W can wait; only the last microbatches' W's fill a bubble (the drain). -1
     # splits every backward (the paper's table); k >= 0 splits only the last k
     # microbatches' and runs the others' as one fused backward: better where B + W
-    # cost more than the fused vjp (this CPU: 1.15-1.31x); k = pipe is a good start.
+    # cost more than the fused vjp (benchmarks/split_cost.py measures it); k = pipe is a
+    # good start.
     split_last: int = -1
     # Pipeline memory, one policy for every stage or a list with one per global
     # stage (pipe x virtual_stages, e.g. ["full", "dots", "dots", "none"], as

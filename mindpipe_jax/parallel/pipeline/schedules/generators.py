@@ -170,9 +170,10 @@ def split_only_last(schedule: Schedule, k: int) -> Schedule:
     A zero-bubble table splits every backward so that its W's can wait, but only the W's
     of the last microbatches fill a bubble (the drain, where the input-gradient chain
     runs ahead); in the steady state a W runs soon after its B anyway. Where the split
-    halves cost more than the fused vjp (on this CPU B + W take 1.15-1.31x its time, at
-    equal FLOPs), splitting only the tail keeps the drain filled and the steady state at
-    the fused cost. Each earlier microbatch's B becomes a BW in its place and its W is
+    halves cost more than the fused vjp (``benchmarks/split_cost.py``: timed as separate
+    programs on this CPU, 1.1-1.3x at equal FLOPs; inside the 2-process tick loop, no
+    more), splitting only the tail keeps the drain filled and the steady state at the
+    fused cost. Each earlier microbatch's B becomes a BW in its place and its W is
     dropped; every device keeps its order and the table is packed again (``from_orders``).
     ``k >= m`` gives the table unchanged; ``k = 0`` splits nothing (ZB-H1 becomes 1F1B)."""
     m = schedule.num_microbatches
