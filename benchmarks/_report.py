@@ -60,3 +60,21 @@ def cpu_header(out, title: str, script: str, argv=None) -> None:
     command = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# command: python {script} {command}\n", file=out)
     out.flush()
+
+
+def time_round_robin(calls: dict, rounds: int) -> dict:
+    """Seconds per call of every ``name: (f, args)``: two warm-up calls each, then
+    ``rounds`` rounds of one call of each (``jax.block_until_ready``), so that load drifting
+    on a shared machine hits all alike. ``{name: [seconds, ...]}``."""
+    import jax
+
+    for f, args in calls.values():
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+    times = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, (f, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - t0)
+    return times

@@ -110,7 +110,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _report import Tee  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _report import Tee, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P_  # noqa: E402
@@ -150,18 +150,8 @@ def _backward_only(fn, primals, cotangent, select=lambda g: g):
 
 
 def _time_all(compiled: dict, repeats: int) -> dict:
-    """Median seconds per call of every compiled ``(f, args)``, timed round-robin (one
-    call of each per round) so that load drifting on a shared machine hits all alike."""
-    for f, args in compiled.values():  # warm-up
-        jax.block_until_ready(f(*args))
-        jax.block_until_ready(f(*args))
-    times = {k: [] for k in compiled}
-    for _ in range(repeats):
-        for k, (f, args) in compiled.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds per call of every compiled ``(f, args)``, timed round-robin."""
+    return {k: statistics.median(v) for k, v in time_round_robin(compiled, repeats).items()}
 
 
 def _split_probes(layer, layer_p, h, dy, tag=""):

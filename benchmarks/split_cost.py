@@ -26,14 +26,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _report import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _report import report, time_round_robin  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 
@@ -76,20 +75,6 @@ def chunk_tasks(layers: int, d_model: int, heads: int, seq: int, rows: int, dtyp
     }
 
 
-def time_rounds(tasks: dict, rounds: int) -> dict:
-    """Seconds per call of every task, ``rounds`` calls each, one of each per round."""
-    for f, args in tasks.values():  # compile and warm up
-        jax.block_until_ready(f(*args))
-        jax.block_until_ready(f(*args))
-    times = {k: [] for k in tasks}
-    for _ in range(rounds):
-        for k, (f, args) in tasks.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - t0)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="layers in the chunk (a stage's share)")
@@ -110,7 +95,7 @@ def main() -> None:
         print(f"# chunk: {args.layers} GPT blocks, d_model {args.d_model}, {args.heads} heads, "
               f"seq {args.seq}, {args.rows} rows, {args.dtype}; {cores} core(s) usable by this process; "
               f"{args.rounds} rounds\n")
-        times = time_rounds(chunk_tasks(args.layers, args.d_model, args.heads, args.seq, args.rows,
+        times = time_round_robin(chunk_tasks(args.layers, args.d_model, args.heads, args.seq, args.rows,
                                         args.dtype), args.rounds)
         med = {k: statistics.median(v) for k, v in times.items()}
         for k, v in times.items():
