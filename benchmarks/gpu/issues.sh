@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the open issues ask of a lent GPU, as ONE device call (about 8 minutes):
+# What the open issues ask of a lent GPU, as ONE device call (about 9 minutes):
 #
 #   1. SPara vs one by one, sliced, on the GPU (issue 17: goal >= 3x wall time at
 #      per-subnet batch 4, K = 8): benchmarks/spara.py on one device, every K subnets
@@ -9,10 +9,13 @@
 #   3. One pipeline step of the 2.8B GPT compiled for 8 GPUs (issue 15): per-device
 #      memory and no collective inside a per-device branch (hlo_checks.py --part pipeline).
 #   4. SPara bitwise equal across two fresh processes on the GPU (determinism.py).
+#   5. What a pipeline stage's split backward costs on the GPU (issue 15: whether a
+#      zero-bubble table should split every backward or only its tail, parallel.split_last):
+#      benchmarks/split_cost.py on a 2-layer chunk of d 2048, bf16.
 #
 # Through the device tool: `run` with command `bash benchmarks/gpu/issues.sh`, carry
 # [".whl"] (dacite, grain, tensorboardX, array_record and portpicker as
-# wheels: see run.sh), timeout_s 560. Each part has its own time limit and the next
+# wheels: see run.sh), timeout_s 600. Each part has its own time limit and the next
 # part runs whatever the last one did; each writes $OUT/<part>.txt (here: /tmp/gpu-issues/).
 # Locally (no GPU): `bash benchmarks/gpu/issues.sh --smoke` runs every part small on the CPU.
 #
@@ -55,4 +58,10 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false part pipeline_hlo 110 python3 benchmarks/gpu
   --part pipeline "${smoke[@]}"
 part determinism 45 python3 benchmarks/gpu/determinism.py --write /tmp/spara-bits.json "${smoke[@]}"
 part determinism 45 python3 benchmarks/gpu/determinism.py --compare /tmp/spara-bits.json "${smoke[@]}"
+if [[ ${#smoke[@]} -gt 0 ]]; then
+  part split_cost 120 python3 benchmarks/split_cost.py --rounds 3 --d-model 64 --seq 32 --rows 2
+else
+  part split_cost 60 python3 benchmarks/split_cost.py --layers 2 --d-model 2048 --heads 16 --seq 1024 \
+    --rows 4 --dtype bfloat16 --rounds 20
+fi
 echo "all parts done in $((SECONDS - t0))s; results in $out"
