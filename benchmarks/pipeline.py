@@ -395,7 +395,7 @@ def table1(args, out):
             bubble = 0.0
             work = dict(useful)  # value_and_grad: every piece once
         else:
-            schedule = get_schedule(*sched[:1], P, M, *sched[1:])  # (name, v[, split_last])
+            schedule = get_schedule(sched[0], P, M, *sched[1:])  # (name, v[, split_last])
             G = schedule.num_global_stages
             counts, layout, fuse_mode = (layers // G,) * G, None, "auto"
             if remat == "plan":

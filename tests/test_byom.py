@@ -133,6 +133,19 @@ def test_model_family_gradients_equal_an_independent_reference(family, layout):
     assert_grads_equal(got, reference(family))
 
 
+# parallel.split_last: only the last microbatches' backwards split, the others' BW the unsplit
+# backward on the split's residuals (ChunkSplit.fused), traced from the user's layer.
+SPLIT_LAST = [("gemma", ("parallel.pipe=4", "parallel.data=2", "parallel.tensor=1", "parallel.microbatches=4",
+                         "parallel.schedule=zb-h1", "parallel.split_last=2")),
+              ("llama-tied", (*PIPE_TENSOR, "parallel.schedule=zbv", "parallel.virtual_stages=2",
+                              "parallel.split_last=1"))]
+
+
+@pytest.mark.parametrize("family,overrides", SPLIT_LAST, ids=[f for f, _ in SPLIT_LAST])
+def test_split_only_last_gradients_equal_an_independent_reference(family, overrides):
+    assert_grads_equal(framework_grads(FAMILIES[family], *overrides), reference(family))
+
+
 # zb-h1 (its B and W branches) and afapab (virtual stages, chunk sync in the tick loop)
 # have the most branch kinds between them; 1f1b and interleaved share the tick loop.
 STRANDED = [("zb-h1", 1), ("afapab", 2)]
