@@ -338,3 +338,33 @@ def test_fsdp_chunk_sync_keeps_only_owned_shards(mesh_name):
                  if axes_of(op, ids, mesh.axis_names) <= {"data", "fsdp"}]
         sent[sync] = max(per_device_bytes(batch, mesh.size).values())
     assert sent["chunk"] <= 1.05 * sent["end"], sent
+
+
+def test_the_chunk_ring_is_refused_where_xla_gpu_crashes_compiling_it(monkeypatch):
+    """jax 0.11.2's XLA:GPU segfaults compiling the chunk ring (benchmarks/results/
+    2026-12-04-h200-hlo-checks-2.txt): refused there with one line, 'auto' runs 'overlap'."""
+    import jax
+    import pytest
+
+    from mindpipe_jax.config import ParallelConfig
+    from mindpipe_jax.errors import ConfigError
+    from mindpipe_jax.parallel.pipeline.runtime import grads
+    from mindpipe_jax.train.step import resolved_grad_sync
+
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    assert grads.chunk_ring_compiles_on("cpu") and not grads.chunk_ring_compiles_on("gpu")
+    with pytest.raises(ConfigError, match="grad_sync='chunk'.*use parallel.grad_sync='overlap'") as err:
+        grads.refuse_chunk_ring_where_xla_crashes("gpu")
+    assert "\n" not in str(err.value)
+    grads.refuse_chunk_ring_where_xla_crashes("cpu")
+    afapab = ParallelConfig(pipe=2, data=2, schedule="afapab", virtual_stages=2, microbatches=4)
+    with pytest.warns(UserWarning, match="'overlap' instead of 'chunk'"):
+        assert resolved_grad_sync(afapab, "gpu") == "overlap"
+    assert resolved_grad_sync(afapab, "cpu") == "chunk"
+    assert resolved_grad_sync(ParallelConfig(pipe=2, data=2, schedule="afapab", virtual_stages=2,
+                                             microbatches=4, grad_sync="chunk"), "gpu") == "chunk"
+    monkeypatch.setattr(jax, "__version__", "0.10.2")  # releases not seen crashing keep the ring
+    assert grads.chunk_ring_compiles_on("gpu") and resolved_grad_sync(afapab, "gpu") == "chunk"
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    monkeypatch.setattr(grads, "CHUNK_RING_CRASHES_XLA_GPU_FROM", None)  # how a re-check turns it off
+    assert grads.chunk_ring_compiles_on("gpu")

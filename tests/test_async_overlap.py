@@ -59,3 +59,48 @@ def test_async_pairs_read_what_runs_between_start_and_done():
 def test_names_without_percent_signs_are_read_too():
     text = HLO.replace("%", "")
     assert [p.between for p in async_pairs(text) if p.kind == "all-reduce"] == [("fusion", "custom-call")]
+
+
+# XLA:GPU in jax 0.11 wraps an asynchronous collective in a generic async pair whose called
+# computation's root is the collective (from a scheduled AFAPAB step compiled for 8 mock GPUs).
+HLO_WRAPPED = """HloModule jit_run, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%async_computation (param_0.3216: f32[2,256]) -> f32[2,256] {
+  %param_0.3216 = f32[2,256]{1,0} parameter(0)
+  ROOT %all-reduce.2.2 = f32[2,256]{1,0} all-reduce(%param_0.3216), channel_id=4, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add, frontend_attributes={is_spmd_generated="true"}
+}
+
+%copy_computation (param_0.1: f32[2,256]) -> f32[2,256] {
+  %param_0.1 = f32[2,256]{1,0} parameter(0)
+  ROOT %copy.1 = f32[2,256]{1,0} copy(%param_0.1)
+}
+
+ENTRY %main (x: f32[2,256]) -> f32[2,256] {
+  %x = f32[2,256]{1,0} parameter(0)
+  %all-reduce-start = ((f32[2,256]{1,0}), f32[2,256]{1,0}) async-start(%x), output_to_operand_aliasing={{1}: (0, {})}, calls=%async_computation, frontend_attributes={is_spmd_generated="true"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %copy-start = ((f32[2,256]{1,0}), f32[2,256]{1,0}) async-start(%x), calls=%copy_computation
+  %fusion.1 = f32[2,256]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %custom-call.3 = (f32[2,256]{1,0}, s8[16]{0}) custom-call(%fusion.1), custom_call_target="__cublas$gemm"
+  %copy-done = f32[2,256]{1,0} async-done(%copy-start)
+  %all-reduce-done = f32[2,256]{1,0} async-done(%all-reduce-start), frontend_attributes={is_spmd_generated="true"}
+  ROOT %r = f32[2,256]{1,0} add(%all-reduce-done, %copy-done)
+}
+"""
+
+
+def test_generic_async_pairs_wrapping_a_collective_are_read():
+    pairs = async_pairs(HLO_WRAPPED)
+    assert len(pairs) == 1  # the async copy is no collective
+    (p,) = pairs
+    assert (p.kind, p.start, p.done, p.computation) == ("all-reduce", "all-reduce-start", "all-reduce-done", "main")
+    assert p.between == ("async-start", "fusion", "custom-call", "async-done") and p.compute_between == 2
+    # joined with the byte reading by the wrapped collective's name, which it counts once
+    (op,) = collectives(HLO_WRAPPED)
+    assert (op.name, op.count, op.groups) == (p.collective, 1, ((0, 1), (2, 3), (4, 5), (6, 7)))
+

@@ -23,6 +23,7 @@ donated state. Two ways to compute the gradient:
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,20 @@ def model_loss(spec: ModelSpec, params, batch, key):
 def _to_compute(spec: ModelSpec, params):
     # Storage → compute layout: all-gathers FSDP shards once per step, not per use.
     return jax.tree.map(jax.lax.with_sharding_constraint, params, spec.compute)
+
+
+def resolved_grad_sync(par, platform: str) -> str:
+    """``parallel.grad_sync`` as the pipeline runs it on ``platform``: "auto" is chunk-wise
+    for AFAPAB, except where this JAX's XLA crashes compiling the chunk ring
+    (``runtime.grads.chunk_ring_compiles_on``), there Megatron's overlapped sync."""
+    from mindpipe_jax.parallel.pipeline.runtime.grads import chunk_ring_compiles_on
+
+    sync = par.grad_sync_mode
+    if par.grad_sync == "auto" and sync == "chunk" and not chunk_ring_compiles_on(platform):
+        warnings.warn(f"parallel.grad_sync='auto' runs 'overlap' instead of 'chunk' on {platform} with jax "
+                      f"{jax.__version__}, whose XLA crashes compiling the chunk ring", stacklevel=2)
+        return "overlap"
+    return sync
 
 
 def _split_microbatches(batch, m: int):
@@ -171,7 +186,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
                          model.group)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \
         if par.stage_layers else None
-    sync = par.grad_sync_mode
+    sync = resolved_grad_sync(par, mesh.devices.flat[0].platform)
     # Weights stored sharded over fsdp (the embedding and head over pipe too:
     # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step
     # (or per chunk use: parallel.fsdp_gather), gradients reduce-scattered; a grouped

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel import overlap
 from mindpipe_jax.parallel.ordered_sum import ordered_sum
 from mindpipe_jax.parallel.pipeline.runtime import fsdp, ringsync
@@ -122,6 +123,32 @@ def _ordered_results(acc, dims, ends, embed_p, chunks, head_p, *, groups: int, l
     # Nothing downstream fuses into the sums: their bits are the promise. (One barrier
     # per leaf: a barrier's outputs vary over every axis any of its operands does.)
     return jax.tree.map(lax.optimization_barrier, (loss, out["embed"], d_blocks, out["head"]))
+
+
+# XLA:GPU as jax 0.11.2 ships it segfaults in its SPMD partitioner (Shardy) when it
+# compiles a tick loop that carries the chunk ring's all-gathered results, on every
+# variant tried (benchmarks/results/2026-12-04-h200-hlo-checks-2.txt, bisected with
+# benchmarks/gpu/compile_variants.py); XLA:CPU compiles the same program. A crash cannot
+# be caught, so the ring is refused there before tracing. Earlier jax releases were not
+# compiled for a GPU; compile_variants.py sets this to None to try a release again.
+CHUNK_RING_CRASHES_XLA_GPU_FROM: tuple[int, int] | None = (0, 11)
+
+
+def chunk_ring_compiles_on(platform: str) -> bool:
+    """Whether this JAX's XLA for ``platform`` compiles ``grad_sync="chunk"``'s ring (above)."""
+    if platform not in ("gpu", "cuda", "rocm") or CHUNK_RING_CRASHES_XLA_GPU_FROM is None:
+        return True
+    version = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    return version < CHUNK_RING_CRASHES_XLA_GPU_FROM
+
+
+def refuse_chunk_ring_where_xla_crashes(platform: str) -> None:
+    if not chunk_ring_compiles_on(platform):
+        raise ConfigError(
+            f"parallel.grad_sync='chunk' runs a gradient ring inside the pipeline's tick loop, which "
+            f"XLA:{platform.upper()} of jax {jax.__version__} crashes compiling (seen on jax 0.11.2 "
+            f"for 8 GPUs); use parallel.grad_sync='overlap' (each chunk's sync issued as it "
+            f"finishes) or 'end'")
 
 
 def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
@@ -233,6 +260,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
                      merge_first=lockstep if merge_first is None else merge_first,
                      merge_last=lockstep if merge_last is None else merge_last)
     points = sync_points(plan.fused, grad_sync)
+    if grad_sync == "chunk" and n_batch > 1 and any(sp.after_tick + 1 < plan.num_ticks for sp in points):
+        refuse_chunk_ring_where_xla_crashes(mesh.devices.flat[0].platform)
     p, v, m = schedule.num_stages, schedule.virtual_stages, schedule.num_microbatches
     groups = gradient_groups
     if groups > 1 and (m % groups or grad_sync != "end" or (layout is not None and not layout.uniform)
