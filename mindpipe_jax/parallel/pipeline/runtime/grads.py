@@ -126,8 +126,8 @@ def _ordered_results(acc, dims, ends, embed_p, chunks, head_p, *, groups: int, l
 
 
 # XLA:GPU as jax 0.11.2 ships it segfaults in its SPMD partitioner (Shardy) when it
-# compiles a tick loop that carries the chunk ring's all-gathered results, on every
-# variant tried (benchmarks/results/2026-12-04-h200-hlo-checks-2.txt, bisected with
+# compiles the chunk ring's steps inside the tick loop, on every variant and workaround
+# tried (benchmarks/results/2026-12-04-h200-hlo-checks-2.txt, bisected with
 # benchmarks/gpu/compile_variants.py); XLA:CPU compiles the same program. A crash cannot
 # be caught, so the ring is refused there before tracing. Earlier jax releases were not
 # compiled for a GPU; compile_variants.py sets this to None to try a release again.
