@@ -134,6 +134,8 @@ def compile_and_read(args, sync: str, timeout: float):
     flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text"]
     if not args.smoke:
         flags.append("--xla_gpu_autotune_level=0")
+    if args.no_combine:  # each early chunk's all-reduce stays its own op, free to run behind later ticks
+        flags.append("--xla_gpu_all_reduce_combine_threshold_bytes=0")
     if args.pass_dump:  # every pass's output: the last one written names the pass XLA died in
         flags.append("--xla_dump_hlo_pass_re=.*")
     env = dict(os.environ, XLA_FLAGS=" ".join(f for f in flags if f), PYTHONUNBUFFERED="1")
@@ -167,7 +169,8 @@ def compile_and_read(args, sync: str, timeout: float):
     say(f"   scheduled program read from the dump: {dumps[-1].name} ({size:.1f} MB)")
     hlo = dumps[-1].read_text()
     if args.keep:  # with the mesh on its first line, for --read
-        (Path(args.keep) / f"{args.part}-{sync}.hlo.txt").write_text(
+        tag = "-no-combine" if args.no_combine else ""
+        (Path(args.keep) / f"{args.part}-{sync}{tag}.hlo.txt").write_text(
             f"// {MESH_TAG}{json.dumps(mesh)}\n" + hlo)
     shutil.rmtree(dump, ignore_errors=True)
     return hlo, mesh
@@ -259,6 +262,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=100.0, help="seconds for each program's compile")
     ap.add_argument("--keep", default=None, help="copy each scheduled program into this folder")
     ap.add_argument("--pass-dump", action="store_true", help="dump every HLO pass (names where XLA dies)")
+    ap.add_argument("--no-combine", action="store_true",
+                    help="XLA:GPU's all-reduce combiner off (overlap sync's per-chunk reduces kept apart)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--read", default=None, help="read a program --keep wrote instead of compiling")
     args = ap.parse_args()

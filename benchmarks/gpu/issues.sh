@@ -52,6 +52,10 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
 # Each program compiles in a child process and is read from XLA's dump (hlo_checks.py).
 XLA_PYTHON_CLIENT_PREALLOCATE=false part afapab_hlo 100 python3 benchmarks/gpu/hlo_checks.py --part afapab \
   --small --timeout 30 --keep "$out" "${smoke[@]}"
+# overlap's per-chunk all-reduces with the combiner off: does XLA:GPU then run the early
+# chunk's reduce behind the ticks after it? (combined, it was one reduce after the loop)
+XLA_PYTHON_CLIENT_PREALLOCATE=false part afapab_hlo 40 python3 benchmarks/gpu/hlo_checks.py --part afapab \
+  --small --syncs overlap --no-combine --timeout 30 --keep "$out" "${smoke[@]}"
 XLA_PYTHON_CLIENT_PREALLOCATE=false part pipeline_hlo 70 python3 benchmarks/gpu/hlo_checks.py \
   --part pipeline --timeout 60 --keep "$out" "${smoke[@]}"
 if [[ ${#smoke[@]} -gt 0 ]]; then
