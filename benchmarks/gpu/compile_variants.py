@@ -8,7 +8,10 @@ XLA:GPU in its SPMD partitioner (Shardy: a segfault in ``shardy-xla``; GSPMD: "I
 manual sharding" at the head weight's bf16 copy), while ``end`` and ``overlap`` compiled
 and XLA:CPU compiles all three. Each variant here changes one thing from that program and
 compiles in its own child process (a crash ends only the child); the table says which
-ones compile, so the crash is narrowed to what they share.
+ones compile, so the crash is narrowed to what they share. Found (jax 0.11.2): it needs the
+ring's steps inside the tick loop; none of the patched workarounds below compiles
+(benchmarks/results/2026-12-04-h200-hlo-checks-2.txt), so the runtime refuses
+``grad_sync="chunk"`` there; the child resets that refusal to re-check a later jax.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ VARIANTS = {
     "patch: both": dict(patch="serialize+split_scans"),
     "end with bf16 wire": dict(grad_sync="end", grad_sync_dtype="bf16"),
     "patch: ring gather by psum": dict(patch="gather_psum"),
-    "patch: ring without gather": dict(patch="no_gather"),
 }
 
 
@@ -49,7 +51,9 @@ def patch(which: str) -> None:
     """Runtime changes tried as workarounds: ``serialize``: the ring's collectives tied after
     each tick's (what XLA:CPU gets); ``split_scans``: the tick loop cut into one scan per
     stretch between sync points (what fsdp-sharded weights get) instead of one scan with
-    the ring's steps in conditionals."""
+    the ring's steps in conditionals; ``gather_psum``: the ring's all-gather as a ``psum``
+    of each device's piece placed in zeros. (A ring whose gather is dropped compiles only
+    because its unused result makes the whole ring dead code: no such variant here.)"""
     import jax.numpy as jnp
     from jax import lax
 
@@ -58,8 +62,6 @@ def patch(which: str) -> None:
     if "gather" in which:
         def gather_step(self, state, b):
             print(f"patched: gather_step {which}", flush=True)
-            if which == "no_gather":
-                return state
             me = lax.axis_index(self.axes)
             pieces = lax.dynamic_index_in_dim(state["parts"], b, 0, keepdims=False)
             mine = lax.dynamic_index_in_dim(pieces, (me + 1) % self.d, 0, keepdims=False)
