@@ -164,6 +164,8 @@ def compile_and_read(args, sync: str, timeout: float):
     dumps = sorted(Path(dump).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     if not dumps:
         say(f"   no *after_optimizations.txt in {dump}: XLA did not finish the HLO passes")
+        if not args.pass_dump:  # (the passes' dumps stay for a look)
+            shutil.rmtree(dump, ignore_errors=True)
         return None, mesh
     size = dumps[-1].stat().st_size / 1e6
     say(f"   scheduled program read from the dump: {dumps[-1].name} ({size:.1f} MB)")
