@@ -299,6 +299,11 @@ def test_ctrl_c_during_start_up_is_exit_130_one_line_nothing_half_written(delay,
     # The start-up's one status line can land between our sleep and the signal's delivery: it was
     # true when printed, so it may precede the interrupt; anything else may not.
     lines = [ln for ln in lines if not ln.startswith("mesh {")]
+    if any(ln.startswith("done: ") for ln in lines) and rc in (0, -signal.SIGINT):
+        # A quick machine finished all 50 steps before the signal came (it then lands in the
+        # interpreter's exit): nothing about start-up to test.
+        assert "Traceback" not in child.output, child.output[-3000:]
+        pytest.skip(f"the run had ended {delay} s after the start")
     if rc != 130 or any(ln.startswith("step ") for ln in lines):
         # The loop had begun: the first Ctrl-C is a stop with a checkpoint (tested elsewhere).
         assert rc == 0 and "Traceback" not in child.output, child.output[-3000:]
