@@ -7,6 +7,7 @@ checks every argument before it touches JAX or writes anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import textwrap
 import types
 
@@ -108,11 +109,20 @@ def add_parsers(sub, fmt) -> None:
             The microbatch size is train.global_batch / parallel.microbatches: the
             whole global batch goes through one pipeline (no data-parallel split).
             Memory counts parameters with gradients and Adam state (4 copies), the
-            microbatches in flight and, under remat, one microbatch rebuilt."""),
+            microbatches in flight and, under remat, one microbatch rebuilt.
+
+            A zero-bubble schedule that splits backwards into B and W (zb-h1) plans
+            the table parallel.split_last gives; with --split-last auto the plan is
+            made for each of a few split_last values (none, powers of two, p, 2p,
+            all) and the one whose step replays fastest as the runtime runs it
+            (fused ticks) is kept: splitting only the drain's backwards wins where
+            the measured B + W cost more than the fused backward."""),
         epilog=textwrap.dedent("""\
             examples:
               mindpipe plan parallel.pipe=4 parallel.microbatches=16
               mindpipe plan parallel.pipe=4 parallel.microbatches=16 --budget-mb 20 --out plan.png
+              mindpipe plan parallel.pipe=4 parallel.microbatches=16 parallel.schedule=zb-h1 \
+                  --split-last auto
               mindpipe plan --config my.toml parallel.pipe=2 parallel.schedule=interleaved \\
                   parallel.virtual_stages=2 parallel.microbatches=8
 
@@ -126,6 +136,10 @@ def add_parsers(sub, fmt) -> None:
                              "(default: all three; dots needs one more measurement)")
     p_plan.add_argument("--repeats", metavar="N", default="5",
                         help="timed runs per measurement, the median is used (default: 5)")
+    p_plan.add_argument("--split-last", metavar="K", default=None,
+                        help="zero-bubble schedules: split only the last K microbatches' backwards "
+                             "(-1: all), or 'auto' to plan each of a few K and keep the fastest as run "
+                             "(default: parallel.split_last)")
     p_plan.add_argument("--out", metavar="FILE", default=None,
                         help="also draw per-stage time and per-device memory bars to FILE "
                              "(.png, .svg or .pdf); its directory must exist")
@@ -157,7 +171,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from mindpipe_jax import viz
     from mindpipe_jax.parallel.pipeline.plan.partition import MB, REMAT_POLICIES
-    from mindpipe_jax.parallel.pipeline.schedules import get_schedule
+    from mindpipe_jax.parallel.pipeline.schedules import get_schedule, interleaved_placement
 
     # Every check before touching JAX or writing anything.
     cfg = load_config(args.config, args.overrides)
@@ -166,7 +180,19 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "
                           f"parallel.pipe={par.pipe}; e.g. mindpipe plan parallel.pipe=4")
     p, v, m = par.pipe, par.virtual_stages, par.microbatches
-    schedule = get_schedule(par.schedule, p, m, v, par.split_last)  # refuses a bad name or (p, m, v)
+    split_last = par.split_last
+    if args.split_last is not None and args.split_last != "auto":
+        try:
+            split_last = int(args.split_last)
+        except ValueError:
+            split_last = -2
+        if split_last < -1:
+            raise ConfigError(f"--split-last must be 'auto', -1 (split every backward) or an integer >= 0, "
+                              f"got {args.split_last!r}")
+    schedule = get_schedule(par.schedule, p, m, v, split_last)  # refuses a bad name or (p, m, v)
+    if args.split_last == "auto" and schedule.placement != interleaved_placement(p, schedule.virtual_stages):
+        raise ConfigError(f"--split-last auto: mindpipe plan plans Megatron's placement, not "
+                          f"{par.schedule!r}'s V placement; set parallel.split_last for mindpipe train")
     if cfg.train.global_batch % m:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")
@@ -190,15 +216,24 @@ def run_plan(args: argparse.Namespace) -> int:
     from mindpipe_jax.parallel.mesh import setup_runtime
 
     setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
-    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
+    from mindpipe_jax.parallel.pipeline.plan.partition import (
+        choose_split_last,
+        measure_layer_costs,
+        partition,
+    )
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
     profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
                                   dots="dots" in options)
     # The runtime's rule on the configured axes (an automatic tensor size counts as 1 here).
     lockstep = needs_lockstep(types.SimpleNamespace(shape=par.axis_sizes()))
-    plan = partition(profile, p=p, v=v, m=m, schedule=schedule, memory_budget_bytes=budget,
-                     remat_options=options, lockstep=lockstep)
+    if args.split_last == "auto":
+        plan = choose_split_last(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
+                                 remat_options=options, lockstep=lockstep)
+    else:
+        plan = dataclasses.replace(partition(profile, p=p, v=v, m=m, schedule=schedule,
+                                             memory_budget_bytes=budget, remat_options=options,
+                                             lockstep=lockstep), split_last=split_last)
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)

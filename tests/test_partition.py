@@ -417,3 +417,80 @@ def test_lockstep_buffers_are_those_of_the_merged_plan():
     fitted = partition(prof, p=4, m=8, schedule="zb-h1", remat_options=opts, memory_budget_bytes=budget,
                        fuse_modes=("auto",), lockstep=True)
     assert fitted.spmd_memory_bytes <= budget
+
+
+# --- which backwards to split (parallel.split_last) ---------------------------------------------
+
+
+def _as_run(plan, k):
+    """The step of ``plan``'s stages under zb-h1 with ``split_last=k``, replayed as the runtime runs it."""
+    from mindpipe_jax.sim import simulate
+
+    sched = get_schedule("zb-h1", plan.p, plan.m, 1, k)
+    return simulate(sched, plan.costs, mode="neighbour", fuse=plan.fuse_ticks).step_time
+
+
+@pytest.mark.parametrize("fused, expect_all", [(2.0, True), (1.4, False)])
+def test_split_last_is_the_fastest_as_run(fused, expect_all):
+    # B = W = 1: a free split (fused backward 2) lets every W wait for a bubble, so splitting every
+    # backward wins; a fused backward of 1.4 makes each split cost 0.6 more, so few splits win.
+    layer = LayerCost(1.0, 1.0, 1.0, BW=fused, activation_bytes=1e6, param_bytes=1e6)
+    prof = ProfiledModel(layers=[layer] * 8, embed=LayerCost(0.0, 0.0, 0.0, activation_bytes=1e6),
+                         head=LayerCost(0.0, 0.0, 0.0), residual_bytes=8e6)
+    plan = partition_mod.choose_split_last(prof, p=4, m=16, schedule="zb-h1")
+    tried = plan.split_last_tried
+    assert list(tried) == partition_mod.split_last_candidates(4, 16) == [0, 1, 2, 4, 8, -1]
+    assert plan.split_last == min(tried, key=tried.get)
+    assert (plan.split_last == -1) is expect_all
+    assert plan.step_time_s["as run"] == min(tried.values()) < max(tried.values())
+    for k, seconds in tried.items():  # each figure is that table's own plan, replayed
+        alone = partition(prof, p=4, m=16, schedule=get_schedule("zb-h1", 4, 16, 1, k))
+        assert seconds == alone.step_time_s["as run"], k
+    assert plan.step_time_s["as run"] == pytest.approx(_as_run(plan, plan.split_last), rel=1e-12)
+    text = plan.table()
+    assert "split_last" in text and (("parallel.split_last=" in text) is not expect_all)
+
+
+def test_split_last_choice_leaves_unsplit_schedules_and_refuses_v_placements():
+    prof = uniform(8)
+    plan = partition_mod.choose_split_last(prof, p=4, m=8, schedule="1f1b")
+    assert plan.split_last_tried == {} and plan.split_last == -1 and plan.schedule == "1f1b"
+    with pytest.raises(ConfigError, match="V placement"):
+        partition_mod.choose_split_last(prof, p=4, m=8, schedule="zbv")
+    with pytest.raises(ConfigError, match="split_last=-3"):
+        partition_mod.choose_split_last(prof, p=4, m=8, schedule="zb-h1", candidates=[2, -3])
+
+
+def test_plan_command_picks_split_last(capsys, monkeypatch):
+    layer = LayerCost(1e-3, 1e-3, 1e-3, BW=1.4e-3, activation_bytes=1e6, param_bytes=1e6)
+    prof = ProfiledModel(layers=[layer] * 4, embed=LayerCost(0.0, 0.0, 0.0, activation_bytes=1e6),
+                         head=LayerCost(0.0, 0.0, 0.0), residual_bytes=8e6)
+    monkeypatch.setattr(partition_mod, "measure_layer_costs", lambda *a, **k: prof)
+    argv = ["plan", *TINY, "parallel.schedule=zb-h1", "parallel.microbatches=8", "--remat", "none,full"]
+    assert main([*argv, "--split-last", "auto"]) == 0
+    text = capsys.readouterr().out
+    line, = (x for x in text.splitlines() if x.startswith("split_last"))
+    assert "-> 0" in line or "-> 1" in line, line
+    assert "parallel.split_last=" in text
+    assert main([*argv, "--split-last", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "parallel.split_last=2" in text and not any(x.startswith("split_last") for x in text.splitlines())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--split-last", "some"], "--split-last"),
+    (["--split-last", "-2"], "--split-last"),
+    (["parallel.schedule=zbv", "parallel.virtual_stages=2", "--split-last", "auto"], "V placement"),
+])
+def test_plan_command_bad_split_last_exits_2(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured despite bad input")
+
+    monkeypatch.setattr(partition_mod, "measure_layer_costs", refuse)
+    assert main(["plan", "parallel.pipe=2", "parallel.microbatches=4", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and "\n" not in err and words in err, err
+    assert list(tmp_path.iterdir()) == []

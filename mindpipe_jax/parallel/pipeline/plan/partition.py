@@ -207,6 +207,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     memory = memory_per_device(sched, spans, figs, param_copies)
     costs = stage_costs(figs)
     sims = predict(costs)
+    # As the SPMD runtime runs it: the table re-timed into the chosen fused ticks.
+    sims["as run"] = simulate(sched, costs, link=link, mode="neighbour", fuse=fuse_mode)
     even = _even_split(model, sched, profile, G, param_copies, link)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
@@ -219,6 +221,57 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
         even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode)
+
+
+def split_last_candidates(p: int, m: int) -> list[int]:
+    """The ``split_last`` values ``choose_split_last`` tries by default: none split (0),
+    powers of two below ``m``, ``p`` and ``2p`` (the drain's length in a flat and a V
+    schedule), and every backward split (-1, the table as generated)."""
+    ks = {0, p, 2 * p} | {1 << i for i in range(max(m, 1).bit_length())}
+    return sorted(k for k in ks if k < m) + [-1]
+
+
+def choose_split_last(profile: ProfiledModel, *, p: int, v: int | None = None, m: int, schedule: str,
+                      candidates: Sequence[int] | None = None, **kwargs) -> PipelinePlan:
+    """``partition`` under each ``split_last`` of ``candidates`` (default
+    ``split_last_candidates(p, m)``) and the plan that runs fastest as the SPMD runtime
+    runs it (the fused ticks' neighbour replay, ``step_time_s["as run"]``), with every
+    candidate's replay in ``split_last_tried``; ties go to the earlier candidate (fewer
+    splits). A zero-bubble schedule splits every backward so that W's can wait, but only
+    the drain's W's fill a bubble: where B + W cost more than the fused backward (the
+    profile's B, W and fused BW say so), splitting only the last few microbatches' is
+    faster. A schedule without a split (1F1B, interleaved, ...) is planned as it is.
+    ``kwargs`` go to ``partition``."""
+    from mindpipe_jax.parallel.pipeline.schedules import ScheduleError
+
+    if not isinstance(schedule, str):
+        raise ConfigError(f"choose_split_last: schedule must be a name, got {schedule!r}")
+    base = get_schedule(schedule, p, m, v)
+    v = base.virtual_stages
+    if base.placement != interleaved_placement(p, v):
+        raise ConfigError(f"choose_split_last: the partitioner plans Megatron's placement (global stage "
+                          f"c*p + s on device s), not {schedule!r}'s V placement")
+    if not any(t is not None and t.kind is Kind.W for row in base.table for t in row):
+        return partition(profile, p=p, v=v, m=m, schedule=base, **kwargs)
+    ks = split_last_candidates(p, m) if candidates is None else list(dict.fromkeys(candidates))
+    if not ks:
+        raise ConfigError("choose_split_last: candidates is empty; give split_last values (-1 = all)")
+    plans: dict[int, PipelinePlan] = {}
+    failure = None
+    for k in ks:
+        try:
+            sched = get_schedule(schedule, p, m, v, k)
+        except ScheduleError as e:
+            raise ConfigError(f"choose_split_last: split_last={k!r}: {e}") from None
+        try:
+            plans[k] = partition(profile, p=p, v=v, m=m, schedule=sched, **kwargs)
+        except ConfigError as e:  # this split does not fit the budget; another may
+            failure = failure or e
+    if not plans:
+        raise failure
+    tried = {k: plan.step_time_s["as run"] for k, plan in plans.items()}
+    best = min(tried, key=lambda k: (tried[k], ks.index(k)))
+    return dataclasses.replace(plans[best], split_last=best, split_last_tried=tried)
 
 
 def _interleaved_split(model: StageModel, sched: Schedule, options, budget, param_copies, inflight):

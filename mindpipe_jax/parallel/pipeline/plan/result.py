@@ -51,6 +51,9 @@ class PipelinePlan:
     simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
     note: str = ""
     fuse_ticks: str = "auto"  # how the runtime re-times the table (schedules.fused) under this plan
+    split_last: int = -1  # parallel.split_last of the table planned (-1: as generated)
+    # choose_split_last: each split_last tried -> its step as run (seconds)
+    split_last_tried: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -111,6 +114,16 @@ class PipelinePlan:
                 f"predicted step: async {ms * self.step_time_s['async']:.3f} ms (utilization "
                 f"{self.utilization['async']:.3f}), lockstep {ms * self.step_time_s['lockstep']:.3f} ms "
                 f"(utilization {self.utilization['lockstep']:.3f})"]
+        if "as run" in self.step_time_s:
+            out.append(f"as the SPMD runtime runs it (fused ticks, {self.fuse_ticks}; neighbour replay): "
+                       f"{ms * self.step_time_s['as run']:.3f} ms (utilization "
+                       f"{self.utilization['as run']:.3f})")
+        if self.split_last_tried:
+            order = sorted(self.split_last_tried, key=lambda k: (k == -1, k))  # "all" last
+            tried = ", ".join(f"{'all' if k == -1 else k} {ms * self.split_last_tried[k]:.3f} ms"
+                              for k in order)
+            out.append(f"split_last (backwards split into B and W: only the last k microbatches'), step as "
+                       f"run: {tried} -> {'all' if self.split_last == -1 else self.split_last}")
         even = self.even_split
         out.append(f"even split {list(even['counts'])}, no remat: slowest stage "
                    f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
@@ -124,5 +137,6 @@ class PipelinePlan:
         out.append(f"run it: pipeline_grads(..., remat={tuple(self.remat)}, "
                    f"layout=StageLayout({self.counts}, {self.p}, {self.v}){fuse}); "
                    f"train: parallel.stage_layers={list(self.counts)} "
-                   f"parallel.stage_remat='{remat}'{fuse_key}")
+                   f"parallel.stage_remat='{remat}'{fuse_key}"
+                   + (f" parallel.split_last={self.split_last}" if self.split_last != -1 else ""))
         return "\n".join(out)
