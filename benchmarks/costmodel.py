@@ -29,7 +29,9 @@ correlation over the held-out set (one global batch, goal >= 0.8). The machine i
 shared: the load average before and after and the spreads decide whether the
 output says the numbers are reliable.
 
-Usage: ``python benchmarks/costmodel.py [--rounds 5] [--steps 2] [--out FILE]``.
+Usage: ``python benchmarks/costmodel.py [--rounds 5] [--steps 2] [--out FILE]
+[--save-times FILE | --load-times FILE]``; ``--load-times`` scores the model again on a
+saved run's steps (a model change judged on the same measurement; it says so).
 """
 
 from __future__ import annotations
@@ -108,6 +110,52 @@ class SparaTrial:
         return statistics.median(self.times)
 
 
+def time_layouts(args, cfg, scfg, devices, held_out) -> tuple[dict, tuple]:
+    """Compile, warm up and time every layout round-robin: (trials, load averages before, after)."""
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    trials = {}
+    for i, cand in enumerate(FIT + HELD_OUT, 1):
+        trials[cand] = Trial(cfg, cand, devices=devices)
+        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled {cand.label()}", flush=True)
+    splits = load_tokens(scfg.data, scfg.model.vocab_size)
+    for i, cand in enumerate(SUPERNET_HELD_OUT, len(trials) + 1):
+        trials[cand] = SparaTrial(scfg, cand, splits)
+        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled SPara {cand.label()}", flush=True)
+    print(f"compiled and warmed up {len(trials)} layouts in {time.perf_counter() - t0:.0f} s")
+    for _ in range(args.rounds):  # round-robin: the machine's drift hits every layout alike
+        for trial in trials.values():
+            trial.run(args.steps)
+    return trials, (load_before, os.getloadavg())
+
+
+class SavedTimes:
+    """A layout's timed steps as ``--save-times`` wrote them."""
+
+    def __init__(self, times):
+        self.times = list(times)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def load_times(path: str, layouts) -> tuple[dict, tuple]:
+    """The timings ``--save-times`` wrote, for exactly ``layouts`` (else exit saying why)."""
+    with open(path) as f:
+        saved = json.load(f)
+    found = {}
+    for row in saved["layouts"]:
+        d = row["candidate"]
+        cand = SupernetCandidate(**d) if "subnets_per_step" in d else Candidate(**d)
+        found[cand] = SavedTimes(row["times"])
+    if set(found) != set(layouts):
+        raise SystemExit(f"{path}: its layouts are not this benchmark's ({len(set(found) ^ set(layouts))} "
+                         f"differ): time them again without --load-times")
+    print(f"timings read from {path} (measured earlier; the model is scored again on them)")
+    return {c: found[c] for c in layouts}, tuple(tuple(x) for x in saved["load"])
+
+
 def main(args) -> None:
     cfg = Config().replace(*SMALL)
     for cand in FIT + HELD_OUT:
@@ -141,26 +189,16 @@ def main(args) -> None:
     held_out = HELD_OUT + SUPERNET_HELD_OUT
 
     prior = CostModel(costs, hw, cfg.model.seq_len, supernet=scosts)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
-    trials = {}
-    for i, cand in enumerate(FIT + HELD_OUT, 1):
-        trials[cand] = Trial(cfg, cand, devices=devices)
-        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled {cand.label()}", flush=True)
-    splits = load_tokens(scfg.data, scfg.model.vocab_size)
-    for i, cand in enumerate(SUPERNET_HELD_OUT, len(trials) + 1):
-        trials[cand] = SparaTrial(scfg, cand, splits)
-        print(f"  [{i:2d}/{len(FIT) + len(held_out)}] compiled SPara {cand.label()}", flush=True)
-    print(f"compiled and warmed up {len(trials)} layouts in {time.perf_counter() - t0:.0f} s")
-    for _ in range(args.rounds):  # round-robin: the machine's drift hits every layout alike
-        for trial in trials.values():
-            trial.run(args.steps)
-    load_after = os.getloadavg()
+    if args.load_times:  # a saved measurement scored again (the model changed, not the timings)
+        trials, (load_before, load_after) = load_times(args.load_times, FIT + held_out)
+    else:
+        trials, (load_before, load_after) = time_layouts(args, cfg, scfg, devices, held_out)
     measured = {c: t.median for c, t in trials.items()}
     if args.save_times:
         with open(args.save_times, "w") as f:
-            json.dump([{"candidate": c.to_dict() if isinstance(c, Candidate) else dataclasses.asdict(c),
-                        "times": t.times} for c, t in trials.items()], f)
+            json.dump({"load": [load_before, load_after], "layouts": [
+                {"candidate": c.to_dict() if isinstance(c, Candidate) else dataclasses.asdict(c),
+                 "times": t.times} for c, t in trials.items()]}, f)
 
     fitted = CostModel(costs, hw, cfg.model.seq_len, supernet=scosts)
     for cand in FIT:
@@ -175,13 +213,20 @@ def main(args) -> None:
               f"{prior.step_time(cand) * 1e3:7.1f}  fitted {fitted.step_time(cand) * 1e3:7.1f}")
     print("\nHELD-OUT layouts (B32; never run before this table's measurement, never fitted; the SPara "
           "rows: the model has run no supernet step)")
-    # The same measurements through the model before the lockstep term (tensor inside a
-    # pipeline counted as unsplit stage work in per-device branches), fitted alike.
-    older = CostModel(costs, hw, cfg.model.seq_len, pipeline_tensor_split=False, supernet=scosts)
-    for cand in FIT:
-        older.observe(cand, measured[cand])
+    # The same measurements through earlier forms of the model, fitted alike: before the
+    # lockstep term (tensor inside a pipeline counted as unsplit stage work in per-device
+    # branches), and before the shared-cores tick replay (a pipeline's compute the larger of
+    # its critical path at one device's solo rates and its devices' mean work all busy).
+    earlier = {"without the lockstep term (pipeline_tensor_split=False)": dict(pipeline_tensor_split=False),
+               "without the shared-cores tick replay (shared_cores=False)": dict(shared_cores=False)}
+    earlier = {name: CostModel(costs, hw, cfg.model.seq_len, supernet=scosts, **kw)
+               for name, kw in earlier.items()}
+    for model in earlier.values():
+        for cand in FIT:
+            model.observe(cand, measured[cand])
+    older = earlier["without the shared-cores tick replay (shared_cores=False)"]
     head = (f"  {'layout':44s} {'calib-only':>10} {'err':>6} {'fitted':>8} {'err':>6} {'measured':>9} "
-            f"{'spread':>7} {'pipe ticks':>10} {'no-lockstep err':>15}")
+            f"{'spread':>7} {'pipe ticks':>10} {'before shared cores':>19}")
     print(head + "\n  " + "-" * (len(head) - 2))
     for cand in held_out:
         p0, p1, m = prior.step_time(cand), fitted.step_time(cand), measured[cand]
@@ -189,7 +234,7 @@ def main(args) -> None:
         ticks = fitted.breakdown(cand).iterations if getattr(cand, "pipe", 1) > 1 else ""
         label = cand.label() if isinstance(cand, Candidate) else f"SPara sync {cand.label()}"
         print(f"  {label:44s} {p0 * 1e3:8.1f}ms {e0:+6.0%} {p1 * 1e3:6.1f}ms {e1:+6.0%} "
-              f"{m * 1e3:7.1f}ms {s:7.0%} {ticks:>10} {older.step_time(cand) / m - 1:+15.0%}")
+              f"{m * 1e3:7.1f}ms {s:7.0%} {ticks:>10} {older.step_time(cand) / m - 1:+19.0%}")
 
     def scores(model, cands):
         """(median |error|, Spearman) of ``model`` over ``cands``."""
@@ -207,9 +252,9 @@ def main(args) -> None:
         (e0, r0), (e1, r1) = scores(prior, cands), scores(fitted, cands)
         print(f"  {name:11s} median |error| {e0:4.0%} calibration only, {e1:4.0%} fitted; Spearman "
               f"{r0:5.2f} / {r1:5.2f}")
-    mae_old, rho_old = scores(older, held_out)
-    print(f"without the lockstep term (pipeline_tensor_split=False), fitted alike: median |error| "
-          f"{mae_old:.0%}, Spearman {rho_old:.2f}")
+    for name, model in earlier.items():
+        mae_old, rho_old = scores(model, held_out)
+        print(f"{name}, fitted alike: median |error| {mae_old:.0%}, Spearman {rho_old:.2f}")
     spreads = [spread(trials[c].times) for c in held_out]
     noisy = [c for c, s in zip(held_out, spreads, strict=True) if s > RELIABLE_SPREAD]
     cores = os.cpu_count() or 1
@@ -233,6 +278,9 @@ if __name__ == "__main__":
     parser.add_argument("--refresh", action="store_true", help="measure the calibration again")
     parser.add_argument("--out", default=None)
     parser.add_argument("--save-times", default=None, metavar="FILE", help="every timed step, as JSON")
+    parser.add_argument("--load-times", default=None, metavar="FILE",
+                        help="score the model on the steps a --save-times run wrote instead of timing "
+                             "(calibration and pieces are read or measured as usual)")
     args = parser.parse_args()
     if args.rounds * args.steps < 5:
         raise SystemExit(f"--rounds x --steps = {args.rounds * args.steps}: at least 5 timed steps per "

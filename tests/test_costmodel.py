@@ -105,6 +105,41 @@ def test_prediction_counts_the_fused_ticks_the_runtime_runs():
     assert gap > 1e-3 * (table.num_ticks - fused.num_ticks)
 
 
+def test_a_pipeline_tick_shares_the_host_cores_among_its_busy_stages():
+    """A pipeline's compute is its fused ticks one after another, each as long as its
+    slowest device. The calibration's all-busy rates are what each device gets when
+    every device computes; simulated CPU devices share the host's cores, so in a tick
+    where ``a`` of ``p`` stages have work their devices run ``p / a`` times as fast, up
+    to a device's solo rates. With solo = busy rates (a GPU) that is the plain tick
+    replay; with unbounded solo rates each tick costs ``a / p`` of its all-busy work."""
+    cand = Candidate(data=2, pipe=4, microbatches=8, global_batch=32)
+
+    def model(solo: float) -> CostModel:  # a device alone ``solo`` times as fast as all busy
+        cal = _calibration(flops_solo=1e9 * solo, mem_solo=1e9 * solo, kernel_solo_s=1e-5 / solo)
+        return CostModel(_costs(), Hardware.from_calibration(cal), seq_len=16)
+
+    gpu, cpu, unbounded = model(1.0), model(2.0), model(1e9)
+    fused = gpu.fused_schedule(cand)
+    sc = gpu._stage_costs(cand, 32 / (2 * 8), solo=False)
+
+    def work(s, cell) -> float:
+        by_kind = {"F": sc.F, "B": sc.B, "W": sc.W, "BW": sc.BW}
+        return sum(by_kind[t.kind.value][s] for t in cell if t is not None)
+
+    ticks = [[work(s, cell) for s, cell in enumerate(row)] for row in fused.cells]
+    plain = sum(max(tick) for tick in ticks)
+    shared = sum(max(tick) * sum(w > 0 for w in tick) / 4 for tick in ticks)
+    assert any(0 < sum(w > 0 for w in tick) < 4 for tick in ticks)  # ramp and drain ticks exist
+    assert gpu.breakdown(cand).compute_s == pytest.approx(plain, rel=1e-9)
+    assert unbounded.breakdown(cand).compute_s == pytest.approx(shared, rel=1e-6)
+    assert shared < cpu.breakdown(cand).compute_s < plain
+    # The model before it (the critical path at solo rates or the mean work all busy) is kept
+    # for comparison; with unbounded solo rates it saw only the mean work.
+    before = CostModel(_costs(), unbounded.hw, seq_len=16, shared_cores=False).breakdown(cand).compute_s
+    assert before == pytest.approx(sum(map(sum, ticks)) / 4, rel=1e-6)
+    assert before < shared
+
+
 # --------------------------------------------------------------- monotonicity
 CANDIDATES = [Candidate(data=8, global_batch=32), Candidate(data=4, tensor=2, global_batch=32),
               Candidate(fsdp=8, global_batch=32), Candidate(data=2, pipe=4, microbatches=4, global_batch=32),

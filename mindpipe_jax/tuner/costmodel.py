@@ -29,10 +29,15 @@ tensor parallelism divides FLOPs and bytes (not kernels) by ``tensor``. Without
 a pipeline a step's compute is that sum at the all-busy rates. With ``pipe > 1``
 the schedule is re-timed into fused ticks as the runtime does
 (``schedules.fused.fuse``, mode ``"auto"`` unless the config says otherwise) and
-replayed by the simulator (``simulate(fused, mode="neighbour")``): once at the
-solo rates (the critical path: simulated CPU devices idle in a bubble free the
-host's cores for the busy ones) and all devices' work is summed at the busy
-rates (what shared cores deliver at best); compute is the larger. With ``tensor``
+the fused ticks are replayed one after another, each as long as its slowest
+device, with the devices that have work in a tick sharing the machine
+(``CostModel._shared_cores_ticks``): the busy rates are what each device gets when
+all compute, so in a tick where a fraction ``a`` of the stages works each of their
+devices runs ``1 / a`` times as fast, up to its solo rates (simulated CPU devices
+idle in a bubble free the host's cores for the busy ones; on a GPU the two rates
+agree). ``shared_cores=False`` keeps the model before it (the larger of the
+neighbour replay at solo rates and the devices' mean work at busy rates), which
+``benchmarks/costmodel.py`` prints beside it. With ``tensor``
 or ``expert`` > 1 the stages run in lockstep instead: each fused tick costs every
 active branch's work on every device (``CostModel._lockstep_compute``). The loop runs
 one iteration per *fused* tick (not per table tick), and each fused tick pays
@@ -117,8 +122,10 @@ class CostModel:
     and per-device branches (the model before lockstep was counted)."""
 
     def __init__(self, costs: ModelCosts | None, hardware: Hardware, seq_len: int, ridge: float = 0.1,
-                 fuse_mode: str = "auto", pipeline_tensor_split: bool = True, supernet=None):
+                 fuse_mode: str = "auto", pipeline_tensor_split: bool = True, supernet=None,
+                 shared_cores: bool = True):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
+        self.shared_cores = shared_cores
         self.supernet = supernet  # a SupernetCosts: prices SupernetCandidates (tuner/supernet_costs.py)
         self.fuse_mode = fuse_mode
         self.pipeline_tensor_split = pipeline_tensor_split
@@ -175,11 +182,41 @@ class CostModel:
         from mindpipe_jax.sim.engine import simulate
 
         fused = self.fused_schedule(c)
-        solo = simulate(fused, self._stage_costs(c, rows_mb, solo=True), mode="neighbour")
-        busy = simulate(fused, self._stage_costs(c, rows_mb, solo=False), mode="neighbour")
+        solo_costs = self._stage_costs(c, rows_mb, solo=True)
+        busy_costs = self._stage_costs(c, rows_mb, solo=False)
+        busy = simulate(fused, busy_costs, mode="neighbour")
         pooled = sum(busy.busy) / len(busy.busy)  # every device's work at the all-busy rate
-        bubble = 1.0 - pooled / busy.step_time if busy.step_time > 0 else 0.0
-        return max(solo.step_time, pooled), bubble, fused.num_ticks
+        if self.shared_cores:
+            step = self._shared_cores_ticks(fused, solo_costs, busy_costs)
+        else:
+            step = max(simulate(fused, solo_costs, mode="neighbour").step_time, pooled)
+        bubble = 1.0 - pooled / step if step > 0 else 0.0
+        return step, bubble, fused.num_ticks
+
+    @staticmethod
+    def _shared_cores_ticks(fused, solo, busy) -> float:
+        """The fused ticks one after another, each as long as its slowest device, with
+        the devices that have work in a tick sharing the machine: the all-busy rates
+        are what each device gets when every device computes, so with a fraction ``a``
+        of the stages busy each of their devices runs ``1 / a`` times as fast, up to
+        the rate of a device alone (on a GPU busy and solo rates agree and this is the
+        plain lockstep replay). Every stage has the same number of devices (its data,
+        fsdp and tensor replicas), so ``a`` is the fraction of stages with a task."""
+        from mindpipe_jax.parallel.pipeline.schedules import Kind
+
+        sched = fused.schedule
+
+        def work(costs, s, cell) -> float:
+            return sum({Kind.F: costs.F, Kind.B: costs.B, Kind.W: costs.W, Kind.BW: costs.BW}[task.kind]
+                       [sched.global_stage(s, task.chunk)] for task in cell if task is not None)
+
+        total = 0.0
+        for row in fused.cells:
+            active = [s for s, cell in enumerate(row) if any(task is not None for task in cell)]
+            share = len(active) / len(row)
+            total += max((max(work(busy, s, row[s]) * share, work(solo, s, row[s])) for s in active),
+                         default=0.0)
+        return total
 
     def _lockstep_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
         """A pipeline in lockstep: in each fused tick every device runs every branch some
