@@ -111,7 +111,7 @@ def add_parsers(sub, fmt) -> None:
             Memory counts parameters with gradients and Adam state (4 copies), the
             microbatches in flight and, under remat, one microbatch rebuilt.
 
-            A zero-bubble schedule that splits backwards into B and W (zb-h1) plans
+            A zero-bubble schedule that splits backwards into B and W (zb-h1, zbv) plans
             the table parallel.split_last gives; with --split-last auto the plan is
             made for each of a few split_last values (none, powers of two, p, 2p,
             all) and the one whose step replays fastest as the runtime runs it
@@ -171,7 +171,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from mindpipe_jax import viz
     from mindpipe_jax.parallel.pipeline.plan.partition import MB, REMAT_POLICIES
-    from mindpipe_jax.parallel.pipeline.schedules import get_schedule, interleaved_placement
+    from mindpipe_jax.parallel.pipeline.schedules import get_schedule
 
     # Every check before touching JAX or writing anything.
     cfg = load_config(args.config, args.overrides)
@@ -190,9 +190,6 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--split-last must be 'auto', -1 (split every backward) or an integer >= 0, "
                               f"got {args.split_last!r}")
     schedule = get_schedule(par.schedule, p, m, v, split_last)  # refuses a bad name or (p, m, v)
-    if args.split_last == "auto" and schedule.placement != interleaved_placement(p, schedule.virtual_stages):
-        raise ConfigError(f"--split-last auto: mindpipe plan plans Megatron's placement, not "
-                          f"{par.schedule!r}'s V placement; set parallel.split_last for mindpipe train")
     if cfg.train.global_batch % m:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")

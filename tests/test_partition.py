@@ -265,6 +265,33 @@ def test_plan_layout_gives_unpipelined_gradients():
     assert_matches(loss, grads, ref_loss, ref_grads)
 
 
+def test_a_v_schedule_is_planned_on_its_own_placement_and_runs_as_planned():
+    """ZB-V puts global stages s and 2p - 1 - s on device s: device 0 holds the embedding
+    and the head, and its memory counts both of its stages. A heavy head moves layers
+    off the last global stage, and the plan's uneven layout runs through the runtime to
+    the unpipelined gradients."""
+    embed = LayerCost(0.0, 0.0, 0.0, activation_bytes=1e6, param_bytes=3e6)
+    prof = uniform(6, head=LayerCost(2.0, 2.0, 2.0, param_bytes=5e6), embed=embed)
+    plan = partition(prof, p=2, v=2, m=4, schedule="zbv")
+    assert plan.device == (0, 1, 1, 0) and plan.placement == ((0, 3), (1, 2))
+    assert plan.counts[3] < max(plan.counts) and sum(plan.counts) == 6, plan.counts
+    per_layer = 1e6
+    assert plan.memory_params_bytes[0] == pytest.approx(
+        PARAM_COPIES * ((plan.counts[0] + plan.counts[3]) * per_layer + 3e6 + 5e6))
+    assert plan.memory_params_bytes[1] == pytest.approx(
+        PARAM_COPIES * (plan.counts[1] + plan.counts[2]) * per_layer)
+    assert "0.1" in plan.table()  # device 0's second chunk: global stage 3
+    model, params = tiny_gpt(6)
+    inputs, targets = microbatches(0, 4)
+    ref_loss, ref_grads = reference(model, params, inputs, targets)
+    mesh = make_mesh(ParallelConfig(pipe=2, data=-1, tensor=1))
+    run = pipeline_grads(stage_fns(model), get_schedule("zbv", 2, 4), mesh, layout=plan.layout(),
+                         nan_bubbles=True)
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(run)(params["embed"], params["blocks"], params["head"], inputs, targets)
+    assert_matches(loss, grads, ref_loss, ref_grads)
+
+
 # --- mindpipe plan (the one real measurement) -------------------------------------------------
 
 TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64",
@@ -451,12 +478,12 @@ def test_split_last_is_the_fastest_as_run(fused, expect_all):
     assert "split_last" in text and (("parallel.split_last=" in text) is not expect_all)
 
 
-def test_split_last_choice_leaves_unsplit_schedules_and_refuses_v_placements():
+def test_split_last_choice_leaves_unsplit_schedules_alone_and_plans_v_placements():
     prof = uniform(8)
     plan = partition_mod.choose_split_last(prof, p=4, m=8, schedule="1f1b")
     assert plan.split_last_tried == {} and plan.split_last == -1 and plan.schedule == "1f1b"
-    with pytest.raises(ConfigError, match="V placement"):
-        partition_mod.choose_split_last(prof, p=4, m=8, schedule="zbv")
+    zbv = partition_mod.choose_split_last(prof, p=4, m=8, schedule="zbv")  # a V placement too
+    assert zbv.placement is not None and zbv.split_last in zbv.split_last_tried
     with pytest.raises(ConfigError, match="split_last=-3"):
         partition_mod.choose_split_last(prof, p=4, m=8, schedule="zb-h1", candidates=[2, -3])
 
@@ -480,7 +507,6 @@ def test_plan_command_picks_split_last(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["--split-last", "some"], "--split-last"),
     (["--split-last", "-2"], "--split-last"),
-    (["parallel.schedule=zbv", "parallel.virtual_stages=2", "--split-last", "auto"], "V placement"),
 ])
 def test_plan_command_bad_split_last_exits_2(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

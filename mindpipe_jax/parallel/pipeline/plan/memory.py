@@ -117,6 +117,17 @@ class StageModel:
                 "params": params, "per_mb": per_mb, "transient": transient}
 
 
+def stages_of(schedule: Schedule, s: int) -> tuple[int, ...]:
+    """The global stages device ``s`` holds, by chunk (``schedule.placement``: Megatron's
+    ``c·p + s``, or a V's ``s`` and ``2p − 1 − s``)."""
+    return tuple(schedule.placement[s])
+
+
+def device_of(schedule: Schedule, g: int) -> int:
+    """The device that holds global stage ``g``."""
+    return next(s for s, row in enumerate(schedule.placement) if g in row)
+
+
 def device_peak(schedule: Schedule, s: int, per_mb_by_chunk: Sequence[float]) -> float:
     """Peak in-flight bytes on device ``s``: +per_mb[c] at a chunk's F, - at its last
     backward task (BW, or W when the schedule splits the backward)."""
@@ -132,10 +143,10 @@ def device_peak(schedule: Schedule, s: int, per_mb_by_chunk: Sequence[float]) ->
 
 def memory_per_device(sched: Schedule, spans, figs, param_copies: float):
     """Per device: (params+optimizer, in-flight activations, transient) bytes."""
-    p, v = sched.num_stages, sched.virtual_stages
+    p = sched.num_stages
     params, acts, trans = [], [], []
     for s in range(p):
-        gs = [c * p + s for c in range(v)]
+        gs = stages_of(sched, s)
         params.append(param_copies * sum(figs[g]["params"] for g in gs))
         acts.append(device_peak(sched, s, [figs[g]["per_mb"] for g in gs]))
         trans.append(max(figs[g]["transient"] for g in gs))
@@ -148,7 +159,7 @@ def choose_remat(model: StageModel, sched: Schedule, spans, options, budget, par
     p, v, G = sched.num_stages, sched.virtual_stages, sched.num_global_stages
     chosen = ["none"] * G
     for s in range(p):
-        gs = [c * p + s for c in range(v)]
+        gs = stages_of(sched, s)
         if len(options) ** v <= 1024:
             combos = list(itertools.product(options, repeat=v))
         else:
@@ -232,10 +243,10 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     for r in slots:
         policy = r.removeprefix("split-").removeprefix("stash-")
         stages = [g for g in keeping if chosen[g] == policy] or list(range(G))
-        owner[r] = max(stages, key=lambda g: (inflight[g % p], -g))
+        owner[r] = max(stages, key=lambda g: (inflight[device_of(sched, g)], -g))
     act = max(model.act_in)
     e, h = model.prof.embed, model.prof.head
-    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in range(s, G, p))
+    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in stages_of(sched, s))
                  for s in range(p)) + e.param_bytes + h.param_bytes
     total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
         + max(f["transient"] for f in figs)
@@ -263,14 +274,13 @@ def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, 
         # microbatches in flight, goes to its next leaner policy (moving only the
         # stage that sets a buffer's depth may save nothing while the next sets it).
         inflight = sched.peak_in_flight()
-        p = sched.num_stages
         best = None
         for g in range(len(spans)):
             nxt = next((o for o in less.get(chosen[g], ()) if o in options), None)
             if nxt is None:
                 continue
             group = [k for k in range(len(spans)) if chosen[k] == chosen[g]
-                     and inflight[k % p] >= inflight[g % p]]
+                     and inflight[device_of(sched, k)] >= inflight[device_of(sched, g)]]
             trial = chosen.copy()
             for k in group:
                 trial[k] = nxt

@@ -15,8 +15,9 @@ differ can be described directly: ``ProfiledModel(layers=[LayerCost(...), ...],
 embed=..., head=..., residual_bytes=[...])``.
 
 ``partition(profile, p=..., v=..., m=..., schedule=..., memory_budget_bytes=...)``
-cuts the layers into ``p * v`` contiguous global stages (Megatron order: global
-stage ``g = c * p + s`` is chunk ``c`` of device ``s``), embed counted on global
+cuts the layers into ``p * v`` contiguous global stages (placed as the schedule
+places them: Megatron's order, global stage ``g = c * p + s`` is chunk ``c`` of device
+``s``, or a V's, stages ``s`` and ``2p − 1 − s`` on device ``s``), embed counted on global
 stage 0 and head on the last, so that the slowest stage is as fast as possible
 (an exact dynamic program over all contiguous splits, not a heuristic), then
 picks a remat policy per stage so each device fits the memory budget at the
@@ -46,9 +47,11 @@ from mindpipe_jax.parallel.pipeline.plan.memory import (
     REMAT_POLICIES,
     StageModel,
     choose_remat,
+    device_of,
     device_peak,
     fit_spmd_budget,
     memory_per_device,
+    stages_of,
 )
 from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel, measure_layer_costs
 from mindpipe_jax.parallel.pipeline.plan.result import PipelinePlan
@@ -124,9 +127,6 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         sched = get_schedule(schedule, p, m, v)
     else:
         raise ConfigError(f"partition: schedule must be a name or a Schedule, got {schedule!r}")
-    if sched.placement != interleaved_placement(p, v):
-        raise ConfigError("partition: the schedule's placement is not Megatron's (global stage c*p + s "
-                          "on device s), which StageLayout assumes")
     options = tuple(remat_options) if not isinstance(remat_options, str) else (remat_options,)
     bad = [o for o in options if o not in REMAT_POLICIES]
     if not options or bad:
@@ -156,7 +156,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     inflight = sched.peak_in_flight()
 
     def device_memory(g: int, fig: dict[str, float]) -> float:
-        return param_copies * fig["params"] + inflight[g % p] * fig["per_mb"] + fig["transient"]
+        return param_copies * fig["params"] + inflight[device_of(sched, g)] * fig["per_mb"] + fig["transient"]
 
     def fastest_fitting(g: int, i: int, j: int) -> tuple[str, dict[str, float]] | None:
         best = None
@@ -212,7 +212,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     even = _even_split(model, sched, profile, G, param_copies, link)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
-        device=tuple(g % p for g in range(G)), remat=tuple(chosen),
+        device=tuple(device_of(sched, g) for g in range(G)), remat=tuple(chosen),
         forward_s=tuple(f["F"] for f in figs), backward_s=tuple(f["back"] for f in figs),
         recompute_s=tuple(f["recompute"] for f in figs), stage_time_s=tuple(f["time"] for f in figs),
         memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
@@ -220,7 +220,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
-        even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode)
+        even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode,
+        placement=None if sched.placement == interleaved_placement(p, v) else sched.placement)
 
 
 def split_last_candidates(p: int, m: int) -> list[int]:
@@ -248,9 +249,6 @@ def choose_split_last(profile: ProfiledModel, *, p: int, v: int | None = None, m
         raise ConfigError(f"choose_split_last: schedule must be a name, got {schedule!r}")
     base = get_schedule(schedule, p, m, v)
     v = base.virtual_stages
-    if base.placement != interleaved_placement(p, v):
-        raise ConfigError(f"choose_split_last: the partitioner plans Megatron's placement (global stage "
-                          f"c*p + s on device s), not {schedule!r}'s V placement")
     if not any(t is not None and t.kind is Kind.W for row in base.table for t in row):
         return partition(profile, p=p, v=v, m=m, schedule=base, **kwargs)
     ks = split_last_candidates(p, m) if candidates is None else list(dict.fromkeys(candidates))
@@ -288,7 +286,8 @@ def _interleaved_split(model: StageModel, sched: Schedule, options, budget, para
             per_chunk[s][c] = round(device_peak(sched, s, [float(k == c) for k in range(v)]))
 
     def share_cost(g, i, j):
-        s, c = g % p, g // p
+        s = device_of(sched, g)
+        c = stages_of(sched, s).index(g)
         best = math.inf
         for policy in options:
             fig = model.stage(g, i, j, policy)

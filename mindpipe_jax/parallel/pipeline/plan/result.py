@@ -51,6 +51,8 @@ class PipelinePlan:
     simulations: dict[str, SimResult] = field(repr=False, default_factory=dict)
     note: str = ""
     fuse_ticks: str = "auto"  # how the runtime re-times the table (schedules.fused) under this plan
+    # Which global stages each device holds, by chunk, where not Megatron's c*p + s (a V)
+    placement: tuple[tuple[int, ...], ...] | None = None
     split_last: int = -1  # parallel.split_last of the table planned (-1: as generated)
     # choose_split_last: each split_last tried -> its step as run (seconds)
     split_last_tried: dict[int, float] = field(default_factory=dict)
@@ -67,7 +69,7 @@ class PipelinePlan:
         """The ``StageLayout`` for ``pipeline_grads(..., layout=plan.layout())``."""
         from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 
-        return StageLayout(self.counts, self.p, self.v)
+        return StageLayout(self.counts, self.p, self.v, self.placement)
 
     def table(self) -> str:
         """The per-stage table ``mindpipe plan`` prints."""
@@ -86,7 +88,8 @@ class PipelinePlan:
         rows = []
         for g in range(G):
             s = self.device[g]
-            dev = str(s) if self.v == 1 else f"{s}.{g // self.p}"
+            chunk = g // self.p if self.placement is None else self.placement[s].index(g)
+            dev = str(s) if self.v == 1 else f"{s}.{chunk}"
             rows.append([str(g), dev, span(g), str(self.counts[g]),
                          f"{1e3 * self.forward_s[g]:.3f}", f"{1e3 * self.backward_s[g]:.3f}",
                          f"{1e3 * self.recompute_s[g]:.3f}", f"{1e3 * self.stage_time_s[g]:.3f}",
