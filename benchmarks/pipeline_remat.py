@@ -1,0 +1,127 @@
+"""What keeping residuals costs inside the SPMD pipeline: one pipeline step under each
+stage remat policy, timed side by side, and what the compiled tick loop moves per tick.
+
+Setup: 8 simulated CPU devices, the cost-model benchmark's small GPT (d_model 64, 4
+layers, 4 heads, seq 32, byte vocabulary), ``pipeline_grads`` with 1F1B on pipe 4 x
+data 2, 4 microbatches of 8 rows (4 per device), XLA's default flags (as users compile).
+
+For each policy (``none`` keeps every residual of a microbatch's forward until its
+backward; ``dots`` keeps the matmul outputs; ``full`` keeps the stage input and
+re-runs the forward) the step is compiled, warmed up and timed in ``--rounds``
+interleaved rounds of ``--steps`` calls; printed: the median and the 10-90% range, the
+ratio to ``full``, the compiled temporaries, and, from the scheduled HLO of the tick
+loop's body, the elements its top-level ``gather`` fusions produce per tick (the
+runtime reads every residual buffer's slots for all three parts of a tick at once,
+``ticks.make_tick``) and how many ``dynamic-update-slice`` fusions write buffers back.
+
+Usage: ``python benchmarks/pipeline_remat.py [--rounds 8] [--steps 3] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _report import report  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mindpipe_jax.config import ModelConfig, ParallelConfig  # noqa: E402
+from mindpipe_jax.models.gpt import GPT  # noqa: E402
+from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
+from mindpipe_jax.parallel.pipeline import get_schedule  # noqa: E402
+from mindpipe_jax.parallel.pipeline.contract import stage_fns  # noqa: E402
+from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads  # noqa: E402
+
+POLICIES = ("none", "dots", "full")
+
+
+def loop_body_traffic(hlo: str) -> tuple[int, int]:
+    """(elements the tick loop body's top-level gather fusions produce, its
+    dynamic-update-slice fusions) in a compiled program's text."""
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            cur = head.group(1)
+            comps[cur] = []
+        elif cur:
+            comps[cur].append(line)
+    roots = {name: next((re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln).group(1) for ln in lines
+                         if "ROOT" in ln and re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln)), "")
+             for name, lines in comps.items()}
+    bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
+    gathered = updates = 0
+    for body in bodies:
+        for ln in comps.get(body, []):
+            found = re.search(r"= \w+\[([\d,]*)\]\S* fusion\(.*calls=%?([\w.\-]+)", ln)
+            if not found:
+                continue
+            dims, callee = found.groups()
+            if roots.get(callee) == "gather":
+                gathered += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            elif roots.get(callee) == "dynamic-update-slice":
+                updates += 1
+    return gathered, updates
+
+
+def main(args) -> None:
+    p, m, rows = 4, 4, 8
+    cfg = ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=4, n_heads=4)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    rng = np.random.default_rng(0)
+    inputs = jnp.asarray(rng.integers(0, cfg.vocab_size, (m, rows, cfg.seq_len)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (m, rows, cfg.seq_len)), jnp.int32)
+    mesh = make_mesh(ParallelConfig(pipe=p, data=2, tensor=1))
+    step_args = (params["embed"], params["blocks"], params["head"], inputs, targets)
+    print(f"1F1B pipe {p} x data 2, {m} microbatches of {rows} rows, GPT d {cfg.d_model}, "
+          f"{cfg.n_layers} layers, seq {cfg.seq_len}")
+    steps, info = {}, {}
+    with jax.set_mesh(mesh):
+        for remat in POLICIES:
+            step = jax.jit(pipeline_grads(stage_fns(model), get_schedule("1f1b", p, m), mesh, remat=remat))
+            compiled = step.lower(*step_args).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            info[remat] = (temp, *loop_body_traffic(compiled.as_text()))
+            jax.block_until_ready(step(*step_args))
+            steps[remat] = step
+        times = {r: [] for r in POLICIES}
+        for _ in range(args.rounds):  # interleaved: the machine's drift hits every policy alike
+            for remat, step in steps.items():
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step(*step_args))
+                    times[remat].append(time.perf_counter() - t0)
+    full = statistics.median(times["full"])
+    print(f"\n{'remat':6s} {'median ms':>10s} {'10-90% ms':>14s} {'/ full':>7s} {'temp MB':>8s} "
+          f"{'gathered per tick (elements)':>29s} {'DUS fusions':>12s}")
+    for remat in POLICIES:
+        ts = times[remat]
+        lo, hi = np.percentile(ts, [10, 90])
+        temp, gathered, updates = info[remat]
+        print(f"{remat:6s} {statistics.median(ts) * 1e3:10.1f} {lo * 1e3:6.1f}-{hi * 1e3:6.1f} "
+              f"{statistics.median(ts) / full:7.2f} {temp / 2**20:8.2f} {gathered:29d} {updates:12d}")
+    print(f"\n{args.rounds} rounds x {args.steps} calls per policy, interleaved")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        raise SystemExit(f"--rounds {args.rounds} and --steps {args.steps} must be >= 1")
+    with report("Pipeline step per stage remat policy", args.out):
+        main(args)
