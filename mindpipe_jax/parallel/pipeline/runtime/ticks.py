@@ -184,6 +184,10 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
     inline = bool(plan.parts[1].inline.any())
+    # The parts whose residual slots a tick reads: the F (it hands back what it does not
+    # keep), the backward, and the W only where an unsplit W reads a policy's residuals.
+    res_readers = (0, 1) + ((2,) if any(mode in plan.res_slots and not mode.startswith("split-")
+                                        for _, _, mode in plan.parts[2].keys) else ())
     v = plan.fused.schedule.virtual_stages
     per_group = plan.fused.schedule.num_microbatches // groups
     if per_chunk is not None:
@@ -224,13 +228,19 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         res_at = [{r: jnp.clip(c["res_slot"], 0, n - 1) for r, n in plan.res_slots.items()} for c in cells]
         xs = _rows(x_buf, [jnp.maximum(c["x_slot"], 0) for c in cells])
         dys = _rows(g_buf, [jnp.maximum(c["g_slot"], 0) for c in cells[1:]])
-        kept = {r: [_rows(leaf, [at[r] for at in res_at]) for leaf in res_buf[r]] for r in res_buf}
+        kept = {r: [_rows(leaf, [res_at[i][r] for i in res_readers]) for leaf in res_buf[r]] for r in res_buf}
         stash_at = [{r: jnp.clip(c["stash_slot"], 0, n - 1) for r, n in plan.stash_slots.items()}
                     for c in cells[1:]]
         stashed = {r: [_rows(leaf, [at[r] for at in stash_at]) for leaf in stash_buf[r]] for r in stash_buf}
-        # A buffer a task does not use lends its slot 0 (a forward hands it back unchanged).
-        ops = [{"task": c, "x": xs[i], "res": {r: [leaf[i] for leaf in kept[r]] for r in kept}}
-               for i, c in enumerate(cells)]
+        # A buffer a task does not use lends its slot 0 (a forward hands it back unchanged);
+        # a W part that reads no residuals (every W split, or none) gets placeholders.
+        blank = {r: [jnp.zeros(leaf.shape[1:], leaf.dtype) for leaf in res_buf[r]] for r in res_buf}
+        def res_of(i):
+            if i not in res_readers:
+                return blank
+            return {r: [leaf[res_readers.index(i)] for leaf in kept[r]] for r in kept}
+
+        ops = [{"task": c, "x": xs[i], "res": res_of(i)} for i, c in enumerate(cells)]
         for i in (1, 2):
             ops[i]["dy"] = dys[i - 1]
             ops[i]["stash"] = {r: [leaf[i - 1] for leaf in stashed[r]] for r in stashed}
