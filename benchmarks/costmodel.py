@@ -55,6 +55,7 @@ from _report import report  # noqa: E402
 from mindpipe_jax.config import Config  # noqa: E402
 from mindpipe_jax.data import load_tokens  # noqa: E402
 from mindpipe_jax.tuner import calibrate  # noqa: E402
+from mindpipe_jax.tuner import costmodel as costmodel_module  # noqa: E402
 from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman  # noqa: E402
 from mindpipe_jax.tuner.space import Candidate, check_candidate  # noqa: E402
 from mindpipe_jax.tuner.supernet import SupernetCandidate  # noqa: E402
@@ -169,6 +170,7 @@ def main(args) -> None:
     t0 = time.perf_counter()
     hw = Hardware.calibrate(devices, cache_dir=args.cache_dir, refresh=args.refresh)
     how = "read from the cache" if cached else "measured"
+    print(f"pipeline ticks priced at {costmodel_module.SLOT_MOVES} residual slot moves per buffer")
     print(f"calibration ({how} in {time.perf_counter() - t0:.1f} s, "
           f"{calibrate.cache_file(key, args.cache_dir)}):\n  {hw.note}")
     t0 = time.perf_counter()
@@ -215,18 +217,20 @@ def main(args) -> None:
           "rows: the model has run no supernet step)")
     # The same measurements through earlier forms of the model, fitted alike: before the
     # lockstep term (tensor inside a pipeline counted as unsplit stage work in per-device
-    # branches), and before the shared-cores tick replay (a pipeline's compute the larger of
-    # its critical path at one device's solo rates and its devices' mean work all busy).
+    # branches), before the shared-cores tick replay (a pipeline's compute the larger of
+    # its critical path at one device's solo rates and its devices' mean work all busy),
+    # and before the residual slots' traffic per tick.
     earlier = {"without the lockstep term (pipeline_tensor_split=False)": dict(pipeline_tensor_split=False),
-               "without the shared-cores tick replay (shared_cores=False)": dict(shared_cores=False)}
+               "without the shared-cores tick replay (shared_cores=False)": dict(shared_cores=False),
+               "without the residual slots' traffic (slot_traffic=False)": dict(slot_traffic=False)}
     earlier = {name: CostModel(costs, hw, cfg.model.seq_len, supernet=scosts, **kw)
                for name, kw in earlier.items()}
     for model in earlier.values():
         for cand in FIT:
             model.observe(cand, measured[cand])
-    older = earlier["without the shared-cores tick replay (shared_cores=False)"]
+    older = earlier["without the residual slots' traffic (slot_traffic=False)"]
     head = (f"  {'layout':44s} {'calib-only':>10} {'err':>6} {'fitted':>8} {'err':>6} {'measured':>9} "
-            f"{'spread':>7} {'pipe ticks':>10} {'before shared cores':>19}")
+            f"{'spread':>7} {'pipe ticks':>10} {'before slot traffic':>19}")
     print(head + "\n  " + "-" * (len(head) - 2))
     for cand in held_out:
         p0, p1, m = prior.step_time(cand), fitted.step_time(cand), measured[cand]
@@ -281,7 +285,15 @@ if __name__ == "__main__":
     parser.add_argument("--load-times", default=None, metavar="FILE",
                         help="score the model on the steps a --save-times run wrote instead of timing "
                              "(calibration and pieces are read or measured as usual)")
+    parser.add_argument("--slot-moves", type=int, default=None, metavar="N",
+                        help="residual slots a pipeline tick moves per buffer (default: "
+                             "costmodel.SLOT_MOVES, the runtime's now; 7 for timings of the runtime "
+                             "before 2026-12-04 evening, whose W part also read them)")
     args = parser.parse_args()
+    if args.slot_moves is not None:
+        if args.slot_moves < 0:
+            raise SystemExit(f"--slot-moves {args.slot_moves} must be >= 0")
+        costmodel_module.SLOT_MOVES = args.slot_moves
     if args.rounds * args.steps < 5:
         raise SystemExit(f"--rounds x --steps = {args.rounds * args.steps}: at least 5 timed steps per "
                          f"layout are needed")

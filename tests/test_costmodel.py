@@ -140,6 +140,30 @@ def test_a_pipeline_tick_shares_the_host_cores_among_its_busy_stages():
     assert before < shared
 
 
+def test_a_pipeline_tick_pays_for_moving_its_residual_slots():
+    """Every fused tick the runtime gathers the F's and the backward's residual slots of
+    each buffer and writes one back (``SLOT_MOVES`` slot transfers at the all-busy
+    memory rate): a cost in the ticks and the residual bytes the policy keeps, none for
+    remat "full" (its stage input lives elsewhere) or without a pipeline."""
+    from mindpipe_jax.tuner.costmodel import SLOT_MOVES
+
+    costs = dataclasses.replace(_costs(), residual_bytes_per_row={"none": 4e5, "dots": 1e5, "full": 0.0})
+    cand = Candidate(data=2, pipe=4, microbatches=8, global_batch=32)
+    with_slots, without = _model(costs), _model(costs, slot_traffic=False)
+    rows, ticks = 32 / (2 * 8), with_slots.fused_schedule(cand).num_ticks
+    per_tick = SLOT_MOVES * rows * (4 / 4) * 4e5 / 1e9  # 1 layer per stage, memory 1 GB/s busy
+    gap = with_slots.breakdown(cand).compute_s - without.breakdown(cand).compute_s
+    assert gap == pytest.approx(ticks * per_tick, rel=1e-9)
+    dots = dataclasses.replace(cand, remat="dots")
+    assert with_slots.breakdown(dots).compute_s - without.breakdown(dots).compute_s == pytest.approx(gap / 4)
+    for same in (dataclasses.replace(cand, remat="full"), Candidate(data=8, global_batch=32)):
+        assert with_slots.breakdown(same).compute_s == without.breakdown(same).compute_s
+    tensor = Candidate(tensor=2, pipe=4, microbatches=8, global_batch=32)  # lockstep: the same ticks' moves
+    lock_gap = with_slots.breakdown(tensor).compute_s - without.breakdown(tensor).compute_s
+    lock_ticks = with_slots.breakdown(tensor).iterations
+    assert lock_gap == pytest.approx(lock_ticks * SLOT_MOVES * (32 / 8) * 4e5 / 1e9)
+
+
 # --------------------------------------------------------------- monotonicity
 CANDIDATES = [Candidate(data=8, global_batch=32), Candidate(data=4, tensor=2, global_batch=32),
               Candidate(fsdp=8, global_batch=32), Candidate(data=2, pipe=4, microbatches=4, global_batch=32),

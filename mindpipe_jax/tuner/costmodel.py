@@ -89,6 +89,9 @@ from mindpipe_jax.tuner.pieces import (
 from mindpipe_jax.tuner.space import V_SCHEDULES, Candidate
 
 FEATURES = ("compute_s", "comm_s", "update_s", "launch", "pipeline_ticks")
+# Residual slots a pipeline tick moves per buffer: two gathered rows (the F's and the
+# backward's) read and written, and the F's slot written back.
+SLOT_MOVES = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +126,9 @@ class CostModel:
 
     def __init__(self, costs: ModelCosts | None, hardware: Hardware, seq_len: int, ridge: float = 0.1,
                  fuse_mode: str = "auto", pipeline_tensor_split: bool = True, supernet=None,
-                 shared_cores: bool = True):
+                 shared_cores: bool = True, slot_traffic: bool = True):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
-        self.shared_cores = shared_cores
+        self.shared_cores, self.slot_traffic = shared_cores, slot_traffic
         self.supernet = supernet  # a SupernetCosts: prices SupernetCandidates (tuner/supernet_costs.py)
         self.fuse_mode = fuse_mode
         self.pipeline_tensor_split = pipeline_tensor_split
@@ -178,7 +181,28 @@ class CostModel:
                       + hw.piece_time(k.piece("rest_BW"), rows_mb, split=c.tensor))
             return c.microbatches * per_mb, 0.0, c.microbatches
         if self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1):
-            return self._lockstep_compute(c, rows_mb)
+            compute, bubble, ticks = self._lockstep_compute(c, rows_mb)
+            return compute + ticks * self._slot_traffic(c, rows_mb), bubble, ticks
+        step, bubble, ticks = self._tick_compute(c, rows_mb)
+        return step + ticks * self._slot_traffic(c, rows_mb), bubble, ticks
+
+    def _slot_traffic(self, c: Candidate, rows_mb: float) -> float:
+        """Seconds a fused tick spends moving residual slots: the runtime gathers, every
+        tick, the slot of each residual buffer that its F and its backward read (reading
+        and writing ``SLOT_MOVES - 1`` slots) and writes one back, whatever the tasks
+        (``runtime/ticks.py``; ``benchmarks/pipeline_remat.py`` measures it). A slot holds
+        one microbatch's residuals of a chunk's layers under the policy ("full": none
+        here, its stage input lives in another, tiny buffer). Streamed at the all-busy
+        memory rate; 0 without a calibration or a measured residual size."""
+        per_row = (self.costs.residual_bytes_per_row or {}).get(c.remat, 0.0)
+        cal = self.hw.calibration
+        if not self.slot_traffic or cal is None or per_row <= 0:
+            return 0.0
+        layers_per_chunk = self.costs.n_layers / (c.pipe * c.virtual_stages)
+        return SLOT_MOVES * rows_mb * layers_per_chunk * per_row / cal.mem_busy
+
+    def _tick_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
+        """A pipeline in per-device branches: (compute, bubble fraction, fused ticks)."""
         from mindpipe_jax.sim.engine import simulate
 
         fused = self.fused_schedule(c)

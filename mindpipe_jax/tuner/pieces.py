@@ -53,6 +53,9 @@ class ModelCosts:
     hidden_bytes_per_row: float  # one sequence's hidden state (what tensor/pipe collectives move)
     expert_tokens_factor: float = 0.0  # routed copies per token (top_k x capacity) for MoE, else 0
     pieces: dict | None = None
+    # Remat policy -> bytes one block's forward leaves in the pipeline's residual buffer per
+    # sequence ("full" keeps only the stage input, in another buffer: absent, 0).
+    residual_bytes_per_row: dict | None = None
 
     def layer_total(self, remat: str) -> float:
         return self.layer_fwd + self.layer_bwd[remat]
@@ -220,6 +223,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     uf, ub, uk = compiled_piece(update, params, opt_state, params)
     pieces["update"] = Piece(0.0, 0.0, uf, ub, float(uk))
 
+    residual = _residual_bytes_per_row(model, params, graphdef, rest, m, rng)
     param_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
     if experts:  # the dense twin has one MLP per block; the MoE block has n_experts and a router
         param_bytes += 4.0 * m.n_layers * ((experts - 1) * 2 * m.d_model * m.ff_dim + m.d_model * experts)
@@ -227,4 +231,26 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     p = pieces
     bwd = {r: p[f"layer_BW:{r}"].flops for r in ("none", "dots", "full")}
     return ModelCosts(n_units, p["layer_F"].flops, bwd, p["rest_F"].flops, p["rest_BW"].flops, param_bytes,
-                      hidden_bytes, factor, pieces)
+                      hidden_bytes, factor, pieces, residual)
+
+
+def _residual_bytes_per_row(model, params, graphdef, rest, m, rng) -> dict:
+    """What one block keeps in the pipeline's residual buffer per sequence, per remat
+    policy, as the runtime's ``ResidualStore`` sizes it (the vjp closure's leaves that
+    are not weights; "dots" under the saveable-dots checkpoint)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+    from mindpipe_jax.parallel.pipeline.plan.profile import residual_bytes
+
+    tokens = jnp.asarray(rng.integers(0, m.vocab_size, (1, m.seq_len)), jnp.int32)
+    split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
+    _, stack, _ = split.split(params)
+    block = jax.tree.map(lambda x: x[0], stack)
+    hidden = jax.eval_shape(split.fns.embed, split.split(params)[0], tokens)
+    hidden = jnp.zeros(hidden.shape, hidden.dtype)
+    dots = jax.checkpoint(split.fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return {"none": residual_bytes(split.fns.layer, block, hidden),
+            "dots": residual_bytes(dots, block, hidden), "full": 0.0}

@@ -134,7 +134,7 @@ def _nbytes(tree) -> float:
     return float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def _residual_bytes(fn, params, x) -> float:
+def residual_bytes(fn, params, x) -> float:
     """Bytes the runtime's residual buffer keeps per microbatch for ``fn(params, x)``:
     the vjp closure's leaves that are not the parameters themselves."""
     from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
@@ -243,7 +243,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
              for k, v in d.items() if k.startswith("flops_")}
     extra: dict[str, Any] = {}
     if dots:
-        extra = {"dots_residual_bytes": _residual_bytes(saved, block, hidden),
+        extra = {"dots_residual_bytes": residual_bytes(saved, block, hidden),
                  "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
     n = split.num_units
     device = jax.devices()[0]
@@ -255,9 +255,9 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
             f"units are identical, so its costs are replicated over {n} units")
     return ProfiledModel(
         layers=(layer,) * n, embed=embed, head=head_cost,
-        residual_bytes=_residual_bytes(fns.layer, block, hidden),
-        embed_residual_bytes=_residual_bytes(fns.embed, params["embed"], tokens),
-        head_residual_bytes=_residual_bytes(head, params["head"], hidden),
+        residual_bytes=residual_bytes(fns.layer, block, hidden),
+        embed_residual_bytes=residual_bytes(fns.embed, params["embed"], tokens),
+        head_residual_bytes=residual_bytes(head, params["head"], hidden),
         flops=flops, microbatch=microbatch, note=note, **extra)
 
 
