@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 
 from mindpipe_jax.config import ModelConfig, ParallelConfig  # noqa: E402
 from mindpipe_jax.models.gpt import GPT  # noqa: E402
+from mindpipe_jax.parallel.collectives import split_computations  # noqa: E402
 from mindpipe_jax.parallel.mesh import make_mesh  # noqa: E402
 from mindpipe_jax.parallel.pipeline import get_schedule  # noqa: E402
 from mindpipe_jax.parallel.pipeline.contract import stage_fns  # noqa: E402
@@ -49,14 +50,7 @@ POLICIES = ("none", "dots", "full")
 def loop_body_traffic(hlo: str) -> tuple[int, int]:
     """(elements the tick loop body's top-level gather fusions produce, its
     dynamic-update-slice fusions) in a compiled program's text."""
-    comps, cur = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            cur = head.group(1)
-            comps[cur] = []
-        elif cur:
-            comps[cur].append(line)
+    comps = {name: lines for name, lines, _ in split_computations(hlo)}
     roots = {name: next((re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln).group(1) for ln in lines
                          if "ROOT" in ln and re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln)), "")
              for name, lines in comps.items()}

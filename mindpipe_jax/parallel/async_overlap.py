@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from mindpipe_jax.parallel.collectives import KINDS, _split_computations, _type_and_op
+from mindpipe_jax.parallel.collectives import KINDS, _type_and_op, split_computations
 
 COMPUTE_OPS = frozenset({"fusion", "custom-call", "dot", "convolution"})
 
@@ -48,7 +48,7 @@ class AsyncPair:
 def async_pairs(hlo: str) -> list[AsyncPair]:
     """Every ``<kind>-start`` / ``<kind>-done`` pair of a compiled program's HLO text, with
     the opcodes scheduled between them (module docstring)."""
-    comps = _split_computations(hlo)
+    comps = split_computations(hlo)
     wrapped = {}  # computation -> (kind, name) of its root, where that root is a collective
     for name, lines, _ in comps:
         for line in lines:

@@ -100,7 +100,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
 _ASSIGN = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 
 
-def _split_computations(hlo: str) -> list[tuple[str, list[str], bool]]:
+def split_computations(hlo: str) -> list[tuple[str, list[str], bool]]:
     """``(name, instruction lines, is_entry)`` per computation, in the text's order."""
     out = []
     for block in re.split(r"\n(?=\S)", hlo):
@@ -206,7 +206,7 @@ def _result_of_start(kind: str, shapes: list) -> list:
 
 def collectives(hlo: str) -> list[Collective]:
     """Every collective of a compiled program's HLO text (module docstring)."""
-    comps = _split_computations(hlo)
+    comps = split_computations(hlo)
     num_devices = _num_devices(hlo)
     # How often one call runs each computation: callers print after their callees, so
     # walking the text backwards visits every caller before what it calls.
