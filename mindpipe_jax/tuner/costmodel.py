@@ -39,7 +39,11 @@ agree). ``shared_cores=False`` keeps the model before it (the larger of the
 neighbour replay at solo rates and the devices' mean work at busy rates), which
 ``benchmarks/costmodel.py`` prints beside it. With ``tensor``
 or ``expert`` > 1 the stages run in lockstep instead: each fused tick costs every
-active branch's work on every device (``CostModel._lockstep_compute``). The loop runs
+active branch's work on every device (``CostModel._lockstep_compute``). Either way
+each fused tick also moves residual slots (``CostModel._slot_traffic``: the runtime
+gathers the F's and the backward's slot of every residual buffer and writes one back,
+``SLOT_MOVES`` slots of the policy's residual bytes per sequence at the all-busy memory
+rate), what makes remat "none" the slowest policy in a pipeline on the CPU. The loop runs
 one iteration per *fused* tick (not per table tick), and each fused tick pays
 its ppermutes.
 
