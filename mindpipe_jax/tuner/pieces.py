@@ -140,6 +140,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
 
     from mindpipe_jax.models.gpt import GPT
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+    from mindpipe_jax.parallel.pipeline.plan.profile import residual_bytes
     from mindpipe_jax.train.state import make_optimizer
 
     m = cfg.model
@@ -154,8 +155,10 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     rng = np.random.default_rng(0)
     sizes = (1, rows + 1)
 
-    def pieces_at(n_rows: int) -> tuple[dict, int, float]:
-        """Each piece's (FLOPs, bytes, kernels) at ``n_rows`` rows; units; hidden bytes per row."""
+    def pieces_at(n_rows: int) -> tuple[dict, int, float, dict]:
+        """Each piece's (FLOPs, bytes, kernels) at ``n_rows`` rows; units; hidden bytes per
+        row; per remat policy, what one block keeps in the pipeline's residual buffer per
+        row, as the runtime's ``ResidualStore`` sizes it ("full": its input, elsewhere)."""
         tokens = jnp.asarray(rng.integers(0, m.vocab_size, (n_rows, m.seq_len)), jnp.int32)
         split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
         fns = split.fns
@@ -190,11 +193,13 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
             "head_F": compiled_piece(head, head_p, hidden),
             "head_BW": backward(head, head_p, hidden, jnp.ones((), jnp.float32)),
         }
-        return found, split.num_units, hidden.size * hidden.dtype.itemsize / n_rows
+        residual = {"none": residual_bytes(fns.layer, block, hidden) / n_rows,
+                    "dots": residual_bytes(dots, block, hidden) / n_rows, "full": 0.0}
+        return found, split.num_units, hidden.size * hidden.dtype.itemsize / n_rows, residual
 
     measured: dict[str, list[tuple[float, float, int]]] = {}
     for n_rows in sizes:
-        found, n_units, hidden_bytes = pieces_at(n_rows)
+        found, n_units, hidden_bytes, residual = pieces_at(n_rows)
         for k, v in found.items():
             measured.setdefault(k, []).append(v)
 
@@ -223,7 +228,6 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     uf, ub, uk = compiled_piece(update, params, opt_state, params)
     pieces["update"] = Piece(0.0, 0.0, uf, ub, float(uk))
 
-    residual = _residual_bytes_per_row(model, params, graphdef, rest, m, rng)
     param_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
     if experts:  # the dense twin has one MLP per block; the MoE block has n_experts and a router
         param_bytes += 4.0 * m.n_layers * ((experts - 1) * 2 * m.d_model * m.ff_dim + m.d_model * experts)
@@ -233,24 +237,3 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
     return ModelCosts(n_units, p["layer_F"].flops, bwd, p["rest_F"].flops, p["rest_BW"].flops, param_bytes,
                       hidden_bytes, factor, pieces, residual)
 
-
-def _residual_bytes_per_row(model, params, graphdef, rest, m, rng) -> dict:
-    """What one block keeps in the pipeline's residual buffer per sequence, per remat
-    policy, as the runtime's ``ResidualStore`` sizes it (the vjp closure's leaves that
-    are not weights; "dots" under the saveable-dots checkpoint)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from mindpipe_jax.parallel.pipeline.contract import PipelineModel
-    from mindpipe_jax.parallel.pipeline.plan.profile import residual_bytes
-
-    tokens = jnp.asarray(rng.integers(0, m.vocab_size, (1, m.seq_len)), jnp.int32)
-    split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
-    _, stack, _ = split.split(params)
-    block = jax.tree.map(lambda x: x[0], stack)
-    hidden = jax.eval_shape(split.fns.embed, split.split(params)[0], tokens)
-    hidden = jnp.zeros(hidden.shape, hidden.dtype)
-    dots = jax.checkpoint(split.fns.layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return {"none": residual_bytes(split.fns.layer, block, hidden),
-            "dots": residual_bytes(dots, block, hidden), "full": 0.0}
