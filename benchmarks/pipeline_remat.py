@@ -13,6 +13,9 @@ ratio to ``full``, the compiled temporaries, and, from the scheduled HLO of the 
 loop's body, the elements its top-level ``gather`` fusions produce per tick (the
 runtime reads every residual buffer's slots for all three parts of a tick at once,
 ``ticks.make_tick``) and how many ``dynamic-update-slice`` fusions write buffers back.
+Then the partitioner's view of the same pipeline (``planner_view``): its predicted step
+per policy with the residual slot moves priced per tick and free, and its pick in each
+case, beside the measured ratios.
 
 Usage: ``python benchmarks/pipeline_remat.py [--rounds 8] [--steps 3] [--out FILE]``.
 """
@@ -107,6 +110,43 @@ def main(args) -> None:
         print(f"{remat:6s} {statistics.median(ts) * 1e3:10.1f} {lo * 1e3:6.1f}-{hi * 1e3:6.1f} "
               f"{statistics.median(ts) / full:7.2f} {temp / 2**20:8.2f} {gathered:29d} {updates:12d}")
     print(f"\n{args.rounds} rounds x {args.steps} calls per policy, interleaved")
+    planner_view(cfg, p, m, rows // 2, times)
+
+
+def planner_view(cfg, p: int, m: int, rows: int, times) -> None:
+    """What the partitioner predicts for the same pipeline from the block's measured costs
+    (compute on one device alone, slot moves with every device streaming): each policy
+    forced, its step as run (fused-tick replay) with the runtime's residual slot moves
+    priced per tick and with them free (the model before), and the policy it picks
+    among all three in each case."""
+    import dataclasses
+
+    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
+
+    prof = measure_layer_costs(cfg, microbatch=rows)
+    free = dataclasses.replace(prof, slot_move_s_per_byte=0.0)
+    print(f"\npartitioner, from one block measured on one device alone at {rows} rows per microbatch; "
+          f"slot moves at {1e-9 / prof.slot_move_s_per_byte:.1f} GB/s per device (all {len(jax.devices())} "
+          f"streaming at once); residual row {prof.residual_bytes[0] / 2**20:.2f} MB per layer")
+
+    def plan(profile, options):
+        return partition(profile, p=p, m=m, schedule="1f1b", remat_options=options, fuse_modes=("auto",))
+
+    forced = {r: (plan(prof, (r,)), plan(free, (r,))) for r in POLICIES}
+    print(f"{'remat':6s} {'as run ms':>10s} {'/ full':>7s} {'slots ms/tick':>14s} {'free ms':>8s} "
+          f"{'/ full':>7s} {'measured / full':>16s}")
+    measured_full = statistics.median(times["full"])
+    for r in POLICIES:
+        priced, unpriced = forced[r]
+        print(f"{r:6s} {1e3 * priced.step_time_s['as run']:10.2f} "
+              f"{priced.step_time_s['as run'] / forced['full'][0].step_time_s['as run']:7.2f} "
+              f"{1e3 * priced.tick_slot_s:14.3f} {1e3 * unpriced.step_time_s['as run']:8.2f} "
+              f"{unpriced.step_time_s['as run'] / forced['full'][1].step_time_s['as run']:7.2f} "
+              f"{statistics.median(times[r]) / measured_full:16.2f}")
+    fastest = min(POLICIES, key=lambda r: statistics.median(times[r]))
+    for name, profile in (("slot moves priced", prof), ("slot moves free", free)):
+        picked = plan(profile, POLICIES).remat
+        print(f"picks with {name}: {'/'.join(picked)} (the measured fastest single policy: {fastest})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ one command-line test, which measures a tiny GPT for real."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -292,6 +293,44 @@ def test_a_v_schedule_is_planned_on_its_own_placement_and_runs_as_planned():
     assert_matches(loss, grads, ref_loss, ref_grads)
 
 
+# --- residual slot moves: paid by every device in every tick ---------------------------------
+
+
+def test_slot_moves_are_paid_every_tick_and_can_make_remat_the_faster_plan():
+    """The SPMD runtime reads and writes SLOT_MOVES slots of every residual buffer on every
+    device in every tick (runtime/ticks.py): the plan prices that per tick in its "as run"
+    replay, and keeps "full" where recompute costs less than the slots "none" moves."""
+    from mindpipe_jax.parallel.pipeline.plan.memory import SLOT_MOVES
+    from mindpipe_jax.sim import simulate
+
+    base = uniform(8, residual=8e6)            # 2 layers per stage: a 16 MB residual row
+    free = partition(base, p=4, m=8, remat_options=("none", "full"))
+    assert free.remat == ("none",) * 4 and free.tick_slot_s == 0
+
+    per_tick = 1e-2                            # seconds of slot moves per tick under "none"
+    cheap = dataclasses.replace(base, slot_move_s_per_byte=per_tick / (SLOT_MOVES * 16e6))
+    plan = partition(cheap, p=4, m=8, remat_options=("none", "full"))
+    assert plan.remat == ("none",) * 4
+    assert plan.tick_slot_s == pytest.approx(per_tick)
+    replay = simulate(get_schedule("1f1b", 4, 8), plan.costs, mode="neighbour", fuse=plan.fuse_ticks,
+                      tick_overhead=per_tick)
+    assert plan.step_time_s["as run"] == pytest.approx(replay.step_time)
+    assert plan.step_time_s["as run"] > free.step_time_s["as run"] + 10 * per_tick  # >= 10 ticks
+    assert "of residual slot moves on every device" in plan.table()
+
+    # At 5 s per tick the stages that keep residuals recompute instead (+2 s of forward
+    # per microbatch); the last stage keeps none under "none" (its forward runs inside
+    # its backward) and stays.
+    costly = dataclasses.replace(base, slot_move_s_per_byte=5.0 / (SLOT_MOVES * 16e6))
+    plan = partition(costly, p=4, m=8, remat_options=("none", "full"))
+    assert plan.remat == ("full", "full", "full", "none") and plan.tick_slot_s == 0
+    forced = partition(costly, p=4, m=8, remat_options=("none",))
+    assert forced.tick_slot_s == pytest.approx(5.0)
+    assert plan.step_time_s["as run"] < forced.step_time_s["as run"]
+    # the per-stage times, which no tick cost enters, say "none" is the faster policy
+    assert max(forced.stage_time_s) < max(plan.stage_time_s)
+
+
 # --- mindpipe plan (the one real measurement) -------------------------------------------------
 
 TINY = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.seq_len=16", "model.vocab_size=64",
@@ -329,6 +368,8 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     assert matmuls < prof.flops["layer_F"] < 1.5 * matmuls
     assert prof.flops["layer_BW"] > 1.5 * prof.flops["layer_F"]
     assert 3 * 32 * 32 * 4 < layer.param_bytes < 20 * 32 * 32 * 4
+    # a memory rate between 0.1 GB/s and 10 TB/s: measured, not left at "free"
+    assert 1e-13 < prof.slot_move_s_per_byte < 1e-8
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -84,6 +84,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mindpipe_jax.parallel.pipeline.plan.memory import SLOT_MOVES
 from mindpipe_jax.tuner.hardware import Hardware
 from mindpipe_jax.tuner.pieces import (
     ModelCosts,
@@ -93,9 +94,6 @@ from mindpipe_jax.tuner.pieces import (
 from mindpipe_jax.tuner.space import V_SCHEDULES, Candidate
 
 FEATURES = ("compute_s", "comm_s", "update_s", "launch", "pipeline_ticks")
-# Residual slots a pipeline tick moves per buffer: two gathered rows (the F's and the
-# backward's) read and written, and the F's slot written back.
-SLOT_MOVES = 5
 
 
 @dataclasses.dataclass(frozen=True)

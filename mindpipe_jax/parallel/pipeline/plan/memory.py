@@ -27,7 +27,15 @@ The memory model, per device ``s`` (all bytes, per device)::
 
 and remat adds its recompute to the stage's backward: "full" re-runs the stage's
 forward (+F, + the "dots" recompute when the profile has it), "dots" the measured
-difference between the policy's backward and the plain one. With ``v > 1`` a
+difference between the policy's backward and the plain one. What stages keep
+beyond their input also costs time in the SPMD runtime, on every device in every
+tick, busy or idle: each tick reads and writes ``SLOT_MOVES`` slots of every
+residual (and B/W stash) buffer (``runtime/ticks.py``), a slot being as wide as the
+widest stage using the buffer (``slot_tick_seconds``, at the profile's
+``slot_move_s_per_byte``). The partitioner replays the fused ticks with that
+per-tick cost, and keeps a leaner policy where it makes the step faster
+(``partition``): what makes "none" slower than "dots" or "full" in a pipeline on a
+host whose memory is slow against its compute (``benchmarks/pipeline_remat.py``). With ``v > 1`` a
 device's peak is found by walking its task list with each chunk's own
 per-microbatch size.
 
@@ -53,6 +61,9 @@ from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 REMAT_POLICIES = ("none", "dots", "full")
 PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
 MB = float(2 ** 20)  # what the plan's table and the messages call a megabyte
+# Residual slots a pipeline tick moves per buffer (``runtime/ticks.py``): two gathered
+# rows (the F's and the backward's) read and written, and the F's slot written back.
+SLOT_MOVES = 5
 
 
 class StageModel:
@@ -216,11 +227,34 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     stages' tasks into the middle stages' branches: the last stage's forward then
     keeps its layers' residuals like a middle stage, and the loss's gradient waits in
     a ``g`` slot (``tickplan.make_plan(merge_first, merge_last)``)."""
+    p, G = sched.num_stages, sched.num_global_stages
+    plan, rows, keeping = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
+    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
+    slots = {**plan.res_slots, **plan.stash_slots}
+    # n slots, plus the slot each tick reads into the branch and the one it writes back.
+    buffers = {r: (n + 2) * rows[r] for r, n in slots.items()}
+    owner = {}
+    inflight = sched.peak_in_flight()
+    for r in slots:
+        policy = r.removeprefix("split-").removeprefix("stash-")
+        stages = [g for g in keeping if chosen[g] == policy] or list(range(G))
+        owner[r] = max(stages, key=lambda g: (inflight[device_of(sched, g)], -g))
+    act = max(model.act_in)
+    e, h = model.prof.embed, model.prof.head
+    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in stages_of(sched, s))
+                 for s in range(p)) + e.param_bytes + h.param_bytes
+    total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
+        + max(f["transient"] for f in figs)
+    return total, {r: (buffers[r], owner[r]) for r in buffers}
+
+
+def _slot_rows(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str, lockstep: bool):
+    """(the runtime's slot plan, bytes of one slot of each residual and stash buffer,
+    the global stages whose forward keeps residuals)."""
     from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
-    p, G = sched.num_stages, sched.num_global_stages
+    G = sched.num_global_stages
     plan = make_plan(sched, tuple(chosen), fuse_mode, merge_first=lockstep, merge_last=lockstep)
-    figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     kept = [model.stage(g, spans[g].start, spans[g].stop, chosen[g], as_middle=lockstep) for g in range(G)]
     keeping = [g for g in range(G) if g != G - 1 or lockstep]  # stages whose forward keeps residuals
     width = max(len(r) for r in spans) or 1
@@ -235,22 +269,19 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     # the plain residuals: an upper bound).
     stash = max(model.prof.dots_residual_bytes or model.prof.residual_bytes, default=0.0)
     residual.update({r: stash for r in plan.stash_slots})
-    slots = {**plan.res_slots, **plan.stash_slots}
-    # n slots, plus the slot each tick reads into the branch and the one it writes back.
-    buffers = {r: (n + 2) * width * residual[r] for r, n in slots.items()}
-    owner = {}
-    inflight = sched.peak_in_flight()
-    for r in slots:
-        policy = r.removeprefix("split-").removeprefix("stash-")
-        stages = [g for g in keeping if chosen[g] == policy] or list(range(G))
-        owner[r] = max(stages, key=lambda g: (inflight[device_of(sched, g)], -g))
-    act = max(model.act_in)
-    e, h = model.prof.embed, model.prof.head
-    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in stages_of(sched, s))
-                 for s in range(p)) + e.param_bytes + h.param_bytes
-    total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
-        + max(f["transient"] for f in figs)
-    return total, {r: (buffers[r], owner[r]) for r in buffers}
+    return plan, {r: width * b for r, b in residual.items()}, keeping
+
+
+def slot_tick_seconds(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str = "auto",
+                      lockstep: bool = False) -> float:
+    """Seconds every device spends per tick moving residual and stash slots in the SPMD
+    runtime under these policies: ``SLOT_MOVES`` slots of each buffer, at the profile's
+    ``slot_move_s_per_byte`` (0 when the profile does not price it)."""
+    rate = model.prof.slot_move_s_per_byte
+    if rate <= 0:
+        return 0.0
+    _, rows, _ = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
+    return SLOT_MOVES * rate * sum(rows.values())
 
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,

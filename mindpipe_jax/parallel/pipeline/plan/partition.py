@@ -51,6 +51,8 @@ from mindpipe_jax.parallel.pipeline.plan.memory import (
     device_peak,
     fit_spmd_budget,
     memory_per_device,
+    slot_tick_seconds,
+    spmd_memory,
     stages_of,
 )
 from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel, measure_layer_costs
@@ -113,6 +115,13 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     can beat fused ticks that need "full" (``fuse_ticks``, ``parallel.fuse_ticks``).
     ``lockstep``: the run's stages go in lockstep (tensor or expert > 1), whose buffers
     differ: the SPMD figure models them (``memory.spmd_memory``).
+
+    The SPMD runtime also moves residual slots on every device in every tick, a cost
+    no stage's own time shows (``memory.slot_tick_seconds``, zero unless the profile
+    prices ``slot_move_s_per_byte``, as ``measure_layer_costs`` does): the fused-tick
+    replays pay it per tick, and the stages keeping residuals move to a leaner policy
+    (all of a policy's stages at once: they share its buffer) while that makes the
+    replayed step faster.
     """
     if not isinstance(profile, ProfiledModel):
         raise ConfigError(f"partition needs a ProfiledModel, got {type(profile).__name__}")
@@ -187,8 +196,16 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         return dataclasses.replace(base, B=[b + r for b, r in zip(base.B, rec, strict=True)],
                                    BW=[b + r for b, r in zip(base.BW, rec, strict=True)])
 
-    def predict(costs: StageCosts) -> dict[str, SimResult]:
-        return {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
+    def predict(costs: StageCosts, tick_slots: float) -> dict[str, SimResult]:
+        return {mode: simulate(sched, costs, link=link, mode=mode,
+                               tick_overhead=tick_slots if mode == "lockstep" else 0.0)
+                for mode in ("async", "lockstep")}
+
+    def as_run(policies, mode: str) -> SimResult:
+        """The fused-tick replay of these policies, every tick paying its slot moves."""
+        fig_list = [model.stage(g, spans[g].start, spans[g].stop, policies[g]) for g in range(G)]
+        return simulate(sched, stage_costs(fig_list), link=link, mode="neighbour", fuse=mode,
+                        tick_overhead=slot_tick_seconds(model, sched, spans, policies, mode, lockstep))
 
     fits = []
     for mode in dict.fromkeys(fuse_modes):
@@ -199,22 +216,29 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
             if mode == fuse_modes[-1] and not fits:
                 raise
             continue
-        fig_list = [model.stage(g, spans[g].start, spans[g].stop, fit[0][g]) for g in range(G)]
-        replay = simulate(sched, stage_costs(fig_list), link=link, mode="neighbour", fuse=mode).step_time
-        fits.append((replay, len(fits), mode, fit))
+        fits.append((as_run(fit[0], mode).step_time, len(fits), mode, fit))
     _, _, fuse_mode, (chosen, spmd) = min(fits)
+    lighter = _lighten(chosen, options, lambda policies: as_run(policies, fuse_mode).step_time,
+                       keeping=range(G if lockstep else G - 1))
+    if lighter != chosen:  # leaner policies keep less: the budget still holds; re-size the figure
+        chosen = lighter
+        spmd = (float(measure_memory(tuple(chosen), tuple(len(r) for r in spans), fuse_mode))
+                if measure_memory is not None
+                else spmd_memory(model, sched, spans, chosen, param_copies, fuse_mode, lockstep)[0])
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     memory = memory_per_device(sched, spans, figs, param_copies)
     costs = stage_costs(figs)
-    sims = predict(costs)
+    tick_slots = slot_tick_seconds(model, sched, spans, chosen, fuse_mode, lockstep)
+    sims = predict(costs, tick_slots)
     # As the SPMD runtime runs it: the table re-timed into the chosen fused ticks.
-    sims["as run"] = simulate(sched, costs, link=link, mode="neighbour", fuse=fuse_mode)
+    sims["as run"] = as_run(chosen, fuse_mode)
     even = _even_split(model, sched, profile, G, param_copies, link)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
         device=tuple(device_of(sched, g) for g in range(G)), remat=tuple(chosen),
         forward_s=tuple(f["F"] for f in figs), backward_s=tuple(f["back"] for f in figs),
-        recompute_s=tuple(f["recompute"] for f in figs), stage_time_s=tuple(f["time"] for f in figs),
+        recompute_s=tuple(f["recompute"] for f in figs), tick_slot_s=tick_slots,
+        stage_time_s=tuple(f["time"] for f in figs),
         memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
         memory_params_bytes=memory[0], memory_activations_bytes=memory[1], memory_transient_bytes=memory[2],
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
@@ -222,6 +246,27 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         utilization={k: s.mean_utilization for k, s in sims.items()},
         even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode,
         placement=None if sched.placement == interleaved_placement(p, v) else sched.placement)
+
+
+def _lighten(chosen: list[str], options, step_time: Callable[[list[str]], float], keeping) -> list[str]:
+    """Move every keeping stage of a policy to a leaner one of ``options`` (none -> dots
+    -> full) while that makes ``step_time`` shorter: the recompute a stage's own time
+    shows can be cheaper than the residual slots every device moves in every tick
+    (``memory.slot_tick_seconds``), which no stage's time shows."""
+    chosen = list(chosen)
+    keeping = list(keeping)
+    best_time = step_time(chosen)
+    while True:
+        trials = []
+        for policy in dict.fromkeys(chosen[g] for g in keeping):
+            for leaner in REMAT_POLICIES[REMAT_POLICIES.index(policy) + 1:]:
+                if leaner in options:
+                    trials.append([leaner if g in keeping and c == policy else c
+                                   for g, c in enumerate(chosen)])
+        timed = [(step_time(t), i, t) for i, t in enumerate(trials)]
+        if not timed or min(timed)[0] >= best_time * (1 - 1e-9):
+            return chosen
+        best_time, _, chosen = min(timed)
 
 
 def split_last_candidates(p: int, m: int) -> list[int]:

@@ -50,8 +50,12 @@ class ProfiledModel:
     number for all layers or one per layer); ``embed_residual_bytes``,
     ``head_residual_bytes`` likewise. ``dots_residual_bytes`` and
     ``dots_recompute_s`` (per layer) describe remat "dots" and are needed only
-    to offer that policy. ``flops``: forward/backward FLOPs of the measured parts
-    (information only). ``note``: where the numbers came from."""
+    to offer that policy. ``slot_move_s_per_byte``: what moving one byte of a residual
+    slot costs (a streaming read + write of a slot-sized buffer on every local device at
+    once, per byte moved; 0 = free): the SPMD runtime moves ``memory.SLOT_MOVES`` slots
+    of each residual buffer on every device in every tick, which the plan prices
+    (``memory.slot_tick_seconds``). ``flops``: forward/backward FLOPs of the measured
+    parts (information only). ``note``: where the numbers came from."""
 
     layers: Sequence[LayerCost]
     embed: LayerCost = _ZERO
@@ -61,6 +65,7 @@ class ProfiledModel:
     head_residual_bytes: float = 0.0
     dots_residual_bytes: float | Sequence[float] | None = None
     dots_recompute_s: float | Sequence[float] | None = None
+    slot_move_s_per_byte: float = 0.0
     flops: dict[str, float] = field(default_factory=dict)
     microbatch: int = 0
     note: str = "injected costs"
@@ -79,7 +84,7 @@ class ProfiledModel:
             object.__setattr__(self, name, _per_layer(getattr(self, name), n, name))
         if (self.dots_residual_bytes is None) != (self.dots_recompute_s is None):
             raise ConfigError("ProfiledModel: give both dots_residual_bytes and dots_recompute_s, or neither")
-        for name in ("embed_residual_bytes", "head_residual_bytes"):
+        for name in ("embed_residual_bytes", "head_residual_bytes", "slot_move_s_per_byte"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(f"ProfiledModel.{name} must be a number >= 0, got {value!r}")
@@ -141,6 +146,28 @@ def residual_bytes(fn, params, x) -> float:
 
     avals = ResidualStore(fn, params, x).buffer_avals
     return float(sum(math.prod(a.shape) * a.dtype.itemsize for a in avals))
+
+
+def slot_move_seconds_per_byte(nbytes: float, *, repeats: int = 5) -> float:
+    """Seconds per byte moved when every local device streams a buffer of ``nbytes``
+    (at least 256 KiB) through its memory at once (read + write, two moves per byte, as
+    ``tuner.calibrate`` counts its memory rate): what the runtime's residual slot reads
+    and writes cost per byte. All devices at once because the runtime moves slots on
+    every device in every tick, idle or not; where devices share a host's memory
+    (simulated CPU devices) that is the rate each gets, on accelerators with their
+    own memory it is each one's own."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.local_devices()
+    elems = max(int(nbytes) // 4, 1 << 16)
+    spread = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), P("all"))
+    buf = jax.device_put(jnp.ones((len(devices), elems), jnp.float32), spread)
+    stream = _compile(lambda x: x * 1.0001 + 0.5, buf)
+    return _median_time(stream, buf, repeats=repeats) / (2 * 4 * elems)
 
 
 def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
@@ -246,6 +273,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
         extra = {"dots_residual_bytes": residual_bytes(saved, block, hidden),
                  "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
     n = split.num_units
+    res_layer = residual_bytes(fns.layer, block, hidden)
     device = jax.devices()[0]
     where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
     what = (f"GPT(d_model={model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
@@ -255,7 +283,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
             f"units are identical, so its costs are replicated over {n} units")
     return ProfiledModel(
         layers=(layer,) * n, embed=embed, head=head_cost,
-        residual_bytes=residual_bytes(fns.layer, block, hidden),
+        residual_bytes=res_layer, slot_move_s_per_byte=slot_move_seconds_per_byte(res_layer, repeats=repeats),
         embed_residual_bytes=residual_bytes(fns.embed, params["embed"], tokens),
         head_residual_bytes=residual_bytes(head, params["head"], hidden),
         flops=flops, microbatch=microbatch, note=note, **extra)

@@ -15,7 +15,9 @@ class PipelinePlan:
     """Layers, remat and predictions per stage. Per global stage ``g`` (tuples of
     ``p * v``): ``counts``, ``layers`` (a ``range``), ``device``, ``remat``,
     ``forward_s``/``backward_s``/``recompute_s`` and ``stage_time_s`` (their sum:
-    the stage's work per microbatch). Per device (tuples of ``p``):
+    the stage's work per microbatch); ``tick_slot_s``: what every device spends per
+    tick moving residual slots in the SPMD runtime (``memory.slot_tick_seconds``), in
+    the "lockstep" and "as run" predictions. Per device (tuples of ``p``):
     ``memory_bytes`` = ``memory_params_bytes`` + ``memory_activations_bytes`` +
     ``memory_transient_bytes`` (the model is in ``memory``) and ``in_flight``.
     Predictions from ``simulate.simulate`` with these stage costs and ``link``:
@@ -56,6 +58,7 @@ class PipelinePlan:
     split_last: int = -1  # parallel.split_last of the table planned (-1: as generated)
     # choose_split_last: each split_last tried -> its step as run (seconds)
     split_last_tried: dict[int, float] = field(default_factory=dict)
+    tick_slot_s: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -118,8 +121,10 @@ class PipelinePlan:
                 f"{self.utilization['async']:.3f}), lockstep {ms * self.step_time_s['lockstep']:.3f} ms "
                 f"(utilization {self.utilization['lockstep']:.3f})"]
         if "as run" in self.step_time_s:
-            out.append(f"as the SPMD runtime runs it (fused ticks, {self.fuse_ticks}; neighbour replay): "
-                       f"{ms * self.step_time_s['as run']:.3f} ms (utilization "
+            slots = (f", each tick {ms * self.tick_slot_s:.3f} ms of residual slot moves on every device"
+                     if self.tick_slot_s else "")
+            out.append(f"as the SPMD runtime runs it (fused ticks, {self.fuse_ticks}; neighbour "
+                       f"replay{slots}): {ms * self.step_time_s['as run']:.3f} ms (utilization "
                        f"{self.utilization['as run']:.3f})")
         if self.split_last_tried:
             order = sorted(self.split_last_tried, key=lambda k: (k == -1, k))  # "all" last
