@@ -287,8 +287,9 @@ if __name__ == "__main__":
                              "(calibration and pieces are read or measured as usual)")
     parser.add_argument("--slot-moves", type=int, default=None, metavar="N",
                         help="residual slots a pipeline tick moves per buffer (default: "
-                             "costmodel.SLOT_MOVES, the runtime's now; 7 for timings of the runtime "
-                             "before 2026-12-04 evening, whose W part also read them)")
+                             "costmodel.SLOT_MOVES, the runtime's now; 5 for timings of the runtime "
+                             "before 2026-12-05, whose F part also read its slot, 7 before "
+                             "2026-12-04 evening, whose W part read them too)")
     args = parser.parse_args()
     if args.slot_moves is not None:
         if args.slot_moves < 0:

@@ -10,9 +10,11 @@ backward; ``dots`` keeps the matmul outputs; ``full`` keeps the stage input and
 re-runs the forward) the step is compiled, warmed up and timed in ``--rounds``
 interleaved rounds of ``--steps`` calls; printed: the median and the 10-90% range, the
 ratio to ``full``, the compiled temporaries, and, from the scheduled HLO of the tick
-loop's body, the elements its top-level ``gather`` fusions produce per tick (the
-runtime reads every residual buffer's slots for all three parts of a tick at once,
-``ticks.make_tick``) and how many ``dynamic-update-slice`` fusions write buffers back.
+loop's body, the elements its top-level fusions read out of buffers per tick (gather or
+dynamic-slice: the runtime reads the backward's slot of every residual buffer, and the
+other operands, once per tick, ``ticks.make_tick``), how many ``dynamic-update-slice``
+fusions write buffers back, and the elements of any large copy in the body (a whole
+buffer copied each tick: none expected).
 Then the partitioner's view of the same pipeline (``planner_view``): its predicted step
 per policy with the residual slot moves priced per tick and free, and its pick in each
 case, beside the measured ratios.
@@ -50,26 +52,32 @@ from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads  # noqa: E402
 POLICIES = ("none", "dots", "full")
 
 
-def loop_body_traffic(hlo: str) -> tuple[int, int]:
-    """(elements the tick loop body's top-level gather fusions produce, its
-    dynamic-update-slice fusions) in a compiled program's text."""
+def _elements(dims: str) -> int:
+    return int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+
+
+def loop_body_traffic(hlo: str) -> tuple[int, int, int]:
+    """(elements the tick loop body's top-level fusions read out of buffers with a gather
+    or a dynamic slice, its dynamic-update-slice fusions, the elements its copies of
+    more than 10k elements move) in a compiled program's text."""
     comps = {name: lines for name, lines, _ in split_computations(hlo)}
-    roots = {name: next((re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln).group(1) for ln in lines
-                         if "ROOT" in ln and re.search(r"ROOT \S+ = \S+ ([a-z\-]+)\(", ln)), "")
-             for name, lines in comps.items()}
+    ops = {name: set(re.findall(r"= \S+ ([a-z\-]+)\(", "\n".join(lines))) for name, lines in comps.items()}
     bodies = set(re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo))
-    gathered = updates = 0
+    read = updates = copied = 0
     for body in bodies:
         for ln in comps.get(body, []):
+            copy = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", ln)
+            if copy and _elements(copy.group(1)) > 10_000:
+                copied += _elements(copy.group(1))
             found = re.search(r"= \w+\[([\d,]*)\]\S* fusion\(.*calls=%?([\w.\-]+)", ln)
             if not found:
                 continue
             dims, callee = found.groups()
-            if roots.get(callee) == "gather":
-                gathered += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-            elif roots.get(callee) == "dynamic-update-slice":
+            if "dynamic-update-slice" in ops.get(callee, ()):
                 updates += 1
-    return gathered, updates
+            elif ops.get(callee, set()) & {"gather", "dynamic-slice"}:
+                read += _elements(dims)
+    return read, updates, copied
 
 
 def main(args) -> None:
@@ -102,13 +110,14 @@ def main(args) -> None:
                     times[remat].append(time.perf_counter() - t0)
     full = statistics.median(times["full"])
     print(f"\n{'remat':6s} {'median ms':>10s} {'10-90% ms':>14s} {'/ full':>7s} {'temp MB':>8s} "
-          f"{'gathered per tick (elements)':>29s} {'DUS fusions':>12s}")
+          f"{'read per tick (elements)':>25s} {'DUS fusions':>12s} {'copied per tick':>16s}")
     for remat in POLICIES:
         ts = times[remat]
         lo, hi = np.percentile(ts, [10, 90])
-        temp, gathered, updates = info[remat]
+        temp, read, updates, copied = info[remat]
         print(f"{remat:6s} {statistics.median(ts) * 1e3:10.1f} {lo * 1e3:6.1f}-{hi * 1e3:6.1f} "
-              f"{statistics.median(ts) / full:7.2f} {temp / 2**20:8.2f} {gathered:29d} {updates:12d}")
+              f"{statistics.median(ts) / full:7.2f} {temp / 2**20:8.2f} {read:25d} {updates:12d} "
+              f"{copied:16d}")
     print(f"\n{args.rounds} rounds x {args.steps} calls per policy, interleaved")
     planner_view(cfg, p, m, rows // 2, times)
 

@@ -281,7 +281,9 @@ def test_tick_loop_copies_no_accumulator_or_buffer(name, v, remat):
     chunk_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
     acc_shapes = {(v, 2, *shape) for shape in chunk_shapes}  # [v chunks, 2 layers each, ...]
     acc_shapes |= {tuple(x.shape) for x in jax.tree.leaves((params["embed"], params["head"]))}
-    buffer_rows = {plan.x_slots, plan.g_slots, *plan.res_slots.values()}
+    # residual buffers hold a spare slot beyond the plan's (where an F keeping nothing writes)
+    buffer_rows = {plan.x_slots, plan.g_slots, *(n + 1 for n in plan.res_slots.values()),
+                   *plan.stash_slots.values()}
     copied = _loop_body_copies(hlo)
     for text in copied:
         dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", text).group(1).split(",") if d)

@@ -41,7 +41,7 @@ neighbour replay at solo rates and the devices' mean work at busy rates), which
 or ``expert`` > 1 the stages run in lockstep instead: each fused tick costs every
 active branch's work on every device (``CostModel._lockstep_compute``). Either way
 each fused tick also moves residual slots (``CostModel._slot_traffic``: the runtime
-gathers the F's and the backward's slot of every residual buffer and writes one back,
+reads the backward's slot of every residual buffer and writes one back,
 ``SLOT_MOVES`` slots of the policy's residual bytes per sequence at the all-busy memory
 rate), what makes remat "none" the slowest policy in a pipeline on the CPU. The loop runs
 one iteration per *fused* tick (not per table tick), and each fused tick pays
@@ -189,10 +189,10 @@ class CostModel:
         return step + ticks * self._slot_traffic(c, rows_mb), bubble, ticks
 
     def _slot_traffic(self, c: Candidate, rows_mb: float) -> float:
-        """Seconds a fused tick spends moving residual slots: the runtime gathers, every
-        tick, the slot of each residual buffer that its F and its backward read (reading
-        and writing ``SLOT_MOVES - 1`` slots) and writes one back, whatever the tasks
-        (``runtime/ticks.py``; ``benchmarks/pipeline_remat.py`` measures it). A slot holds
+        """Seconds a fused tick spends moving residual slots: the runtime reads, every
+        tick, the slot of each residual buffer that its backward reads and writes one
+        back (the F's, or a spare), whatever the tasks: ``SLOT_MOVES`` slot moves
+        (``plan.memory``, ``runtime/ticks.py``; ``benchmarks/pipeline_remat.py`` measures it). A slot holds
         one microbatch's residuals of a chunk's layers under the policy ("full": none
         here, its stage input lives in another, tiny buffer). Streamed at the all-busy
         memory rate; 0 without a calibration or a measured residual size."""

@@ -30,7 +30,7 @@ forward (+F, + the "dots" recompute when the profile has it), "dots" the measure
 difference between the policy's backward and the plain one. What stages keep
 beyond their input also costs time in the SPMD runtime, on every device in every
 tick, busy or idle: each tick reads and writes ``SLOT_MOVES`` slots of every
-residual (and B/W stash) buffer (``runtime/ticks.py``), a slot being as wide as the
+residual buffer (``STASH_MOVES`` of each B/W stash buffer; ``runtime/ticks.py``), a slot being as wide as the
 widest stage using the buffer (``slot_tick_seconds``, at the profile's
 ``slot_move_s_per_byte``). The partitioner replays the fused ticks with that
 per-tick cost, and keeps a leaner policy where it makes the step faster
@@ -61,9 +61,11 @@ from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 REMAT_POLICIES = ("none", "dots", "full")
 PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
 MB = float(2 ** 20)  # what the plan's table and the messages call a megabyte
-# Residual slots a pipeline tick moves per buffer (``runtime/ticks.py``): two gathered
-# rows (the F's and the backward's) read and written, and the F's slot written back.
-SLOT_MOVES = 5
+# Slots a pipeline tick moves per residual buffer (``runtime/ticks.py``): the backward's
+# row read and written out, and the F's slot (or the spare) written back; per B/W stash
+# buffer: the B's and the W's rows read and written out, and the B's written back.
+SLOT_MOVES = 3
+STASH_MOVES = 5
 
 
 class StageModel:
@@ -231,7 +233,8 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     plan, rows, keeping = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     slots = {**plan.res_slots, **plan.stash_slots}
-    # n slots, plus the slot each tick reads into the branch and the one it writes back.
+    # A residual buffer's n slots, its spare and the row each tick reads out of it; a
+    # stash buffer's n slots and the two rows each tick reads (the B's and the W's).
     buffers = {r: (n + 2) * rows[r] for r, n in slots.items()}
     owner = {}
     inflight = sched.peak_in_flight()
@@ -275,13 +278,14 @@ def _slot_rows(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str
 def slot_tick_seconds(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str = "auto",
                       lockstep: bool = False) -> float:
     """Seconds every device spends per tick moving residual and stash slots in the SPMD
-    runtime under these policies: ``SLOT_MOVES`` slots of each buffer, at the profile's
-    ``slot_move_s_per_byte`` (0 when the profile does not price it)."""
+    runtime under these policies: ``SLOT_MOVES`` slots of each residual buffer and
+    ``STASH_MOVES`` of each stash buffer, at the profile's ``slot_move_s_per_byte`` (0
+    when the profile does not price it)."""
     rate = model.prof.slot_move_s_per_byte
     if rate <= 0:
         return 0.0
-    _, rows, _ = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
-    return SLOT_MOVES * rate * sum(rows.values())
+    plan, rows, _ = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
+    return rate * sum((STASH_MOVES if r in plan.stash_slots else SLOT_MOVES) * b for r, b in rows.items())
 
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,

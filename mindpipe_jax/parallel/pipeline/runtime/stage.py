@@ -148,12 +148,14 @@ class StageTasks:
                 "head": _zeros_like(self.head_p, jnp.float32), "loss": jnp.zeros((), jnp.float32)}
 
     def residual_buffers(self):
+        """Each residual buffer with its plan's slots and one spare (slot ``n``): where a
+        forward that keeps nothing in the buffer writes what it hands back (``ticks``)."""
         def empty(r, n):
             if r.startswith("split-"):
                 return [jnp.full((n, *a.shape), self.fill, a.dtype)
                         for a in self.splits[r.removeprefix("split-")].kept_avals]
             return self.stores[r].empty(n, self.fill)
-        return {r: empty(r, n) for r, n in self.plan.res_slots.items()}
+        return {r: empty(r, n + 1) for r, n in self.plan.res_slots.items()}
 
     def stash_buffers(self):
         """What each split mode's B leaves for its W: the kept values the W reads, then the cut."""

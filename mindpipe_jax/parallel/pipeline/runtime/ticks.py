@@ -18,7 +18,13 @@ Order within a tick, the same on every device:
 4. the ring transfers, outside every branch: one ``ppermute`` per direction the
    schedule uses (activations forward, gradients backward; V placements use both
    ways and keep the turn on the device);
-5. what arrived and the forward's residuals are stored in their slots.
+5. what arrived and the forward's residuals are stored in their slots: in each
+   residual buffer the F writes one slot, its own where it keeps residuals in that
+   buffer, else the buffer's spare slot ``n`` (``StageTasks.residual_buffers``), with
+   what it was handed: the backward's slot, read in step 1. The F reads no slot of
+   its own; being handed the backward's read is what orders that read before the
+   in-place write (an F whose output did not depend on the read made XLA copy the
+   whole buffer every tick).
 """
 
 from __future__ import annotations
@@ -118,6 +124,14 @@ def _pairwise_add(acc, base, unit, value):
     return jax.tree.map(lambda a, x: _put(a, base + closes, x), acc, total)
 
 
+def _forward_writes(plan: Plan, buffer: str) -> np.ndarray:
+    """``[ticks, p]`` bool: the F part's task keeps residuals in ``buffer`` (its mode's)
+    for a later task to read."""
+    part = plan.parts[0]
+    mode_of = np.asarray([False] + [mode == buffer for _, _, mode in part.keys])
+    return mode_of[part.branch] & (part.res_slot >= 0)
+
+
 def arrival_ranks(plan: Plan, groups: int = 1) -> dict | None:
     """Per (part, accumulator) of ``_gates``: ``[ticks, p]`` int, the place of each add
     among its accumulator's adds (ticks in order; within a tick the backward part before
@@ -184,10 +198,11 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
     inline = bool(plan.parts[1].inline.any())
-    # The parts whose residual slots a tick reads: the F (it hands back what it does not
-    # keep), the backward, and the W only where an unsplit W reads a policy's residuals.
-    res_readers = (0, 1) + ((2,) if any(mode in plan.res_slots and not mode.startswith("split-")
-                                        for _, _, mode in plan.parts[2].keys) else ())
+    # The parts whose residual slots a tick reads: the backward, and the W only where an
+    # unsplit W reads a policy's residuals. The F is handed the backward's read.
+    res_readers = (1,) + ((2,) if any(mode in plan.res_slots and not mode.startswith("split-")
+                                      for _, _, mode in plan.parts[2].keys) else ())
+    f_writes = {r: jnp.asarray(_forward_writes(plan, r)) for r in plan.res_slots}
     v = plan.fused.schedule.virtual_stages
     per_group = plan.fused.schedule.num_microbatches // groups
     if per_chunk is not None:
@@ -236,6 +251,8 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         # a W part that reads no residuals (every W split, or none) gets placeholders.
         blank = {r: [jnp.zeros(leaf.shape[1:], leaf.dtype) for leaf in res_buf[r]] for r in res_buf}
         def res_of(i):
+            if i == 0:  # the F hands back the backward's read where it keeps nothing
+                i = 1
             if i not in res_readers:
                 return blank
             return {r: [leaf[res_readers.index(i)] for leaf in kept[r]] for r in kept}
@@ -283,15 +300,13 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
             key = "blocks" if name == "chunk" else name
             acc[key] = lax.cond(gate[t, stage_idx], add, lambda a: a, acc[key])
 
-        f_res = f_out["res"]
-        if plan.merge_last:  # a merged last stage's F whose residuals no later task reads keeps none
-            stores = cells[0]["res_slot"] >= 0
-            f_res = {r: [jnp.where(stores, new, old)
-                         for new, old in zip(f_res[r], f_op["res"][r], strict=True)] for r in f_res}
-            slot = cells[0]["g_slot"]  # its loss's gradient, for its backward
+        if plan.merge_last:  # a merged last stage's F writes its loss's gradient for its backward
+            slot = cells[0]["g_slot"]
             keep = _take(g_buf, jnp.maximum(slot, 0))
             g_buf = _put(g_buf, jnp.maximum(slot, 0), jnp.where(slot >= 0, f_out["dy"], keep))
-        res_buf = {r: ResidualStore.write(res_buf[r], res_at[r], f_res[r]) for r in res_buf}
+        res_buf = {r: ResidualStore.write(res_buf[r], jnp.where(f_writes[r][t, stage_idx], res_at[r],
+                                                                plan.res_slots[r]), f_out["res"][r])
+                   for r in res_buf}
         stash_buf = {r: ResidualStore.write(stash_buf[r], stash_at[r], b_out["stash"][r]) for r in stash_buf}
         # Every device takes part in every transfer of every tick (outside the branches).
         for what, made, buf_name in (("x", f_out["send"], "x"), ("g", b_out["send"], "g")):
