@@ -207,7 +207,9 @@ def main(args) -> None:
         fitted.observe(cand, measured[cand])
     names = ("compute", "comm", "update", "launch s", "pipeline tick s")
     print("fitted coefficients (prior -> fit on the FIT layouts): " + ", ".join(
-        f"{n} {p:.3g} -> {f:.3g}" for n, p, f in zip(names, prior.coef, fitted.coef, strict=True)))
+        f"{n} {p:.3g} -> {f:.3g}" for n, p, f in zip(names, prior.coef, fitted.coef, strict=True))
+        + f"; ridge {fitted.ridge_used:g}, chosen by leave-one-out over the FIT layouts "
+          f"(inf: the priors kept)")
 
     print("\nFIT layouts (B16/B64; used for the fit, not scored)")
     for cand in FIT:

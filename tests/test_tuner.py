@@ -126,6 +126,42 @@ def test_observed_trials_pull_the_model_to_the_measurements():
         cm.observe(c, truth[c])
     after = np.mean([abs(cm.step_time(c) / truth[c] - 1) for c in cands])
     assert before > 0.5 and after < 0.1, (before, after)
+    assert cm.ridge_used is not None and np.isfinite(cm.ridge_used)  # a fit, chosen over the priors
+
+
+def test_a_fit_on_a_few_noisy_trials_does_not_chase_the_noise():
+    """Trials that are the calibration's prediction times 20% noise carry nothing to learn:
+    the leave-one-out ridge keeps the fit near the priors, where the old fixed ridge
+    (0.1) chased the noise and predicted unseen layouts worse. Over 8 draws of the noise
+    (7 fitted layouts of mixed kinds, 8 held out), the mean held-out median |error|."""
+    fit = [Candidate(data=8, global_batch=16), Candidate(data=8, global_batch=64),
+           Candidate(data=4, tensor=2, global_batch=16), Candidate(fsdp=8, global_batch=64),
+           Candidate(data=2, pipe=4, microbatches=4, global_batch=16),
+           Candidate(data=4, pipe=2, microbatches=2, global_batch=64),
+           Candidate(data=8, global_batch=16, microbatches=4)]
+    held = [Candidate(data=8, global_batch=32, microbatches=m) for m in (1, 2)] + [
+        Candidate(data=4, tensor=2, global_batch=32), Candidate(fsdp=8, global_batch=32),
+        Candidate(data=2, pipe=4, microbatches=8, global_batch=32),
+        Candidate(data=4, pipe=2, microbatches=4, global_batch=32),
+        Candidate(data=8, global_batch=32, remat="full"), Candidate(data=2, fsdp=4, global_batch=32)]
+    calibration, chosen, fixed = [], [], []
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        base = _synthetic_model()
+        truth = {c: base.step_time(c) * (1 + 0.2 * rng.standard_normal()) for c in fit + held}
+
+        def held_out_error(model, truth=truth):
+            return np.median([abs(model.step_time(c) / truth[c] - 1) for c in held])
+
+        calibration.append(held_out_error(base))
+        for ridge, errors in ((None, chosen), (0.1, fixed)):
+            model = _synthetic_model()
+            model.ridge = ridge
+            for c in fit:
+                model.observe(c, truth[c])
+            errors.append(held_out_error(model))
+    calibration, chosen, fixed = np.mean(calibration), np.mean(chosen), np.mean(fixed)
+    assert chosen < 0.8 * fixed and chosen < 1.15 * calibration, (calibration, chosen, fixed)
 
 
 def test_spearman():

@@ -66,8 +66,10 @@ same five terms from its own compiled pieces (``tuner/supernet_costs.py``, given
 ``observe`` refits the five coefficients by ridge regression towards those
 priors from measured trials, so a few fitted layouts teach it what the
 micro-benchmarks cannot see (the runtime's per-tick bookkeeping, a step's host
-work); ``benchmarks/costmodel.py`` measures how it predicts layouts it has not
-run.
+work). How hard the fit is pulled to the priors is chosen by leave-one-out over
+the trials (``RIDGE_CHOICES``, the last being "the priors alone"): a fit that
+predicts its own held-out trials worse than the calibration does is not taken.
+``benchmarks/costmodel.py`` measures how it predicts layouts it has not run.
 
 The pieces live beside this module and are re-exported here: ``tuner/pieces.py``
 (``Piece``, ``ModelCosts``: the model's compiled pieces, measured) and
@@ -94,6 +96,10 @@ from mindpipe_jax.tuner.pieces import (
 from mindpipe_jax.tuner.space import V_SCHEDULES, Candidate
 
 FEATURES = ("compute_s", "comm_s", "update_s", "launch", "pipeline_ticks")
+# Ridge strengths ``observe`` chooses among by leave-one-out (inf: keep the priors, the
+# calibration alone), and the fewest trials to choose with (fewer: the default ridge).
+RIDGE_CHOICES = (0.1, 1.0, 10.0, math.inf)
+MIN_TRIALS_TO_CHOOSE = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +132,7 @@ class CostModel:
     runs in the tick (``_lockstep_compute``); False models the stage work unsplit
     and per-device branches (the model before lockstep was counted)."""
 
-    def __init__(self, costs: ModelCosts | None, hardware: Hardware, seq_len: int, ridge: float = 0.1,
+    def __init__(self, costs: ModelCosts | None, hardware: Hardware, seq_len: int, ridge: float | None = None,
                  fuse_mode: str = "auto", pipeline_tensor_split: bool = True, supernet=None,
                  shared_cores: bool = True, slot_traffic: bool = True):
         self.costs, self.hw, self.seq_len = costs, hardware, seq_len
@@ -136,7 +142,8 @@ class CostModel:
         self.pipeline_tensor_split = pipeline_tensor_split
         self.prior = np.array([1.0, 1.0, 1.0, hardware.launch_s, hardware.iteration_s])
         self.coef = self.prior.copy()
-        self.ridge = ridge
+        self.ridge = ridge  # None: chosen by leave-one-out (``observe``)
+        self.ridge_used: float | None = None  # the ridge of the current fit
         self.observed: list[tuple[Candidate, float]] = []
         self._cache: dict[Candidate, tuple] = {}
 
@@ -353,21 +360,50 @@ class CostModel:
         from the fixed cost); the fixed costs are measured in units of the mean
         observed step, so trials can teach the model an overhead the
         micro-benchmarks did not see (a pipeline tick's bookkeeping, a step's host
-        work). All coefficients stay >= 0."""
+        work). All coefficients stay >= 0. The ridge is ``self.ridge`` when set,
+        else, from ``MIN_TRIALS_TO_CHOOSE`` trials on, the one of ``RIDGE_CHOICES``
+        whose fits predict each trial left out best (mean |relative error|; ties go
+        to the stronger pull), so a handful of trials that a fit would chase worse
+        than the calibration predicts them leave the priors in place."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         self.observed.append((c, float(seconds)))
         X = np.stack([self.features(cand) for cand, _ in self.observed])
         y = np.array([s for _, s in self.observed])
+        if self.ridge is not None:
+            ridge = self.ridge
+        elif len(y) < MIN_TRIALS_TO_CHOOSE:
+            ridge = RIDGE_CHOICES[0]
+        else:
+            ridge = self._leave_one_out_ridge(X, y)
+        self.ridge_used = ridge
+        self.coef = self._fit(X, y, ridge)
+
+    def _fit(self, X: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
+        if math.isinf(ridge):
+            return self.prior.copy()
         ybar = float(np.mean(y))
         scale = np.array([1.0, 1.0, 1.0, ybar, ybar / 10])  # a fixed cost of ~ybar, a tick ~ybar/10
         u0 = self.prior / scale
         Z = X * scale / y[:, None]  # rows in units of their own measurement: relative errors
-        lam = self.ridge * np.array([1.0, 1.0, 10.0, 1.0, 0.1])
+        lam = ridge * np.array([1.0, 1.0, 10.0, 1.0, 0.1])
         A = np.vstack([Z, np.diag(np.sqrt(lam))])
         b = np.concatenate([np.ones(len(y)), np.sqrt(lam) * u0])
         u, *_ = np.linalg.lstsq(A, b, rcond=None)
-        self.coef = np.maximum(u, 0.0) * scale
+        return np.maximum(u, 0.0) * scale
+
+    def _leave_one_out_ridge(self, X: np.ndarray, y: np.ndarray) -> float:
+        best = None
+        for ridge in reversed(RIDGE_CHOICES):  # strongest first: a tie keeps it
+            errors = []
+            for i in range(len(y)):
+                rest = np.arange(len(y)) != i
+                coef = self._fit(X[rest], y[rest], ridge)
+                errors.append(abs(max(float(X[i] @ coef), 1e-9) / y[i] - 1))
+            score = float(np.mean(errors))
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, ridge)
+        return best[1]
 
     def rank(self, candidates: Sequence[Candidate]) -> list[tuple[Candidate, Breakdown]]:
         """Candidates by predicted step time per sample (fastest first)."""
