@@ -273,6 +273,35 @@ def test_a_pipeline_stage_keeps_its_weights_split_over_tensor():
     assert not any(cols == "96" for _, cols in tp)  # no unsplit MLP dot inside the t2 pipeline
 
 
+def test_tensor_all_reduces_inside_a_pipeline_are_counted_per_active_branch():
+    """In lockstep every device runs every branch some device takes in a tick, its
+    tensor all-reduces too: the model counts them per active branch per fused tick, which
+    is more than Megatron's count per microbatch and at most what the compiled program
+    holds in its tick loop (read from the HLO, each branch's collectives counted as if it
+    ran in every tick)."""
+    import numpy as np
+
+    from mindpipe_jax.config import Config
+    from mindpipe_jax.parallel.collectives import axes_of, collectives
+    from mindpipe_jax.tuner.aot import build_step
+
+    cfg = Config().replace("model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.seq_len=8",
+                           "train.progress=false", "train.tensorboard=false")
+    cand = Candidate(tensor=2, pipe=4, microbatches=4, global_batch=32)
+    built = build_step(cand.apply(cfg))
+    ids = np.vectorize(lambda d: d.id)(built.mesh.devices)
+    compiled = sum(op.count for op in collectives(built.lower().compile().as_text())
+                   if op.in_branch and op.kind == "all-reduce"
+                   and axes_of(op, ids, built.mesh.axis_names) == {"tensor"})
+    model = _model()
+    per_microbatch = cand.microbatches * (4 * 4 / cand.pipe + 2)
+    counted = model._tensor_all_reduces(cand)
+    assert per_microbatch < counted <= compiled, (per_microbatch, counted, compiled)
+    # without a pipeline (no lockstep) the count is Megatron's per microbatch
+    flat = Candidate(data=4, tensor=2, microbatches=2, global_batch=32)
+    assert model._tensor_all_reduces(flat) == 2 * (4 * 4 + 2)
+
+
 def test_a_calibration_measured_under_load_says_so_and_old_files_still_load(tmp_path):
     """Rates measured while other work holds the cores are too low for every prediction
     made from them: the note says so. Files cached before the load was recorded load."""

@@ -50,7 +50,8 @@ its ppermutes.
 Communication per step and device (``Calibration.collective_time`` of the axis
 size, or the ``Link``'s ring model when no calibration is given): tensor — 4
 all-reduces of a microbatch's hidden state per block per microbatch (2 forward,
-2 backward, Megatron; 2 more under remat "full") and 2 for the head; pipe — 2
+2 backward, Megatron; 2 more under remat "full") and 2 for the head, in a lockstep
+pipeline per active branch per fused tick instead (``_tensor_all_reduces``); pipe — 2
 ppermutes of a hidden state per fused tick (4 for a V placement on p > 2);
 data — an all-reduce of the device's gradient shard; fsdp — an all-gather of
 the parameters and a reduce-scatter of the gradient; expert — 4 all-gathers of
@@ -146,6 +147,7 @@ class CostModel:
         self.ridge_used: float | None = None  # the ridge of the current fit
         self.observed: list[tuple[Candidate, float]] = []
         self._cache: dict[Candidate, tuple] = {}
+        self._plans: dict = {}
 
     # ---------------------------------------------------------------- features
     def fused_schedule(self, c: Candidate):
@@ -260,13 +262,10 @@ class CostModel:
         into one branch (``make_plan(merge_first, merge_last)``: the last stage's forward
         runs its layers and the loss), which costs the dearest of the stages sharing it
         (the widest middle stage's work for a middle position)."""
-        from mindpipe_jax.parallel.pipeline import get_schedule
-        from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, MID, make_plan
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, MID
         from mindpipe_jax.parallel.pipeline.schedules import Kind
 
-        # The plan as the runtime makes it in lockstep (``pipeline_grads``' defaults).
-        plan = make_plan(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages), c.remat,
-                         self.fuse_mode, merge_first=True, merge_last=True)
+        plan = self._lockstep_plan(c)
         sc = self._stage_costs(c, rows_mb, solo=False)
         last = len(sc.F) - 1
         middle = max(range(1, last), key=lambda g: sc.BW[g]) if last > 1 else 0  # the widest
@@ -289,6 +288,44 @@ class CostModel:
         bubble = 1.0 - useful / total if total > 0 else 0.0
         return total, max(bubble, 0.0), plan.num_ticks
 
+    def _lockstep_plan(self, c: Candidate):
+        """The tick plan as the runtime makes it in lockstep (``pipeline_grads``' defaults)."""
+        from mindpipe_jax.parallel.pipeline import get_schedule
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+        if c not in self._plans:
+            self._plans[c] = make_plan(get_schedule(c.schedule, c.pipe, c.microbatches, c.virtual_stages),
+                                       c.remat, self.fuse_mode, merge_first=True, merge_last=True)
+        return self._plans[c]
+
+    def _tensor_all_reduces(self, c: Candidate) -> float:
+        """All-reduces over ``tensor`` one device runs per step (Megatron: 2 per block in
+        a forward, 2 in a backward, 2 more when remat "full" re-runs the forward; 1 for
+        the head each way). In a lockstep pipeline every device runs every branch some
+        device takes in a tick, collectives included, so they are counted per active
+        branch per fused tick (a branch's stage as wide as the widest), not per
+        microbatch: t2 p4 m4 compiles to 80 in the tick loop against 24 per microbatch."""
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import LAST
+        from mindpipe_jax.parallel.pipeline.schedules import Kind
+
+        k = self.costs
+        back = 4 if c.remat == "full" else 2
+        if not (c.pipe > 1 and self.pipeline_tensor_split):
+            return c.microbatches * ((2 + back) * k.n_layers / c.pipe + 2)
+        plan = self._lockstep_plan(c)
+        width = math.ceil(k.n_layers / (c.pipe * c.virtual_stages))
+
+        def count(kind, pos) -> float:
+            head = 0.0 if pos == LAST and not plan.merge_last else 1.0  # MID has none; EITHER may
+            if kind is Kind.F:
+                return 2 * width + head
+            if kind is Kind.W:
+                return 0.0
+            return back * width + head
+
+        return sum(float((part.active() @ np.array([count(kind, pos) for kind, pos, _ in part.keys])).sum())
+                   for part in plan.parts if part.keys)
+
     def _update(self, c: Candidate) -> float:
         """The optimizer over this device's parameter shard (all-busy rates)."""
         shards = c.tensor * c.pipe * c.fsdp * c.expert
@@ -301,9 +338,7 @@ class CostModel:
         layers_here = k.n_layers / c.pipe
         out = {}
         if c.tensor > 1:
-            per_layer = 6 if c.remat == "full" else 4
-            count = c.microbatches * (per_layer * layers_here + 2)
-            out["tensor"] = count * hw.collective("all-reduce", c.tensor, hidden)
+            out["tensor"] = self._tensor_all_reduces(c) * hw.collective("all-reduce", c.tensor, hidden)
         if c.pipe > 1:
             ticks = self.fused_schedule(c).num_ticks
             sends = 4 if (c.schedule in V_SCHEDULES and c.pipe > 2) else 2
