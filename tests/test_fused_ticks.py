@@ -262,22 +262,24 @@ def _loop_body_copies(hlo: str) -> list[str]:
 
 
 @pytest.mark.xla_default_emitters  # a property of the program XLA compiles for users
-@pytest.mark.parametrize("name,v,remat", [("1f1b", 1, False), ("zb-h1", 1, "dots"), ("interleaved", 2, True)])
-def test_tick_loop_copies_no_accumulator_or_buffer(name, v, remat):
+@pytest.mark.parametrize("name,v,remat,tensor", [("1f1b", 1, False, 1), ("zb-h1", 1, "dots", 1),
+                                                ("interleaved", 2, True, 1), ("1f1b", 1, False, 2)])
+def test_tick_loop_copies_no_accumulator_or_buffer(name, v, remat, tensor):
     # Before: the accumulators went through the switch and XLA copied each of them
     # (and, with several reads of a buffer feeding different branches, whole slot
     # buffers) every tick. Now no array of an accumulator's or a buffer's shape is
-    # copied inside the tick loop.
+    # copied inside the tick loop; with tensor = 2 the stages run in lockstep (every
+    # residual buffer was copied twice a tick there while the F read no slot of its own).
     p, m = 4, 8
     model, params = tiny_gpt(p * v * 2)
     inputs, targets = microbatches(0, m)
-    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=1))
+    mesh = make_mesh(ParallelConfig(pipe=p, data=-1, tensor=tensor))
     sched = get_schedule(name, p, m, v)
     run = pipeline_grads(stage_fns(model), sched, mesh, remat=remat)
     with jax.set_mesh(mesh):
         hlo = jax.jit(run).lower(params["embed"], params["blocks"], params["head"],
                                  inputs, targets).compile().as_text()
-    plan = make_plan(sched, remat)
+    plan = make_plan(sched, remat, merge_first=tensor > 1, merge_last=tensor > 1)
     chunk_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
     acc_shapes = {(v, 2, *shape) for shape in chunk_shapes}  # [v chunks, 2 layers each, ...]
     acc_shapes |= {tuple(x.shape) for x in jax.tree.leaves((params["embed"], params["head"]))}

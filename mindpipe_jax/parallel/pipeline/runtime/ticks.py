@@ -22,9 +22,9 @@ Order within a tick, the same on every device:
    residual buffer the F writes one slot, its own where it keeps residuals in that
    buffer, else the buffer's spare slot ``n`` (``StageTasks.residual_buffers``), with
    what it was handed: the backward's slot, read in step 1. The F reads no slot of
-   its own; being handed the backward's read is what orders that read before the
-   in-place write (an F whose output did not depend on the read made XLA copy the
-   whole buffer every tick).
+   its own (in lockstep it does, see ``make_tick``); being handed the backward's read
+   is what orders that read before the in-place write (an F whose output did not
+   depend on the read made XLA copy the whole buffer every tick).
 """
 
 from __future__ import annotations
@@ -199,9 +199,14 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
 
     inline = bool(plan.parts[1].inline.any())
     # The parts whose residual slots a tick reads: the backward, and the W only where an
-    # unsplit W reads a policy's residuals. The F is handed the backward's read.
-    res_readers = (1,) + ((2,) if any(mode in plan.res_slots and not mode.startswith("split-")
-                                      for _, _, mode in plan.parts[2].keys) else ())
+    # unsplit W reads a policy's residuals. The F is handed the backward's read, except in
+    # lockstep: there its conds consume the row through selects, XLA fuses a copy of the
+    # one-row read into each consumer and the backward's is then not ordered before the
+    # write (whole buffers copied every tick); reading the F's own slot too keeps one
+    # two-row gather that every consumer shares.
+    res_readers = ((0,) if lockstep else ()) + (1,) + (
+        (2,) if any(mode in plan.res_slots and not mode.startswith("split-")
+                    for _, _, mode in plan.parts[2].keys) else ())
     f_writes = {r: jnp.asarray(_forward_writes(plan, r)) for r in plan.res_slots}
     v = plan.fused.schedule.virtual_stages
     per_group = plan.fused.schedule.num_microbatches // groups
@@ -251,7 +256,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         # a W part that reads no residuals (every W split, or none) gets placeholders.
         blank = {r: [jnp.zeros(leaf.shape[1:], leaf.dtype) for leaf in res_buf[r]] for r in res_buf}
         def res_of(i):
-            if i == 0:  # the F hands back the backward's read where it keeps nothing
+            if i not in res_readers and i == 0:  # the F hands back the backward's read
                 i = 1
             if i not in res_readers:
                 return blank
