@@ -170,7 +170,8 @@ def main(args) -> None:
     t0 = time.perf_counter()
     hw = Hardware.calibrate(devices, cache_dir=args.cache_dir, refresh=args.refresh)
     how = "read from the cache" if cached else "measured"
-    print(f"pipeline ticks priced at {costmodel_module.SLOT_MOVES} residual slot moves per buffer")
+    print(f"pipeline ticks priced at {costmodel_module.SLOT_MOVES} residual slot moves per buffer "
+          f"({costmodel_module.SLOT_MOVES_TWO_READS} in lockstep)")
     print(f"calibration ({how} in {time.perf_counter() - t0:.1f} s, "
           f"{calibrate.cache_file(key, args.cache_dir)}):\n  {hw.note}")
     t0 = time.perf_counter()
@@ -288,15 +289,16 @@ if __name__ == "__main__":
                         help="score the model on the steps a --save-times run wrote instead of timing "
                              "(calibration and pieces are read or measured as usual)")
     parser.add_argument("--slot-moves", type=int, default=None, metavar="N",
-                        help="residual slots a pipeline tick moves per buffer (default: "
-                             "costmodel.SLOT_MOVES, the runtime's now; 5 for timings of the runtime "
-                             "before 2026-12-05, whose F part also read its slot, 7 before "
-                             "2026-12-04 evening, whose W part read them too)")
+                        help="residual slots a pipeline tick moves per buffer, lockstep or not "
+                             "(default: the runtime's now, costmodel.SLOT_MOVES and, in lockstep, "
+                             "SLOT_MOVES_TWO_READS; 5 for timings of the runtime before 2026-12-05, "
+                             "whose F part also read its slot, 7 before 2026-12-04 evening, whose W "
+                             "part read them too)")
     args = parser.parse_args()
     if args.slot_moves is not None:
         if args.slot_moves < 0:
             raise SystemExit(f"--slot-moves {args.slot_moves} must be >= 0")
-        costmodel_module.SLOT_MOVES = args.slot_moves
+        costmodel_module.SLOT_MOVES = costmodel_module.SLOT_MOVES_TWO_READS = args.slot_moves
     if args.rounds * args.steps < 5:
         raise SystemExit(f"--rounds x --steps = {args.rounds * args.steps}: at least 5 timed steps per "
                          f"layout are needed")

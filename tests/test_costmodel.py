@@ -141,11 +141,12 @@ def test_a_pipeline_tick_shares_the_host_cores_among_its_busy_stages():
 
 
 def test_a_pipeline_tick_pays_for_moving_its_residual_slots():
-    """Every fused tick the runtime gathers the F's and the backward's residual slots of
-    each buffer and writes one back (``SLOT_MOVES`` slot transfers at the all-busy
-    memory rate): a cost in the ticks and the residual bytes the policy keeps, none for
-    remat "full" (its stage input lives elsewhere) or without a pipeline."""
-    from mindpipe_jax.tuner.costmodel import SLOT_MOVES
+    """Every fused tick the runtime reads the backward's residual slot of each buffer and
+    writes one back (``SLOT_MOVES`` slot transfers at the all-busy memory rate; in
+    lockstep it reads the F's slot too, ``SLOT_MOVES_TWO_READS``): a cost in the ticks and
+    the residual bytes the policy keeps, none for remat "full" (its stage input lives
+    elsewhere) or without a pipeline."""
+    from mindpipe_jax.tuner.costmodel import SLOT_MOVES, SLOT_MOVES_TWO_READS
 
     costs = dataclasses.replace(_costs(), residual_bytes_per_row={"none": 4e5, "dots": 1e5, "full": 0.0})
     cand = Candidate(data=2, pipe=4, microbatches=8, global_batch=32)
@@ -158,10 +159,10 @@ def test_a_pipeline_tick_pays_for_moving_its_residual_slots():
     assert with_slots.breakdown(dots).compute_s - without.breakdown(dots).compute_s == pytest.approx(gap / 4)
     for same in (dataclasses.replace(cand, remat="full"), Candidate(data=8, global_batch=32)):
         assert with_slots.breakdown(same).compute_s == without.breakdown(same).compute_s
-    tensor = Candidate(tensor=2, pipe=4, microbatches=8, global_batch=32)  # lockstep: the same ticks' moves
+    tensor = Candidate(tensor=2, pipe=4, microbatches=8, global_batch=32)  # lockstep: two rows read
     lock_gap = with_slots.breakdown(tensor).compute_s - without.breakdown(tensor).compute_s
     lock_ticks = with_slots.breakdown(tensor).iterations
-    assert lock_gap == pytest.approx(lock_ticks * SLOT_MOVES * (32 / 8) * 4e5 / 1e9)
+    assert lock_gap == pytest.approx(lock_ticks * SLOT_MOVES_TWO_READS * (32 / 8) * 4e5 / 1e9)
 
 
 # --------------------------------------------------------------- monotonicity

@@ -87,7 +87,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mindpipe_jax.parallel.pipeline.plan.memory import SLOT_MOVES
+from mindpipe_jax.parallel.pipeline.plan.memory import SLOT_MOVES, SLOT_MOVES_TWO_READS
 from mindpipe_jax.tuner.hardware import Hardware
 from mindpipe_jax.tuner.pieces import (
     ModelCosts,
@@ -200,8 +200,9 @@ class CostModel:
     def _slot_traffic(self, c: Candidate, rows_mb: float) -> float:
         """Seconds a fused tick spends moving residual slots: the runtime reads, every
         tick, the slot of each residual buffer that its backward reads and writes one
-        back (the F's, or a spare), whatever the tasks: ``SLOT_MOVES`` slot moves
-        (``plan.memory``, ``runtime/ticks.py``; ``benchmarks/pipeline_remat.py`` measures it). A slot holds
+        back (the F's, or a spare), whatever the tasks: ``SLOT_MOVES`` slot moves; in
+        lockstep it reads the F's slot too, ``SLOT_MOVES_TWO_READS`` (``plan.memory``,
+        ``runtime/ticks.py``; ``benchmarks/pipeline_remat.py`` measures it). A slot holds
         one microbatch's residuals of a chunk's layers under the policy ("full": none
         here, its stage input lives in another, tiny buffer). Streamed at the all-busy
         memory rate; 0 without a calibration or a measured residual size."""
@@ -210,7 +211,9 @@ class CostModel:
         if not self.slot_traffic or cal is None or per_row <= 0:
             return 0.0
         layers_per_chunk = self.costs.n_layers / (c.pipe * c.virtual_stages)
-        return SLOT_MOVES * rows_mb * layers_per_chunk * per_row / cal.mem_busy
+        lockstep = self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1)
+        moves = SLOT_MOVES_TWO_READS if lockstep else SLOT_MOVES
+        return moves * rows_mb * layers_per_chunk * per_row / cal.mem_busy
 
     def _tick_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
         """A pipeline in per-device branches: (compute, bubble fraction, fused ticks)."""

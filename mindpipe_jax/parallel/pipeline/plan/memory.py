@@ -27,17 +27,19 @@ The memory model, per device ``s`` (all bytes, per device)::
 
 and remat adds its recompute to the stage's backward: "full" re-runs the stage's
 forward (+F, + the "dots" recompute when the profile has it), "dots" the measured
-difference between the policy's backward and the plain one. What stages keep
-beyond their input also costs time in the SPMD runtime, on every device in every
-tick, busy or idle: each tick reads and writes ``SLOT_MOVES`` slots of every
-residual buffer (``STASH_MOVES`` of each B/W stash buffer; ``runtime/ticks.py``), a slot being as wide as the
-widest stage using the buffer (``slot_tick_seconds``, at the profile's
-``slot_move_s_per_byte``). The partitioner replays the fused ticks with that
-per-tick cost, and keeps a leaner policy where it makes the step faster
-(``partition``): what makes "none" slower than "dots" or "full" in a pipeline on a
-host whose memory is slow against its compute (``benchmarks/pipeline_remat.py``). With ``v > 1`` a
+difference between the policy's backward and the plain one. With ``v > 1`` a
 device's peak is found by walking its task list with each chunk's own
 per-microbatch size.
+
+What stages keep beyond their input also costs time in the SPMD runtime, on every
+device in every tick, busy or idle: each tick reads and writes ``SLOT_MOVES`` slots
+of every residual buffer (``SLOT_MOVES_TWO_READS`` of a B/W stash buffer, and of a
+residual buffer in lockstep; ``runtime/ticks.py``), a slot being as wide as the
+widest stage using the buffer (``slot_tick_seconds``, at the profile's
+``slot_move_s_per_byte``). The partitioner replays the fused ticks with that
+per-tick cost and keeps a leaner policy where it makes the step faster
+(``partition``): what makes "none" slower than "dots" or "full" in a pipeline on a
+host whose memory is slow against its compute (``benchmarks/pipeline_remat.py``).
 
 The SPMD runtime runs one program on every device, so each policy's residual
 buffer is as deep as the deepest stage using it needs. ``plan.spmd_memory_bytes``
@@ -62,10 +64,11 @@ REMAT_POLICIES = ("none", "dots", "full")
 PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
 MB = float(2 ** 20)  # what the plan's table and the messages call a megabyte
 # Slots a pipeline tick moves per residual buffer (``runtime/ticks.py``): the backward's
-# row read and written out, and the F's slot (or the spare) written back; per B/W stash
-# buffer: the B's and the W's rows read and written out, and the B's written back.
+# row read and written out, and the F's slot (or the spare) written back. Two rows read
+# and one written back: a B/W stash buffer (the B's and the W's rows), and a residual
+# buffer in lockstep (the F's and the backward's), or where an unsplit W reads it too.
 SLOT_MOVES = 3
-STASH_MOVES = 5
+SLOT_MOVES_TWO_READS = 5
 
 
 class StageModel:
@@ -233,9 +236,10 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     plan, rows, keeping = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
     slots = {**plan.res_slots, **plan.stash_slots}
-    # A residual buffer's n slots, its spare and the row each tick reads out of it; a
+    # A residual buffer's n slots, its spare and the rows each tick reads out of it; a
     # stash buffer's n slots and the two rows each tick reads (the B's and the W's).
-    buffers = {r: (n + 2) * rows[r] for r, n in slots.items()}
+    buffers = {r: (n + 1 + _reads(plan, r, lockstep)) * rows[r] for r, n in plan.res_slots.items()}
+    buffers.update({r: (n + 2) * rows[r] for r, n in plan.stash_slots.items()})
     owner = {}
     inflight = sched.peak_in_flight()
     for r in slots:
@@ -278,14 +282,22 @@ def _slot_rows(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str
 def slot_tick_seconds(model: StageModel, sched: Schedule, spans, chosen, fuse_mode: str = "auto",
                       lockstep: bool = False) -> float:
     """Seconds every device spends per tick moving residual and stash slots in the SPMD
-    runtime under these policies: ``SLOT_MOVES`` slots of each residual buffer and
-    ``STASH_MOVES`` of each stash buffer, at the profile's ``slot_move_s_per_byte`` (0
-    when the profile does not price it)."""
+    runtime under these policies: ``SLOT_MOVES`` slots of a buffer one part reads,
+    ``SLOT_MOVES_TWO_READS`` of one two parts read, at the profile's
+    ``slot_move_s_per_byte`` (0 when the profile does not price it)."""
     rate = model.prof.slot_move_s_per_byte
     if rate <= 0:
         return 0.0
     plan, rows, _ = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
-    return rate * sum((STASH_MOVES if r in plan.stash_slots else SLOT_MOVES) * b for r, b in rows.items())
+    reads = {r: 2 if r in plan.stash_slots else _reads(plan, r, lockstep) for r in rows}
+    return rate * sum((SLOT_MOVES if reads[r] == 1 else SLOT_MOVES_TWO_READS) * b for r, b in rows.items())
+
+
+def _reads(plan, buffer: str, lockstep: bool) -> int:
+    """Rows of a residual buffer a tick reads (``runtime/ticks.make_tick``): the
+    backward's, the F's own in lockstep, an unsplit W's where one reads the buffer."""
+    w_reads = any(mode == buffer and not mode.startswith("split-") for _, _, mode in plan.parts[2].keys)
+    return 1 + int(lockstep) + int(w_reads)
 
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,

@@ -256,7 +256,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
         # a W part that reads no residuals (every W split, or none) gets placeholders.
         blank = {r: [jnp.zeros(leaf.shape[1:], leaf.dtype) for leaf in res_buf[r]] for r in res_buf}
         def res_of(i):
-            if i not in res_readers and i == 0:  # the F hands back the backward's read
+            if i == 0 and 0 not in res_readers:  # the F hands back the backward's read
                 i = 1
             if i not in res_readers:
                 return blank
