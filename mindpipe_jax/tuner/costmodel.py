@@ -68,8 +68,8 @@ same five terms from its own compiled pieces (``tuner/supernet_costs.py``, given
 priors from measured trials, so a few fitted layouts teach it what the
 micro-benchmarks cannot see (the runtime's per-tick bookkeeping, a step's host
 work). How hard the fit is pulled to the priors is chosen by leave-one-out over
-the trials (``RIDGE_CHOICES``, the last being "the priors alone"): a fit that
-predicts its own held-out trials worse than the calibration does is not taken.
+the trials (``tuner/costfit.py``): a fit that predicts its own held-out trials
+worse than the calibration does is not taken.
 ``benchmarks/costmodel.py`` measures how it predicts layouts it has not run.
 
 The pieces live beside this module and are re-exported here: ``tuner/pieces.py``
@@ -88,6 +88,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mindpipe_jax.parallel.pipeline.plan.memory import SLOT_MOVES, SLOT_MOVES_TWO_READS
+from mindpipe_jax.tuner.costfit import fit, leave_one_out_ridge
 from mindpipe_jax.tuner.hardware import Hardware
 from mindpipe_jax.tuner.pieces import (
     ModelCosts,
@@ -97,10 +98,6 @@ from mindpipe_jax.tuner.pieces import (
 from mindpipe_jax.tuner.space import V_SCHEDULES, Candidate
 
 FEATURES = ("compute_s", "comm_s", "update_s", "launch", "pipeline_ticks")
-# Ridge strengths ``observe`` chooses among by leave-one-out (inf: keep the priors, the
-# calibration alone), and the fewest trials to choose with (fewer: the default ridge).
-RIDGE_CHOICES = (0.1, 1.0, 10.0, math.inf)
-MIN_TRIALS_TO_CHOOSE = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,59 +386,17 @@ class CostModel:
         return self.breakdown(c).step_s
 
     def observe(self, c: Candidate, seconds: float) -> None:
-        """Add a measured step time and refit the coefficients.
-
-        The fit minimizes the *relative* errors of the observed trials (what the
-        model is judged by; a slow layout does not outweigh a fast one) plus a ridge
-        pull towards the prior, per coefficient: compute, comm and update are
-        multipliers (prior 1; update held closer, since few layouts tell it apart
-        from the fixed cost); the fixed costs are measured in units of the mean
-        observed step, so trials can teach the model an overhead the
-        micro-benchmarks did not see (a pipeline tick's bookkeeping, a step's host
-        work). All coefficients stay >= 0. The ridge is ``self.ridge`` when set,
-        else, from ``MIN_TRIALS_TO_CHOOSE`` trials on, the one of ``RIDGE_CHOICES``
-        whose fits predict each trial left out best (mean |relative error|; ties go
-        to the stronger pull), so a handful of trials that a fit would chase worse
-        than the calibration predicts them leave the priors in place."""
+        """Add a measured step time and refit the coefficients (``tuner/costfit.py``:
+        relative errors, a ridge pull towards the priors of ``self.ridge``, or when
+        that is None the one leave-one-out over the trials picks)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         self.observed.append((c, float(seconds)))
         X = np.stack([self.features(cand) for cand, _ in self.observed])
         y = np.array([s for _, s in self.observed])
-        if self.ridge is not None:
-            ridge = self.ridge
-        elif len(y) < MIN_TRIALS_TO_CHOOSE:
-            ridge = RIDGE_CHOICES[0]
-        else:
-            ridge = self._leave_one_out_ridge(X, y)
+        ridge = self.ridge if self.ridge is not None else leave_one_out_ridge(X, y, self.prior)
         self.ridge_used = ridge
-        self.coef = self._fit(X, y, ridge)
-
-    def _fit(self, X: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
-        if math.isinf(ridge):
-            return self.prior.copy()
-        ybar = float(np.mean(y))
-        scale = np.array([1.0, 1.0, 1.0, ybar, ybar / 10])  # a fixed cost of ~ybar, a tick ~ybar/10
-        u0 = self.prior / scale
-        Z = X * scale / y[:, None]  # rows in units of their own measurement: relative errors
-        lam = ridge * np.array([1.0, 1.0, 10.0, 1.0, 0.1])
-        A = np.vstack([Z, np.diag(np.sqrt(lam))])
-        b = np.concatenate([np.ones(len(y)), np.sqrt(lam) * u0])
-        u, *_ = np.linalg.lstsq(A, b, rcond=None)
-        return np.maximum(u, 0.0) * scale
-
-    def _leave_one_out_ridge(self, X: np.ndarray, y: np.ndarray) -> float:
-        best = None
-        for ridge in reversed(RIDGE_CHOICES):  # strongest first: a tie keeps it
-            errors = []
-            for i in range(len(y)):
-                rest = np.arange(len(y)) != i
-                coef = self._fit(X[rest], y[rest], ridge)
-                errors.append(abs(max(float(X[i] @ coef), 1e-9) / y[i] - 1))
-            score = float(np.mean(errors))
-            if best is None or score < best[0] * (1 - 1e-9):
-                best = (score, ridge)
-        return best[1]
+        self.coef = fit(X, y, self.prior, ridge)
 
     def rank(self, candidates: Sequence[Candidate]) -> list[tuple[Candidate, Breakdown]]:
         """Candidates by predicted step time per sample (fastest first)."""
