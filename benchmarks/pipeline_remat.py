@@ -19,7 +19,10 @@ Then the partitioner's view of the same pipeline (``planner_view``): its predict
 per policy with the residual slot moves priced per tick and free, and its pick in each
 case, beside the measured ratios.
 
-Usage: ``python benchmarks/pipeline_remat.py [--rounds 8] [--steps 3] [--out FILE]``.
+``--tensor 2`` runs the same on pipe 4 x tensor 2 (no data axis), where the stages run in
+lockstep (``runtime.spmd.needs_lockstep``) and the tick reads the F's slot too.
+
+Usage: ``python benchmarks/pipeline_remat.py [--rounds 8] [--steps 3] [--tensor 2] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ def main(args) -> None:
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(0, cfg.vocab_size, (m, rows, cfg.seq_len)), jnp.int32)
     targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (m, rows, cfg.seq_len)), jnp.int32)
-    mesh = make_mesh(ParallelConfig(pipe=p, data=2, tensor=1))
+    data, tensor = 8 // (p * args.tensor), args.tensor
+    mesh = make_mesh(ParallelConfig(pipe=p, data=data, tensor=tensor))
     step_args = (params["embed"], params["blocks"], params["head"], inputs, targets)
-    print(f"1F1B pipe {p} x data 2, {m} microbatches of {rows} rows, GPT d {cfg.d_model}, "
-          f"{cfg.n_layers} layers, seq {cfg.seq_len}")
+    lockstep = " (lockstep: every device runs every branch some device takes)" if tensor > 1 else ""
+    print(f"1F1B pipe {p} x data {data} x tensor {tensor}{lockstep}, {m} microbatches of {rows} rows, "
+          f"GPT d {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}")
     steps, info = {}, {}
     with jax.set_mesh(mesh):
         for remat in POLICIES:
@@ -119,7 +124,8 @@ def main(args) -> None:
               f"{statistics.median(ts) / full:7.2f} {temp / 2**20:8.2f} {read:25d} {updates:12d} "
               f"{copied:16d}")
     print(f"\n{args.rounds} rounds x {args.steps} calls per policy, interleaved")
-    planner_view(cfg, p, m, rows // 2, times)
+    if tensor == 1:  # the planner's profile is of one unsharded device: no tensor split
+        planner_view(cfg, p, m, rows // data, times)
 
 
 def planner_view(cfg, p: int, m: int, rows: int, times) -> None:
@@ -163,6 +169,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tensor", type=int, default=1, choices=(1, 2),
+                        help="2: pipe 4 x tensor 2, the stages in lockstep (no planner view)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit(f"--rounds {args.rounds} and --steps {args.steps} must be >= 1")
