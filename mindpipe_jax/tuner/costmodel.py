@@ -188,7 +188,7 @@ class CostModel:
                       + hw.piece_time(k.piece("rest_F"), rows_mb, split=c.tensor)
                       + hw.piece_time(k.piece("rest_BW"), rows_mb, split=c.tensor))
             return c.microbatches * per_mb, 0.0, c.microbatches
-        if self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1):
+        if self._lockstep(c):
             compute, bubble, ticks = self._lockstep_compute(c, rows_mb)
             return compute + ticks * self._slot_traffic(c, rows_mb), bubble, ticks
         step, bubble, ticks = self._tick_compute(c, rows_mb)
@@ -208,8 +208,7 @@ class CostModel:
         if not self.slot_traffic or cal is None or per_row <= 0:
             return 0.0
         layers_per_chunk = self.costs.n_layers / (c.pipe * c.virtual_stages)
-        lockstep = self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1)
-        moves = SLOT_MOVES_TWO_READS if lockstep else SLOT_MOVES
+        moves = SLOT_MOVES_TWO_READS if self._lockstep(c) else SLOT_MOVES
         return moves * rows_mb * layers_per_chunk * per_row / cal.mem_busy
 
     def _tick_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
@@ -288,6 +287,11 @@ class CostModel:
         bubble = 1.0 - useful / total if total > 0 else 0.0
         return total, max(bubble, 0.0), plan.num_ticks
 
+    def _lockstep(self, c: Candidate) -> bool:
+        """Whether ``c``'s pipeline runs its stages in lockstep (tensor or expert > 1;
+        ``runtime.spmd.needs_lockstep``), as this model counts it."""
+        return c.pipe > 1 and self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1)
+
     def _lockstep_plan(self, c: Candidate):
         """The tick plan as the runtime makes it in lockstep (``pipeline_grads``' defaults)."""
         from mindpipe_jax.parallel.pipeline import get_schedule
@@ -310,7 +314,7 @@ class CostModel:
 
         k = self.costs
         back = 4 if c.remat == "full" else 2
-        if not (c.pipe > 1 and self.pipeline_tensor_split):
+        if not self._lockstep(c):
             return c.microbatches * ((2 + back) * k.n_layers / c.pipe + 2)
         plan = self._lockstep_plan(c)
         width = math.ceil(k.n_layers / (c.pipe * c.virtual_stages))

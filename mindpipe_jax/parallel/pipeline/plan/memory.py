@@ -238,7 +238,10 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     slots = {**plan.res_slots, **plan.stash_slots}
     # A residual buffer's n slots, its spare and the rows each tick reads out of it; a
     # stash buffer's n slots and the two rows each tick reads (the B's and the W's).
-    buffers = {r: (n + 1 + _reads(plan, r, lockstep)) * rows[r] for r, n in plan.res_slots.items()}
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import residual_readers
+
+    reads = len(residual_readers(plan, lockstep))
+    buffers = {r: (n + 1 + reads) * rows[r] for r, n in plan.res_slots.items()}
     buffers.update({r: (n + 2) * rows[r] for r, n in plan.stash_slots.items()})
     owner = {}
     inflight = sched.peak_in_flight()
@@ -288,16 +291,12 @@ def slot_tick_seconds(model: StageModel, sched: Schedule, spans, chosen, fuse_mo
     rate = model.prof.slot_move_s_per_byte
     if rate <= 0:
         return 0.0
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import residual_readers
+
     plan, rows, _ = _slot_rows(model, sched, spans, chosen, fuse_mode, lockstep)
-    reads = {r: 2 if r in plan.stash_slots else _reads(plan, r, lockstep) for r in rows}
-    return rate * sum((SLOT_MOVES if reads[r] == 1 else SLOT_MOVES_TWO_READS) * b for r, b in rows.items())
-
-
-def _reads(plan, buffer: str, lockstep: bool) -> int:
-    """Rows of a residual buffer a tick reads (``runtime/ticks.make_tick``): the
-    backward's, the F's own in lockstep, an unsplit W's where one reads the buffer."""
-    w_reads = any(mode == buffer and not mode.startswith("split-") for _, _, mode in plan.parts[2].keys)
-    return 1 + int(lockstep) + int(w_reads)
+    residual = SLOT_MOVES if len(residual_readers(plan, lockstep)) == 1 else SLOT_MOVES_TWO_READS
+    moves = {r: SLOT_MOVES_TWO_READS if r in plan.stash_slots else residual for r in rows}
+    return rate * sum(moves[r] * b for r, b in rows.items())
 
 
 def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, budget, param_copies,

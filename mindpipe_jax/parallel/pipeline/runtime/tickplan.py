@@ -286,6 +286,19 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
                 x_slots, g_slots, res_slots, policies, stash_slots, split, merge_last)
 
 
+def residual_readers(plan: Plan, lockstep: bool) -> tuple[int, ...]:
+    """The parts (0 F, 1 backward, 2 W) whose slot of every residual buffer a tick reads
+    (``ticks.make_tick``): the backward; the F in lockstep (handed only the backward's
+    one-row read there, its conds consume the row through selects, XLA fuses a copy of
+    the read into each consumer and the backward's is then not ordered before the
+    write: whole buffers copied every tick; a two-row gather every consumer shares
+    avoids it); the W where an unsplit W reads a policy's residuals. Elsewhere the F is
+    handed the backward's read."""
+    w_reads = any(mode in plan.res_slots and not mode.startswith("split-")
+                  for _, _, mode in plan.parts[2].keys)
+    return ((0,) if lockstep else ()) + (1,) + ((2,) if w_reads else ())
+
+
 def _colour_each(lives: dict[str, dict], depth: dict[str, int]) -> dict:
     """Colour each named buffer's lifetimes; ``depth`` keeps the deepest per name.
     Keys (mb, global stage) are unique per device, so one dict holds every slot."""

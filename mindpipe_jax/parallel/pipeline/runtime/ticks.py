@@ -38,7 +38,7 @@ from mindpipe_jax.parallel.collectives import runs_tag
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, _add_at, _put, _take
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
-from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, MID, Plan, shift
+from mindpipe_jax.parallel.pipeline.runtime.tickplan import FIRST, LAST, MID, Plan, residual_readers, shift
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
 
@@ -198,15 +198,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     recv = {w: {d: jnp.asarray(a) for d, a in dirs.items()} for w, dirs in plan.recv.items()}
 
     inline = bool(plan.parts[1].inline.any())
-    # The parts whose residual slots a tick reads: the backward, and the W only where an
-    # unsplit W reads a policy's residuals. The F is handed the backward's read, except in
-    # lockstep: there its conds consume the row through selects, XLA fuses a copy of the
-    # one-row read into each consumer and the backward's is then not ordered before the
-    # write (whole buffers copied every tick); reading the F's own slot too keeps one
-    # two-row gather that every consumer shares.
-    res_readers = ((0,) if lockstep else ()) + (1,) + (
-        (2,) if any(mode in plan.res_slots and not mode.startswith("split-")
-                    for _, _, mode in plan.parts[2].keys) else ())
+    res_readers = residual_readers(plan, lockstep)
     f_writes = {r: jnp.asarray(_forward_writes(plan, r)) for r in plan.res_slots}
     v = plan.fused.schedule.virtual_stages
     per_group = plan.fused.schedule.num_microbatches // groups
