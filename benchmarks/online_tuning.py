@@ -334,6 +334,27 @@ def _secs(t: float) -> str:
     return f"{t:.1f}" if math.isfinite(t) else "n/r"
 
 
+def _batch_bound(runs: dict, online_runs: list[dict], stats: dict) -> None:
+    """How much any batch schedule could gain on this run, under the noise-scale model
+    (``batch_bound.py``), from the fixed arms' measured step times and the online runs'
+    noise path: what the goal asks may lie outside what batch adaptation can give."""
+    from batch_bound import report as bound_report
+
+    step_s, measured = {}, {}
+    for name, rs in runs.items():
+        done = [r for r in rs if not r["tuner"] and r["steps"] and math.isfinite(r["train_s"])]
+        if done:
+            b = done[0]["batch"]
+            step_s[b] = _median([r["train_s"] / r["steps"] for r in done])
+            measured[b] = stats[name]["median"]
+    if not step_s or not online_runs:
+        return
+    try:
+        bound_report([r["history"] for r in online_runs], step_s, measured)
+    except ValueError as e:  # no noise estimate in a history (a run stopped before its first)
+        print(f"\n(no batch-adaptation bound: {e})")
+
+
 def _guards(args, cfg, online_model: str) -> list[str]:
     """The tuner's settings for the online arm, one per line."""
     tc = cfg.tuner
@@ -510,6 +531,7 @@ def run_online_comparison(args) -> dict:
     else:
         print(f"online median / best fixed median = n/a (online median {_secs(on['median'])}, best fixed "
               f"median {_secs(ref)}); GOAL NOT MET (no finite ratio)")
+    _batch_bound(runs, online_runs, stats)
     print(f"load average {tuple(round(x, 1) for x in os.getloadavg())}")
 
     history_out = _opt(args, "history_out")
