@@ -148,6 +148,50 @@ def test_retiming_passes_come_after_every_trial_and_enter_the_median():
     assert once.best.candidate.subnets_per_step == 4
 
 
+class Timed:
+    """A fake trial that can also only time a candidate: a class's later candidates must be
+    timed, not trained to the panel, and borrow the class's loss drop."""
+
+    def __init__(self):
+        self.calls = []
+
+    def step_s(self, cand):
+        return 0.01 * cand.rounds + 0.001 * cand.subnet
+
+    def __call__(self, cand):
+        self.calls.append(("trial", cand))
+        drop = {2: 0.3, 4: 1.0}[cand.subnets_per_step]
+        return Measurement(self.step_s(cand), 5.0, 5.0 - drop, 10, (self.step_s(cand),) * 5)
+
+    def time_only(self, cand):
+        self.calls.append(("time", cand))
+        return [self.step_s(cand)] * 3
+
+
+def test_a_class_loss_drop_is_measured_once_and_its_other_layouts_only_timed():
+    fake = Timed()
+    result = tune_supernet(tiny(), 8, measure_fn=fake, measure=5, ks=(2, 4), widths=(1,), rounds=1)
+    trials = [c for kind, c in fake.calls if kind == "trial"]
+    timed = [c for kind, c in fake.calls if kind == "time"]
+    # One trial per (K, batch) class, the first candidate of each; every later one timed.
+    assert len(fake.calls) == 5 and sorted(c.statistics for c in trials) == [(2, 16), (4, 16)]
+    assert {c.statistics for c in timed} <= {c.statistics for c in trials} and len(timed) == 3
+    rows = {r.candidate: r.measurement for r in result.rows if r.measurement is not None}
+    for cand in timed:
+        m, trial = rows[cand], next(t for t in trials if t.statistics == cand.statistics)
+        # its own step time, its class's drop over its class's trial steps
+        assert m.step_s == fake.step_s(cand) and m.step_times == (fake.step_s(cand),) * 3
+        assert (m.loss_start, m.loss_end, m.steps) == (5.0, rows[trial].loss_end, 10)
+        assert m.loss_from == trial.label() and rows[trial].loss_from is None
+        assert m.progress_per_s == pytest.approx((5.0 - m.loss_end) / (10 * fake.step_s(cand)))
+    assert f"loss drop of {trials[0].label()} (same K, batch)" in result.table()
+    assert json.loads(result.to_json())["rows"][0]["measurement"].keys() >= {"loss_from", "progress_per_s"}
+    # A measure function that cannot only time runs every candidate's trial, as before.
+    plain = Retimed()
+    tune_supernet(tiny(), 8, measure_fn=plain, measure=3, ks=(4,), widths=(1,), rounds=1)
+    assert [kind for kind, _ in plain.calls] == ["trial"] * 3
+
+
 # --- real trials and the command line ----------------------------------------------------------------
 
 
@@ -168,10 +212,14 @@ def test_mindpipe_tune_supernet_measures_real_steps_and_writes_the_pick(tmp_path
     for r in rows:
         m = r["measurement"]
         assert m["step_s"] > 0 and m["steps"] == 8 and m["loss_end"] < m["loss_start"]
-        assert len(m["step_times"]) == 2 * (8 - 5)  # the trial's timed steps, then one re-timing pass
-    # Both are K=4 on another split of the devices: SPara trains the same bits, so the
-    # search-validation loss after the trial is equal and only the time decides.
-    assert rows[0]["measurement"]["loss_end"] == rows[1]["measurement"]["loss_end"]
+        assert len(m["step_times"]) == 2 * (8 - 5)  # the trial's (or timing's) steps, then one re-timing pass
+    # Both are K=4 on another split of the devices: SPara trains the same bits, so the second
+    # is only timed and takes the first's search-validation loss drop; the time decides.
+    own = [r for r in rows if r["measurement"]["loss_from"] is None]
+    borrowed = [r for r in rows if r["measurement"]["loss_from"] is not None]
+    assert len(own) == 1 and len(borrowed) == 1 and own[0]["candidate"] == data["current"]
+    assert borrowed[0]["measurement"]["loss_end"] == own[0]["measurement"]["loss_end"]
+    assert "(same K, batch)" in text
     assert rows[0]["measurement"]["step_s"] <= rows[1]["measurement"]["step_s"]
     best = " ".join(rows[0]["overrides"])
     assert text.strip().splitlines()[-2].endswith(best) and f"wrote {out}" in text

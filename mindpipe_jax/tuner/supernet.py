@@ -39,6 +39,12 @@ the devices at once). With real trials the measured candidates are then timed ag
 interleaved passes (``rounds``) and t_step is the median over all passes, since trials
 run one after another on a shared machine meet different loads. The pick is the
 measured candidate with the highest progress/s.
+
+A class's loss drop is measured once: a later candidate of the same (K, B) trains the
+same trajectory (the same bits on another split of the devices; up to bits with another
+W), so it is only timed (``time_only``: its compile, the warm-up and ``timing_steps``
+steps, no trial steps to the panel and no panel evaluation) and borrows the drop of
+its class's trial, which the table names.
 """
 
 from __future__ import annotations
@@ -180,6 +186,7 @@ class Measurement:
     loss_end: float
     steps: int
     step_times: tuple[float, ...] = ()  # every timed step (step_s is their median)
+    loss_from: str | None = None  # the (K, B) class's trial whose drop this borrows; None: its own
 
     @property
     def progress_per_s(self) -> float:
@@ -218,6 +225,8 @@ class SupernetTuneResult:
             m = r.measurement
             note = "the config's own" if r.candidate == self.current else ""
             if m is not None:
+                if m.loss_from is not None:
+                    note = "; ".join(x for x in (note, f"loss drop of {m.loss_from} (same K, batch)") if x)
                 lines.append(f"{i:>2}  {r.candidate.label():28s} {m.step_s * 1e3:8.1f} {m.loss_start:10.4f} "
                              f"{m.loss_end:9.4f} {m.progress_per_s:10.4f}  {note}".rstrip())
             elif r.reason is None:
@@ -279,13 +288,26 @@ def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measu
 
 
 def _measure(cands, measure_fn: MeasureFn, rounds: int, log) -> list[SupernetRow]:
-    """The trials, the interleaved re-timing passes, best progress/s first."""
-    measured = []
+    """The trials (one per (K, batch) class where ``measure_fn`` can ``time_only``; the
+    class's other candidates timed and given its loss drop), the interleaved re-timing
+    passes, best progress/s first."""
+    measured, trials = [], {}
+    time_only = getattr(measure_fn, "time_only", None)
     for cand in cands:
-        m = measure_fn(cand)
-        if log is not None:
-            log(f"measured {cand.label()}: {m.step_s * 1e3:.1f} ms/step, loss {m.loss_start:.4f} -> "
-                f"{m.loss_end:.4f} in {m.steps} steps, progress {m.progress_per_s:.4f}/s")
+        trial = trials.get(cand.statistics)
+        if trial is not None and time_only is not None:
+            times = tuple(time_only(cand))
+            m = dataclasses.replace(trial[1], step_s=statistics.median(times), step_times=times,
+                                    loss_from=trial[0].label())
+            if log is not None:
+                log(f"timed {cand.label()}: {m.step_s * 1e3:.1f} ms/step over {len(times)} steps; loss drop "
+                    f"of {m.loss_from} (same K and batch), progress {m.progress_per_s:.4f}/s")
+        else:
+            m = measure_fn(cand)
+            trials.setdefault(cand.statistics, (cand, m))
+            if log is not None:
+                log(f"measured {cand.label()}: {m.step_s * 1e3:.1f} ms/step, loss {m.loss_start:.4f} -> "
+                    f"{m.loss_end:.4f} in {m.steps} steps, progress {m.progress_per_s:.4f}/s")
         measured.append(SupernetRow(cand, m))
     retime = getattr(measure_fn, "retime", None)
     for _ in range(rounds - 1 if retime is not None else 0):
@@ -306,25 +328,42 @@ class RealMeasure:
     every candidate starts from the same parameters) and after. The panel is built on the
     first candidate measured and scores every later one on the same validation rows.
 
-    With ``keep`` the runs stay alive for ``retime`` (more timed steps; the loss drop is
-    taken before them); ``close()`` releases them."""
+    ``time_only`` times a candidate whose class's drop is known: ``warmup`` untimed steps
+    then ``timing_steps`` timed ones (at most the trial's timed steps), no panel.
+
+    With ``keep`` the runs stay alive for ``retime`` (``timing_steps`` more timed steps;
+    the loss drop is taken before them); ``close()`` releases them."""
 
     def __init__(self, cfg: Config, *, trial_steps: int = 40, warmup: int = 5, splits=None, model=None,
-                 panel_random: int = 6, keep: bool = True):
+                 panel_random: int = 6, keep: bool = True, timing_steps: int = 10):
         if not 0 <= warmup < trial_steps:
             raise ConfigError(f"trial steps ({trial_steps}) must exceed the warm-up steps ({warmup})")
+        if timing_steps < 1:
+            raise ConfigError(f"the supernet tuner's timing steps must be >= 1, got {timing_steps}")
+        self.timing_steps = min(timing_steps, trial_steps - warmup)
         self.cfg, self.trial_steps, self.warmup, self.model = cfg, trial_steps, warmup, model
         self.splits, self.panel_random, self.keep = splits, panel_random, keep
         self.panel, self.start, self.runs = None, None, {}
 
-    def __call__(self, cand: SupernetCandidate) -> Measurement:
+    def _run(self, cand: SupernetCandidate):
         from mindpipe_jax.data import load_tokens
-        from mindpipe_jax.tuner.supernet_trial import Panel, SparaRun, runnable
+        from mindpipe_jax.tuner.supernet_trial import SparaRun, runnable
 
         run_cfg = runnable(cand.apply(self.cfg))
         if self.splits is None:
             self.splits = load_tokens(run_cfg.data, run_cfg.model.vocab_size)
-        run = SparaRun(run_cfg, splits=self.splits, model=self.model)
+        return SparaRun(run_cfg, splits=self.splits, model=self.model)
+
+    def _done(self, cand: SupernetCandidate, run) -> None:
+        if self.keep:
+            self.runs[cand] = run
+        else:
+            run.close()
+
+    def __call__(self, cand: SupernetCandidate) -> Measurement:
+        from mindpipe_jax.tuner.supernet_trial import Panel
+
+        run = self._run(cand)
         try:
             if self.panel is None:
                 self.panel = Panel(run, random=self.panel_random)
@@ -336,14 +375,22 @@ class RealMeasure:
         except BaseException:
             run.close()
             raise
-        if self.keep:
-            self.runs[cand] = run
-        else:
-            run.close()
+        self._done(cand, run)
         return m
 
+    def time_only(self, cand: SupernetCandidate) -> list[float]:
+        run = self._run(cand)
+        try:
+            run.run(self.warmup)
+            times = run.run(self.timing_steps)
+        except BaseException:
+            run.close()
+            raise
+        self._done(cand, run)
+        return list(times)
+
     def retime(self, cand: SupernetCandidate) -> list[float]:
-        return self.runs[cand].run(self.trial_steps - self.warmup)
+        return self.runs[cand].run(self.timing_steps)
 
     def close(self) -> None:
         for run in self.runs.values():
