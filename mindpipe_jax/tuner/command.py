@@ -38,7 +38,9 @@ DESCRIPTION = textwrap.dedent("""\
     would give; the --measure most promising are trained for --trial-steps real
     steps from the same start and ranked by progress of the search per second: the
     drop of the search-validation loss (mean validation loss of a fixed panel of
-    subnets) over the trial, divided by its training time.""")
+    subnets) over the trial, divided by its training time. One trial per (K, batch):
+    other splits at the same K and batch train the same bits, so they are only
+    timed and take that trial's loss drop.""")
 
 EPILOG = textwrap.dedent("""\
     examples:
@@ -76,7 +78,8 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
                         "global batch predicted within 2x of the best (default: 3)")
     p.add_argument("--trial-steps", metavar="N", default=None,
                    help="timed steps per trial; the median counts (default: 5; with --supernet: "
-                        "steps trained per trial, 40, of which the first 5 are not timed)")
+                        "steps trained per trial, 40, of which the first 5 are not timed; "
+                        "a layout whose K and batch were tried is timed for 10)")
     p.add_argument("--b-noise", metavar="auto|X", default="auto",
                    help="gradient noise scale: 'auto' = a probe run when several batches are "
                         "considered, or a number > 0 (default: auto)")
