@@ -156,12 +156,15 @@ def _copied_shapes(comps: dict[str, str], names) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.xla_default_emitters  # a property of the program XLA compiles for users
-def test_chunk_ring_tick_loop_copies_no_accumulator():
+@pytest.mark.parametrize("v", [2, 4])  # one ring, three rings
+def test_chunk_ring_tick_loop_copies_no_accumulator(v):
     """The chunk ring's tick loop (its body and every branch it takes) copies no array of
-    an accumulator's shape. Before: the ring's start read the accumulators in a switch
-    before the tick updated them in place, and XLA copied every one of them every tick
+    an accumulator's shape, nor the ring's state (a chunk's gradient, flattened). Before:
+    the ring's start read the accumulators in a switch before the tick updated them in
+    place, and XLA copied every one of them every tick; then the ring's parts (and, with
+    several rings, their stacked results) were copied every tick, the start switch
+    returning a fresh buffer where its other branch returned the carried one
     (tickloop._one_scan)."""
-    v = 2
     model, params = tiny_gpt(2 * v)
     hlo, _ = _afapab_program(p=2, m=4, v=v, data=4)
     comps = _computations(hlo)
@@ -175,10 +178,13 @@ def test_chunk_ring_tick_loop_copies_no_accumulator():
     loops = [re.search(r"body=%?([\w.\-]+)", ln).group(1) for ln in entry.splitlines()
              if re.search(r"\bwhile\(", ln)]
     assert loops
+    chunk_elements = sum(x.size for x in jax.tree.leaves(params["blocks"])) // (2 * v)
     for loop in loops:
         inside = [c for c in _reachable(comps, loop) if not c.startswith(("fused", "wrapped"))]
         copied = [s for s in _copied_shapes(comps, inside) if s in acc_shapes]
         assert not copied, f"accumulator-shaped copies {copied} in the tick loop"
+        ring_sized = [s for s in _copied_shapes(comps, inside) if np.prod(s) >= chunk_elements]
+        assert not ring_sized, f"copies of the ring's state {ring_sized} in the tick loop"
 
 
 @pytest.mark.parametrize("sync,loops", [("end", 1), ("overlap", 2)])

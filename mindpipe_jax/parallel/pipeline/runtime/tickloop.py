@@ -183,10 +183,17 @@ def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes
         return state
 
     def at_start(i):  # before tick starts[i]: ring i - 1's rest put aside, ring i's parts
-        def run(acc, state, outs):
+        def run(acc, state, outs, t):
+            last = state["out"]
             if i > 0:
-                outs = outs.at[i - 1].set(finish_steps(state, i - 1)["out"])
-            return ring.start(leaves_of(acc, chunks[i]))["parts"], outs
+                last = finish_steps(state, i - 1)["out"]
+                outs = outs.at[i - 1].set(last)
+            fresh = ring.start(leaves_of(acc, chunks[i]))["parts"]
+            # Written over the carried parts by selects (the first always true, the second
+            # never, neither provably so to XLA): an elementwise write in place, and one that
+            # consumes what was last read from the parts, so XLA orders those reads first. A
+            # branch returning a fresh buffer made XLA copy the parts every tick.
+            return jnp.where(t >= 0, fresh, jnp.where(t < 0, last, state["parts"])), outs
         return run
     # A ring on each device's own shards runs in nested shard_maps that do not type their
     # outputs (check_vma=False, see LocalRing): the branches' outputs all become varying over
@@ -199,14 +206,14 @@ def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes
             with jax.named_scope(runs_tag(runs, num_ticks)):
                 return settle(fn(*args))
         return run
-    start_fns = [lambda acc, state, outs: (state["parts"], outs)]
-    start_fns += [settled(at_start(i), 1) for i in range(len(ringed))]
+    start_fns = [settled(at_start(i), 1) for i in range(len(ringed))]
+    not_starting = lambda acc, state, outs, t: (state["parts"], outs)  # noqa: E731
     scatter = settled(lambda s, k: ring.scatter_step(s, k)["parts"], int((phase == 1).sum()))
     gather = settled(lambda s, k: ring.gather_step(s, k)["out"], int((phase == 2).sum()))
     # The ring that starts before tick t + 1 starts at the end of tick t's iteration: it
     # reads the accumulators after the tick's in-place update and before the next one's.
     # (Read before the tick, they were copied every tick to keep that read safe.)
-    after = np.concatenate([event[1:], [-1]]) + 1
+    after = np.concatenate([event[1:], [-1]])  # the ring that starts after tick t (-1: none)
     phase, step_k, after = jnp.asarray(phase), jnp.asarray(step_k), jnp.asarray(after)
     keep = lambda s, k: s["parts"]  # noqa: E731
 
@@ -220,8 +227,12 @@ def _one_scan(tick, carry, num_ticks: int, points, *, n_batch: int, bucket_bytes
         # or changed in place: a switch passing the whole state through copied it every tick.
         state = {**state, "parts": lax.cond(phase[t] == 1, scatter, keep, state, step_k[t])}
         state = {**state, "out": lax.cond(phase[t] == 2, gather, lambda s, k: s["out"], state, step_k[t])}
-        parts, outs = lax.switch(after[t], start_fns, inner[0], state, outs)
-        return (inner, {**state, "parts": parts}, outs), None
+        # One cond per ring (at most one is true in a tick): a switch over all of them, its
+        # branches writing different buffers, made XLA copy the parts and outs every tick.
+        for i, start in enumerate(start_fns):
+            parts, outs = lax.cond(after[t] == i, start, not_starting, inner[0], state, outs, t)
+            state = {**state, "parts": parts}
+        return (inner, state, outs), None
 
     carry, state, outs = lax.scan(tick_and_ring, (carry, state, outs), jnp.arange(num_ticks))[0]
     outs = outs.at[len(ringed) - 1].set(finish_steps(state, len(ringed) - 1)["out"])
