@@ -61,17 +61,34 @@ def test_a_crashed_worker_fails_its_test_and_the_rest_runs(tmp_path):
 
 
 class _Worker:
-    """What the scheduler asks of a worker: its name, work sent, a shutdown flag."""
+    """What the scheduler asks of a worker: its name, work sent, a shutdown flag;
+    ``dead``: its channel is closed (sending fails, as execnet's does)."""
 
     def __init__(self, name):
-        self.name, self.sent, self.shutting_down = name, [], False
+        self.name, self.sent, self.shutting_down, self.dead = name, [], False, False
         self.gateway = SimpleNamespace(id=name)
 
     def send_runtest_some(self, indices):
+        if self.dead:
+            raise OSError("cannot send (already closed?)")
         self.sent.extend(indices)
 
     def shutdown(self):
         self.shutting_down = True
+
+
+def _scheduler(collection, workers):
+    """A controller's scheduler with the patch, ``workers`` collected and scheduled."""
+    xdist_requeue.install(SimpleNamespace())  # idempotent; workers schedule nothing
+    sched = LoadScopeScheduling.__new__(LoadScopeScheduling)
+    sched.numnodes, sched.collection, sched.log = len(workers), None, lambda *args: None
+    sched.workqueue, sched.assigned_work, sched.registered_collections = OrderedDict(), {}, {}
+    sched.config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=False))
+    for worker in workers:
+        sched.add_node(worker)
+        sched.add_node_collection(worker, collection)
+    sched.schedule()
+    return sched
 
 
 def test_a_replacement_worker_still_collecting_is_passed_by_when_another_dies():
@@ -79,17 +96,9 @@ def test_a_replacement_worker_still_collecting_is_passed_by_when_another_dies():
     the first one's replacement has not collected yet when the second dies; the scheduler
     then rescheduled it and stopped on a KeyError. Driven step by step, so it happens
     every time."""
-    xdist_requeue.install(SimpleNamespace())  # idempotent; workers schedule nothing
-    sched = LoadScopeScheduling.__new__(LoadScopeScheduling)
-    sched.numnodes, sched.collection, sched.log = 2, None, lambda *args: None
-    sched.workqueue, sched.assigned_work, sched.registered_collections = OrderedDict(), {}, {}
-    sched.config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=False))
     collection = [f"test_{name}.py::test_{i}" for name in "abcdef" for i in range(2)]
     first, second = _Worker("gw0"), _Worker("gw1")
-    for worker in (first, second):
-        sched.add_node(worker)
-        sched.add_node_collection(worker, collection)
-    sched.schedule()
+    sched = _scheduler(collection, [first, second])
     assert first.sent and second.sent
     assert sched.remove_node(first) == collection[first.sent[0]]  # died on its first test
     replacement = _Worker("gw2")
@@ -105,3 +114,28 @@ def test_a_replacement_worker_still_collecting_is_passed_by_when_another_dies():
     crashed = {collection[first.sent[0]], collection[second.sent[0]]}
     assert sorted(collection[i] for i in replacement.sent) == sorted(set(collection) - crashed)
     assert replacement.shutting_down
+
+
+def test_a_worker_that_died_after_its_last_report_is_sent_nothing_and_its_work_requeued():
+    """The race the suite hit on 2026-12-05 (INTERNALERROR, OSError "cannot send"): a worker
+    reports a test complete and dies in its next test before the controller sees it go;
+    the report makes the scheduler send it more work, which fails. Driven step by step:
+    the controller goes on, and when the worker's end arrives the test it died in counts
+    as crashed and everything else runs on the other worker."""
+    collection = [f"test_{name}.py::test_{i}" for name in "abcdef" for i in range(2)]
+    first, second = _Worker("gw0"), _Worker("gw1")
+    sched = _scheduler(collection, [first, second])
+    sent = list(first.sent)
+    last = len(sent) - 3  # the report that leaves it two tests: the scheduler sends it more
+    assert last >= 0
+    for index in sent[:last]:
+        sched.mark_test_complete(first, index)
+    first.dead = True  # it dies in the test after this report; its channel is closed already
+    sched.mark_test_complete(first, sent[last])
+    assert first.sent == sent and sched.remove_node(first) == collection[sent[last + 1]]
+    finished = 0
+    while finished < len(second.sent):  # it runs what it is sent, and is sent more
+        sched.mark_test_complete(second, second.sent[finished])
+        finished += 1
+    ran = [collection[i] for i in [*sent[:last + 1], *second.sent]]
+    assert sorted(ran) == sorted(set(collection) - {collection[sent[last + 1]]}) and second.shutting_down

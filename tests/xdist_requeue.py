@@ -10,7 +10,8 @@ less the test that was running when it died, which xdist reports as failed.
 A replacement worker is in the scheduler from its start but has no collection until it
 has collected; a reschedule of every worker in that window (another worker died, or
 finished collecting) must pass it by, or the controller stops on a KeyError. It gets
-its first work when its own collection arrives.
+its first work when its own collection arrives. A worker that died right after its last
+report is sent nothing either (the send fails): its end puts the work back.
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ def _requeue_unfinished(self, node):
 
 
 def _reschedule_collected(self, node):
-    """``LoadScopeScheduling._reschedule``, passing by a worker still collecting."""
+    """``LoadScopeScheduling._reschedule``, passing by a worker still collecting, and one
+    that died after reporting its last test but before the controller saw it go: sending
+    it more work fails (``OSError``, the channel closed) and stopped the controller. The
+    unit just assigned to it stays in its workload, which ``remove_node`` puts back when
+    the worker's end arrives."""
     if node not in self.registered_collections:
         return
-    _RESCHEDULE[0](self, node)
+    try:
+        _RESCHEDULE[0](self, node)
+    except OSError:
+        pass
 
 
 _RESCHEDULE = []  # the scheduler's own _reschedule, kept at install
