@@ -16,6 +16,7 @@ the imports one way.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import stat
 import tomllib
@@ -82,7 +83,8 @@ def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str],
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            hint = f"; a config file is read with --config {item}" if item.endswith(".toml") else ""
+            raise ConfigError(f"override {item!r} must look like section.key=value{hint}")
         parts = key.split(".")
         node = tree
         for depth, part in enumerate(parts[:-1]):
@@ -99,10 +101,23 @@ def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str],
         if parts[-1] not in node and len(parts) > 1:
             raise ConfigError(f"unknown config key {key!r}; valid keys in {'.'.join(parts[:-1])!r}: "
                               f"{', '.join(sorted(node))}")
-        node[parts[-1]] = _parse_value(raw.strip())
+        value = _parse_value(raw.strip())
+        if isinstance(value, str) and value.startswith("["):
+            # Meant as a list but not a TOML array (it would be taken as a string).
+            raise ConfigError(f"{key}={value} is not a TOML array (unquoted strings or a missing ']'), "
+                              f"e.g. {key}='{_as_array(value)}' on the command line")
+        node[parts[-1]] = value
         if explicit is not None:
             explicit.update(_set_keys({key: node[parts[-1]]}, layer=1))
     return tree
+
+
+def _as_array(text: str) -> str:
+    """``text`` (``[a, 2`` or ``[none,full]``) as the TOML array it was meant to be: items
+    that are not TOML literals quoted."""
+    items = [x.strip() for x in text.strip("[]").split(",") if x.strip()]
+    return "[" + ", ".join(x if not isinstance(_parse_value(x), str) else json.dumps(x.strip("'\""))
+                           for x in items) + "]"
 
 
 def _set_keys(update: dict[str, Any], layer: int, prefix: str = "") -> dict[str, int]:
@@ -263,6 +278,21 @@ def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
     return str(err)
 
 
+def _check_lists(data: dict[str, Any]) -> None:
+    """A key that takes only a list, given one value: refused here, since dacite's cast to
+    ``tuple`` would split a string into its characters (or fail on a generator's repr)."""
+    for name, cls in _SECTIONS.items():
+        section = data.get(name)
+        if not isinstance(section, dict):
+            continue
+        for key, tp in typing.get_type_hints(cls).items():
+            value = section.get(key)
+            if typing.get_origin(tp) is tuple and key in section and not isinstance(value, (list, tuple)):
+                item = json.dumps(value) if isinstance(value, str) else _shown(value)
+                raise ConfigError(f"config key {name}.{key}={_shown(value)} must be a list (a TOML array), "
+                                  f"e.g. {name}.{key}='[{item}]' on the command line")
+
+
 def _is_bool_or_literal(tp) -> bool:
     args = typing.get_args(tp)
     return bool(args) and all(a is bool or typing.get_origin(a) is Literal for a in args)
@@ -302,6 +332,7 @@ def from_dict(data: dict[str, Any]) -> Config:
     for name, value in data.items():
         if name in _SECTIONS and not isinstance(value, dict):
             raise ConfigError(_not_a_table(name, value))
+    _check_lists(data)
     try:
         return dacite.from_dict(Config, data, config=_DACITE)
     except dacite.DaciteError as err:
