@@ -211,6 +211,24 @@ def test_get_schedule_registry():
         get_schedule("1f1b", 4, 0)
 
 
+def test_a_table_too_large_to_build_is_refused_at_once(capsys):
+    """A schedule's table is built and checked task by task in Python: a size far past any
+    pipeline (p=100000, m=100000 ran for minutes and gigabytes) is refused before it starts,
+    the V schedules' two chunks per stage counted."""
+    import time
+
+    from mindpipe_jax.cli import main
+    start = time.perf_counter()
+    huge = r"p=512 x v=2 x m=1024 = 1,048,576 stage-microbatches .*at most 262,144"
+    with pytest.raises(ScheduleError, match=huge):
+        get_schedule("zbv", 512, 1024)
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "100000", "--microbatches", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "10,000,000,000 stage-microbatches" in err
+    assert time.perf_counter() - start < 10
+    assert get_schedule("1f1b", 64, 4096).num_microbatches == 4096  # at the limit: built
+
+
 def test_register_schedule_is_open():
     register_schedule("gpipe-again", lambda p, m, v=1: gpipe(p, m))
     try:

@@ -197,6 +197,10 @@ def split_only_last(schedule: Schedule, k: int) -> Schedule:
 
 
 # ------------------------------------------------------------------- registry
+# p x v x m above which get_schedule refuses: a 1F1B table at p=256, m=1024 takes ~15 s
+# to build and check on one core, p=512, m=4096 over two minutes and 3 GB.
+MAX_STAGE_MICROBATCHES = 2**18
+
 Generator = Callable[[int, int, int], Schedule]
 
 
@@ -234,5 +238,11 @@ def get_schedule(name: str, p: int, m: int, v: int | None = None, split_last: in
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; valid: {', '.join(sorted(SCHEDULES))}")
     generator = SCHEDULES[name]
-    schedule = generator(p, m, getattr(generator, "virtual_stages", 1) if v is None else v)
+    v = getattr(generator, "virtual_stages", 1) if v is None else v
+    if p * v * m > MAX_STAGE_MICROBATCHES:
+        raise ScheduleError(f"schedule {name!r} with p={p} x v={v} x m={m} = {p * v * m:,} "
+                            f"stage-microbatches is more than a table is built for (at most "
+                            f"{MAX_STAGE_MICROBATCHES:,}: its tasks are built and checked one by one in "
+                            f"Python, minutes beyond that); use fewer microbatches or stages")
+    schedule = generator(p, m, v)
     return schedule if split_last in (None, -1) else split_only_last(schedule, split_last)
