@@ -271,6 +271,38 @@ def make_llama(rngs):
     return Llama(heads=4, kv_heads=1, tied=True, rngs=rngs)
 
 
+class StockBlock(nnx.Module):
+    """A GPT-2 block from Flax's stock layers: LayerNorm, MultiHeadAttention with a causal
+    mask, an MLP of biased Linear layers; no logical-axis names."""
+
+    def __init__(self, d, heads, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class StockGPT2(nnx.Module):
+    """GPT-2 from Flax's stock layers, its blocks a plain ``nnx.List`` of identical layers
+    (period 1), learned positions, an untied biased head; returns logits (no ``loss``)."""
+
+    def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8):
+        self.wte, self.wpe = nnx.Embed(vocab, d, rngs=rngs), nnx.Embed(length, d, rngs=rngs)
+        self.h = nnx.List([StockBlock(d, heads, rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+        self.lm_head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 class PartsOnly(nnx.Module):
     """Only the pipeline parts: no ``__call__``, no ``loss``."""
 

@@ -19,6 +19,7 @@ from byom_models import (
     OtherNames,
     PartsOnly,
     PositionsInLayers,
+    StockGPT2,
     TwoOpSupernet,
     WithBatchStats,
     linen_transformer,
@@ -131,6 +132,25 @@ def test_the_rotation_covers_every_schedule_and_family_twice():
 def test_model_family_gradients_equal_an_independent_reference(family, layout):
     got = framework_grads(FAMILIES[family], *LAYOUTS[layout])
     assert_grads_equal(got, reference(family))
+
+
+# GPT-2 from Flax's stock layers (LayerNorm, MultiHeadAttention, biased Linear), its blocks a
+# plain nnx.List of identical layers: the stack the pipeline finds is a list of period 1, which
+# the step stacks as it stacks a grouped one (before 2026-12-05 it went in unstacked and the
+# first layer's trace failed on a shape mismatch).
+STOCK_LAYOUTS = {"pipe4xdata2": LAYOUTS["pipe4xdata2"],
+                 "pipe2xdata2xtensor2-1f1b": LAYOUTS["pipe2xdata2xtensor2-1f1b"],
+                 "pipe2xdata4-zb-h1": ("parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
+                                       "parallel.microbatches=4", "parallel.schedule=zb-h1"),
+                 "data4xtensor2": LAYOUTS["data4xtensor2"]}
+
+
+@pytest.mark.parametrize("layout", sorted(STOCK_LAYOUTS))
+def test_a_plain_list_of_stock_flax_layers_pipelines_with_the_reference_gradients(layout):
+    got = framework_grads(lambda rngs: StockGPT2(rngs), *STOCK_LAYOUTS[layout])
+    with nnx.use_eager_sharding(False):
+        want = reference_grads(StockGPT2(nnx.Rngs(SEED)), tokens(1, ROWS))
+    assert_grads_equal(got, want)
 
 
 # parallel.split_last: only the last microbatches' backwards split, the others' BW the unsplit
@@ -254,8 +274,26 @@ def test_a_linen_module_trains_directly(tmp_path):
 
 
 def test_a_variable_that_is_not_a_param_is_named_by_its_path():
-    with pytest.raises(ConfigError, match=r"running_mean \(BatchStat\)"):
+    with pytest.raises(ConfigError, match=r"running_mean \(BatchStat\)") as err:
         model_spec(WithBatchStats, make_mesh(Config().parallel), SEED)
+    assert "make them nnx.Param" in str(err.value)
+
+
+def test_dropout_with_a_random_stream_is_refused_with_the_way_to_build_it():
+    class WithDropout(nnx.Module):
+        def __init__(self, rngs):
+            self.inner = StockGPT2(rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.drop(self.inner(tokens))
+
+    with pytest.raises(ConfigError) as err:
+        model_spec(WithDropout, make_mesh(Config().parallel), SEED)
+    message = str(err.value)
+    assert "drop/rngs/key (RngKey)" in message and "\n" not in message
+    assert "build dropout and other random layers without rngs=, e.g. nnx.Dropout(rate, deterministic=True)" \
+        in message
 
 
 def test_rules_for_other_names_from_config_and_python():

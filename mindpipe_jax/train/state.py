@@ -78,9 +78,13 @@ def _refuse_extra_state(rest) -> None:
     if flat:
         names = ", ".join(f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in flat[:6])
         more = f" and {len(flat) - 6} more" if len(flat) > 6 else ""
+        # Random streams (dropout built with rngs=) need another fix than other state.
+        random = any(isinstance(var, nnx.RngState) for _, var in flat)
+        fix = ("the train step draws no random numbers: build dropout and other random layers "
+               "without rngs=, e.g. nnx.Dropout(rate, deterministic=True)" if random else
+               "make them nnx.Param, or constants outside the state")
         raise ConfigError(f"the model has variables that are not nnx.Param: {names}{more}; mindpipe_jax "
-                          f"trains models whose state is nnx.Param only (make them nnx.Param, or "
-                          f"constants outside the state)")
+                          f"trains models whose state is nnx.Param only ({fix})")
 
 
 def model_spec(model_or_factory, mesh, seed: int, example_input=None

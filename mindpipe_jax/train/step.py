@@ -189,10 +189,10 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     sync = resolved_grad_sync(par, mesh.devices.flat[0].platform)
     # Weights stored sharded over fsdp (the embedding and head over pipe too:
     # train/pipeline_storage.py) stay so inside the pipeline, gathered once per step
-    # (or per chunk use: parallel.fsdp_gather), gradients reduce-scattered; a grouped
-    # stack (period-k layers) is stacked in the step, so its blocks enter gathered.
+    # (or per chunk use: parallel.fsdp_gather), gradients reduce-scattered; an nnx.List
+    # of layers (or of period-k groups) is stacked in the step, so its blocks enter gathered.
     e_specs, h_specs = model.ends(spec.storage)
-    specs = {"embed": e_specs, "blocks": model.split(spec.storage)[1] if model.group == 1 else None,
+    specs = {"embed": e_specs, "blocks": None if model.stacks_in_step else model.split(spec.storage)[1],
              "head": h_specs}
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,

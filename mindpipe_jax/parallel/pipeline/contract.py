@@ -277,6 +277,9 @@ class PipelineModel:
         self._length = tokens.shape[-1]
         self._traced: dict[int, TracedSplit] = {}
         self.group = 1
+        # An nnx.List of layers: ``split`` stacks its groups (even groups of one layer) in
+        # the step, so a tree of shardings cannot go through it.
+        self.stacks_in_step = False
         self.parts = parts = pipeline_parts(model)
         if parts is None:
             split = self._split_for(tokens.shape[0])
@@ -322,6 +325,7 @@ class PipelineModel:
                               f"parameters in the model")
         self._stack_path = path
         if isinstance(stack, nnx.List):
+            self.stacks_in_step = True
             self.group = k = _period(list(stack))
             depth = len(stack)
             if k == depth and depth > 1:
@@ -398,7 +402,7 @@ class PipelineModel:
             stack = {n: flat[n] for n in self.stack_names}
         else:
             stack = _get(params, self._stack_path)
-            if self.group > 1:
+            if self.stacks_in_step:  # {layer i: params} -> {j: layers j, j + k, ... stacked}
                 k = self.group
                 stack = {j: jax.tree.map(lambda *xs: jnp.stack(xs),
                                          *[stack[j + g * k] for g in range(self.num_units)])
@@ -422,7 +426,7 @@ class PipelineModel:
         if self.parts is None:
             out.update(d_stack)
         else:
-            if self.group > 1:
+            if self.stacks_in_step:
                 k = self.group
                 d_stack = {j + g * k: jax.tree.map(lambda x, g=g: x[g], d_stack[j])
                            for j in range(k) for g in range(self.num_units)}
