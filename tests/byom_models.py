@@ -303,6 +303,76 @@ class StockGPT2(nnx.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class BF16Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.RMSNorm(d, rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+        self.lin = nnx.Linear(d, d, rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+
+    def __call__(self, h):
+        return h + jax.nn.gelu(self.lin(self.norm(h)))
+
+
+class BF16Net(nnx.Module):
+    """Parameters and activations in bfloat16 (stock layers' ``param_dtype``/``dtype``), its
+    blocks a plain ``nnx.List``."""
+
+    def __init__(self, rngs, vocab=64, d=32, layers=4):
+        kw = dict(rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+        self.embed_tokens = nnx.Embed(vocab, d, **kw)
+        self.blocks_list = nnx.List([BF16Block(d, rngs) for _ in range(layers)])
+        self.proj = nnx.Linear(d, vocab, **kw)
+
+    def __call__(self, tokens):
+        h = self.embed_tokens(tokens)
+        for block in self.blocks_list:
+            h = block(h)
+        return self.proj(h)
+
+
+class ResidualInTheLoop(nnx.Module):
+    """Its loop adds a residual around each layer (``h = h + gelu(layer(h))``): the layers
+    alone are not the model, so the pipeline must refuse to run them back to back."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        self.emb = nnx.Embed(vocab, d, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(4)])
+        self.out = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = h + jax.nn.gelu(layer(h))
+        return self.out(h)
+
+
+class LossWithMetrics(nnx.Module):
+    """``loss`` returns (loss, metrics), as some training loops expect."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+    def loss(self, inputs, targets):
+        logits = self.out(self.emb(inputs))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), {"n": inputs.size}
+
+
+class FewClasses(nnx.Module):
+    """Logits over 100 classes where the data's token ids go up to 255."""
+
+    def __init__(self, rngs, d=32):
+        self.emb, self.out = nnx.Embed(256, d, rngs=rngs), nnx.Linear(d, 100, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+class NoForward(nnx.Module):
+    """Parameters, but neither ``__call__`` nor ``loss``."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(256, 32, rngs=rngs)
+
+
 class PartsOnly(nnx.Module):
     """Only the pipeline parts: no ``__call__``, no ``loss``."""
 

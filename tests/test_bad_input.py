@@ -20,6 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -273,6 +274,16 @@ CASES = [
      "supernet.subnets_per_step=8 has no effect on `mindpipe train`", "cli"),
     ("model without the pipeline contract", ["parallel.pipe=2", "parallel.data=4"], "pipeline contract",
      {"model": Bigram}),
+    ("model computing between its layers", ["parallel.pipe=2", "parallel.data=4"],
+     "ResidualInTheLoop.layers[1] is not called on the output of ResidualInTheLoop.layers[0]",
+     {"model": ResidualInTheLoop}),
+    ("model loss returning a tuple", [],
+     "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
+    ("model with fewer classes than the vocabulary", [],
+     "FewClasses(tokens) returns 100 classes per position, fewer than model.vocab_size=256",
+     {"model": FewClasses}),
+    ("model with neither a forward nor a loss", [], "model NoForward has neither __call__(tokens)",
+     {"model": NoForward}),
     ("model of the wrong type", [], "got int", {"model": 42}),
     ("data of the wrong type", [], "got float", {"data": 3.5}),
 ]

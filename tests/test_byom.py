@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from byom_models import (
+    BF16Net,
     Gemma,
     HalfSupernet,
     Llama,
@@ -151,6 +152,26 @@ def test_a_plain_list_of_stock_flax_layers_pipelines_with_the_reference_gradient
     with nnx.use_eager_sharding(False):
         want = reference_grads(StockGPT2(nnx.Rngs(SEED)), tokens(1, ROWS))
     assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["pipe2xdata4-zb-h1", "pipe4xdata2"])
+def test_a_bf16_model_pipelines_with_gradients_in_its_dtype(layout):
+    """bf16 parameters (stock layers' param_dtype): the pipeline accumulates the microbatches'
+    gradients in float32 (the branches' bf16 gradients once met float32 accumulators and the
+    tick's switch refused to trace) and hands back gradients in the parameters' dtype. Against
+    plain value_and_grad on one device at bf16's resolution: both round every activation to
+    8 bits of mantissa, in other orders."""
+    loss, grads = framework_grads(BF16Net, *STOCK_LAYOUTS[layout])
+    with nnx.use_eager_sharding(False):
+        ref_loss, ref_grads = reference_grads(BF16Net(nnx.Rngs(SEED)), tokens(1, ROWS))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads),
+                            strict=True):
+        assert g.dtype == r.dtype == jnp.bfloat16, path
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        # bf16 rounding (2^-8 relative per value) through 4 blocks, in two orders: measured at
+        # most 2.3% of a leaf's norm (median 0.8%; data x tensor, unpipelined: 0.8%)
+        assert np.linalg.norm(g - r) <= 0.04 * np.linalg.norm(r), jax.tree_util.keystr(path)
 
 
 # parallel.split_last: only the last microbatches' backwards split, the others' BW the unsplit

@@ -39,6 +39,7 @@ from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec, state_shardings_for
 from mindpipe_jax.train.step import BATCH_AXES, check_step_config, make_eval_step, make_train_step
+from mindpipe_jax.train.step_checks import check_model_outputs
 
 
 def row_block(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
@@ -217,6 +218,7 @@ def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: flo
         example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
         spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed, example)
         spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
+        check_model_outputs(spec, cfg.model.seq_len, cfg.model.vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
     shardings = state_shardings_for(spec, tx, mesh)
     return Layout(cfg, mesh, spec, create, tx, shardings, abstract_train_state(spec, tx, mesh, shardings),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
@@ -133,3 +135,48 @@ def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None
         rule = f" must be divisible by {split}" if model is None else f", not a multiple of {split}"
         raise ConfigError(f"{depth}{rule}; change the depth or list the units per stage in "
                           f"parallel.stage_layers")
+
+
+def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
+    """What the model gives the step, traced abstractly once on a [1, seq_len] batch: a
+    scalar from ``loss(inputs, targets)``, or logits [1, seq_len, C] with C >= vocab_size
+    from ``__call__`` (token ids go up to vocab_size - 1; fewer classes give a NaN loss at
+    the first step). A model with neither must be a pipeline-contract model."""
+    from mindpipe_jax.parallel.pipeline.contract import pipeline_parts
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
+    probe = nnx.eval_shape(lambda: spec.merge(abstract))
+    name = type(probe).__name__
+    if not spec.has_loss and not callable(probe):
+        if pipeline_parts(probe) is None:
+            raise ConfigError(f"model {name} has neither __call__(tokens) -> logits nor loss(tokens, "
+                              f"targets) -> scalar; give it one of them (or a pipeline_parts() method)")
+        return
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+
+    def out(params, t):
+        model = spec.merge(params)
+        if spec.has_loss:
+            extra = {"dropout_key": jax.random.key(0)} if spec.loss_takes_key else {}
+            return model.loss(t, t, **extra)
+        return model(t)
+
+    got = jax.eval_shape(out, abstract, tokens)
+    shown = getattr(got, "shape", None)
+    if spec.has_loss:
+        if not (hasattr(got, "shape") and got.shape == () and jnp.issubdtype(got.dtype, jnp.floating)):
+            what = f"an array of shape {tuple(shown)} ({got.dtype})" if shown is not None else \
+                f"{type(got).__name__} {jax.tree.structure(got)}"
+            raise ConfigError(f"{name}.loss(inputs, targets) returned {what}; the step differentiates a "
+                              f"scalar float loss (log other values outside the loss)")
+        return
+    if shown is None or len(shown) != 3 or tuple(shown[:2]) != (1, seq_len):
+        what = f"shape {tuple(shown)}" if shown is not None else \
+            f"{type(got).__name__} {jax.tree.structure(got)}"
+        raise ConfigError(f"{name}(tokens) on tokens of shape (1, {seq_len}) returned {what}; without a "
+                          f"loss method the model must return logits of shape (1, {seq_len}, classes)")
+    if shown[-1] < vocab_size:
+        raise ConfigError(f"{name}(tokens) returns {shown[-1]} classes per position, fewer than "
+                          f"model.vocab_size={vocab_size} (the data's token ids go up to {vocab_size - 1}); "
+                          f"give its output layer vocab_size classes, or set model.vocab_size to the "
+                          f"data's vocabulary")

@@ -52,6 +52,9 @@ class PipelineParts:
     # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
     # balancing): the model's loss adds aux_weight x their mean over the units.
     aux_weight: float | None = None
+    # (model, tokens) -> None, run once abstractly before a run: raises ConfigError where
+    # the parts would not compute the model's loss (set for a found nnx.List, _list_parts).
+    check: Callable[[Any, jax.Array], None] | None = None
 
 
 def _how_to(name: str) -> str:
@@ -91,6 +94,19 @@ class _Stop(nnx.Module):
 
     def __call__(self, x, *args, **kwargs):
         raise _Reached(x, bool(args or kwargs))
+
+
+class _Link(nnx.Module):
+    """Stands in for a layer: records the array it is called on and the new one it
+    returns, so that a chain (each layer called on the previous one's output) shows."""
+
+    def __init__(self, calls: list):
+        self.calls = nnx.data(calls)
+
+    def __call__(self, x, *args, **kwargs):
+        out = x + jnp.zeros((), x.dtype)  # a new array: the next layer must be called on it
+        self.calls.append((x, out))
+        return out
 
 
 class _Pass(nnx.Module):
@@ -142,7 +158,26 @@ def _list_parts(model) -> PipelineParts | None:
             layers[i] = _Pass(h if i == len(layers) - 1 else None)
         return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
 
-    return PipelineParts(_name(path), prologue, epilogue)
+    def check(m, tokens):
+        # The parts run the layers back to back: the model must call each layer, once, on
+        # the previous one's output. A loop computing between them (h = h + f(layer(h)))
+        # would lose that computation in the pipeline.
+        layers, calls = stack_of(m), []
+        for i in range(len(layers)):
+            layers[i] = _Link(calls)
+        model_loss(m, tokens, jnp.zeros_like(tokens))
+        where = f"{name}.{_name(path)}"
+        if len(calls) != len(layers):
+            raise ConfigError(f"{where}: the model's loss calls its {len(layers)} layers {len(calls)} times; "
+                              f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
+        for i in range(1, len(calls)):
+            if calls[i][0] is not calls[i - 1][1]:
+                raise ConfigError(f"{where}[{i}] is not called on the output of {where}[{i - 1}]: the model "
+                                  f"computes something between its layers (in its loop, e.g. a residual "
+                                  f"or an activation), which a pipeline running the layers back to back "
+                                  f"would lose; move it into the layer, or give {name} a {HOOK}() method")
+
+    return PipelineParts(_name(path), prologue, epilogue, check=check)
 
 
 def model_loss(model, inputs, targets):
@@ -293,6 +328,8 @@ class PipelineModel:
             prologue = lambda p, t: parts.prologue(self._model(p), t)  # noqa: E731
             epilogue = lambda p, h, t: parts.epilogue(self._model(p), h, t)  # noqa: E731
             example = _abstract(tokens)
+            if parts.check is not None:
+                jax.eval_shape(lambda p, t: parts.check(self._model(p), t), self._outer_abstract(), example)
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
             embed = self._used(prologue, example)
             head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))

@@ -340,7 +340,7 @@ class StageTasks:
         keys = self.plan.parts[part].keys
         takes_kind = part != 0
         made = [make(pos, policy, kind) if takes_kind else make(pos, policy) for kind, pos, policy in keys]
-        return [lambda op: _vary(idle(op))] + [lambda op, fn=fn: _vary(fn(op)) for fn in made]
+        return [lambda op: _vary(idle(op))] + [lambda op, fn=fn: _vary(_grads_in_f32(fn(op))) for fn in made]
 
     def _backward(self, pos, policy, kind):
         """A backward task of any kind: BW forms both halves, B keeps the input
@@ -389,3 +389,11 @@ class StageTasks:
         if pos == FIRST:
             return self._embed_grad(tokens, d_x), d_c, self.zero_h
         return (self._embed_grad(tokens, d_x) if pos == EITHER else None), d_c, d_x
+
+
+def _grads_in_f32(out: dict) -> dict:
+    """A branch's output with its gradients in float32, the accumulators' dtype (and what
+    an idle branch returns): a model with bf16 parameters has bf16 gradients."""
+    if "grads" not in out:
+        return out
+    return {**out, "grads": jax.tree.map(lambda g: g.astype(jnp.float32), out["grads"])}
