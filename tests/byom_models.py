@@ -345,6 +345,33 @@ class ResidualInTheLoop(nnx.Module):
         return self.out(h)
 
 
+class SharedLayers(nnx.Module):
+    """Weights shared across depth: ``share="module"`` lists one layer four times (ALBERT),
+    ``share="param"`` gives four layers one scale parameter between them."""
+
+    def __init__(self, rngs, share="module", vocab=256, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        if share == "module":
+            self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs)] * 4)
+        else:
+            scale = nnx.Param(jnp.ones((d,)))
+            self.layers = nnx.List([ScaledLinear(d, scale, rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+class ScaledLinear(nnx.Module):
+    def __init__(self, d, scale, rngs):
+        self.lin, self.scale = nnx.Linear(d, d, rngs=rngs), scale
+
+    def __call__(self, h):
+        return h + jnp.tanh(self.lin(h)) * self.scale[...]
+
+
 class LossWithMetrics(nnx.Module):
     """``loss`` returns (loss, metrics), as some training loops expect."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop
+from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop, SharedLayers
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -277,6 +277,12 @@ CASES = [
     ("model computing between its layers", ["parallel.pipe=2", "parallel.data=4"],
      "ResidualInTheLoop.layers[1] is not called on the output of ResidualInTheLoop.layers[0]",
      {"model": ResidualInTheLoop}),
+    ("model listing one layer twice", ["parallel.pipe=2", "parallel.data=4"],
+     "SharedLayers.layers[1] is SharedLayers.layers[0] (one module listed twice: shared weights)",
+     {"model": lambda rngs: SharedLayers(rngs, share="module")}),
+    ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
+     "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
+     {"model": lambda rngs: SharedLayers(rngs, share="param")}),
     ("model loss returning a tuple", [],
      "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
     ("model with fewer classes than the vocabulary", [],

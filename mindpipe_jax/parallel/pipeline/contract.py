@@ -109,6 +109,28 @@ class _Link(nnx.Module):
         return out
 
 
+def _check_own_params(layers, where: str) -> None:
+    """Each layer of a found ``nnx.List`` holds parameters of its own: a pipeline puts the
+    layers on different stages, each stage with its layers' parameters only. Refuses a
+    module listed twice (ALBERT-style sharing) and a parameter two layers reach. (One a
+    layer shares with the rest of the model gives that layer another structure than the
+    others, which the period check refuses.)"""
+    fix = ("a pipeline places the layers on different stages, each holding only its own layers' "
+           "parameters: give each layer its own (or train it without parallel.pipe)")
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        same = next((j for j in range(i) if layers[j] is layer), None)
+        if same is not None:
+            raise ConfigError(f"{where}[{i}] is {where}[{same}] (one module listed twice: shared "
+                              f"weights); {fix}")
+        for sub, var in nnx.iter_graph(layer):
+            if isinstance(var, nnx.Param):
+                if id(var) in owner:
+                    raise ConfigError(f"{where}[{i}] and {where}[{owner[id(var)]}] share the parameter "
+                                      f"{_name(sub)}; {fix}")
+                owner[id(var)] = i
+
+
 class _Pass(nnx.Module):
     """Stands in for a layer: the hidden state goes through unchanged, or is replaced
     by the one the pipeline delivers (the last layer)."""
@@ -159,6 +181,7 @@ def _list_parts(model) -> PipelineParts | None:
         return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
 
     def check(m, tokens):
+        _check_own_params(stack_of(m), f"{name}.{_name(path)}")
         # The parts run the layers back to back: the model must call each layer, once, on
         # the previous one's output. A loop computing between them (h = h + f(layer(h)))
         # would lose that computation in the pipeline.
