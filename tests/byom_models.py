@@ -280,26 +280,30 @@ class StockBlock(nnx.Module):
         self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
         self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, *, deterministic: bool, scale=None):
         mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
-        x = x + self.attn(self.ln1(x), mask=mask)
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+        x = x + self.attn(self.ln1(x), mask=mask, deterministic=deterministic)
+        out = x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+        return out if scale is None else out * scale
 
 
 class StockGPT2(nnx.Module):
     """GPT-2 from Flax's stock layers, its blocks a plain ``nnx.List`` of identical layers
-    (period 1), learned positions, an untied biased head; returns logits (no ``loss``)."""
+    (period 1) called with static keyword arguments (``deterministic=True``, as Flax code
+    passes it), learned positions, an untied biased head; returns logits (no ``loss``).
+    ``scales``: per-layer static factors (a model the pipeline must refuse)."""
 
-    def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8):
+    def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8, scales=None):
         self.wte, self.wpe = nnx.Embed(vocab, d, rngs=rngs), nnx.Embed(length, d, rngs=rngs)
         self.h = nnx.List([StockBlock(d, heads, rngs) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(d, rngs=rngs)
         self.lm_head = nnx.Linear(d, vocab, rngs=rngs)
+        self.scales = scales or [None] * layers
 
     def __call__(self, tokens):
         x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
-        for block in self.h:
-            x = block(x)
+        for block, scale in zip(self.h, self.scales, strict=True):
+            x = block(x, deterministic=True, scale=scale)
         return self.lm_head(self.ln_f(x))
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop, SharedLayers
+from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop, SharedLayers, StockGPT2
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -283,6 +283,10 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
+    ("model calling its layers with different flags", ["parallel.pipe=2", "parallel.data=4"],
+     "StockGPT2.h[1] is called with (h, deterministic=True, scale=0.5) but StockGPT2.h[0], its place in the "
+     "repeating group of 1, with (h, deterministic=True, scale=1.0), and the calls repeat in no group",
+     {"model": lambda rngs: StockGPT2(rngs, vocab=256, length=32, scales=[1.0, 0.5, 0.5, 0.5])}),
     ("model loss returning a tuple", [],
      "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
     ("model with fewer classes than the vocabulary", [],

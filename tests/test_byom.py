@@ -154,6 +154,18 @@ def test_a_plain_list_of_stock_flax_layers_pipelines_with_the_reference_gradient
     assert_grads_equal(got, want)
 
 
+def test_layers_called_with_alternating_flags_pipeline_as_groups_of_two():
+    """Like layers the loop calls with a static flag that alternates (scale=1.0, 0.5, ...,
+    as a local/global attention flag would): the stack splits as groups of two, each layer
+    called with its own flag, gradients as plain value_and_grad's."""
+    def make(rngs):
+        return StockGPT2(rngs, scales=[1.0, 0.5, 1.0, 0.5])
+
+    got = framework_grads(make, *STOCK_LAYOUTS["pipe2xdata4-zb-h1"])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
 @pytest.mark.parametrize("layout", ["pipe2xdata4-zb-h1", "pipe4xdata2"])
 def test_a_bf16_model_pipelines_with_gradients_in_its_dtype(layout):
     """bf16 parameters (stock layers' param_dtype): the pipeline accumulates the microbatches'
@@ -417,8 +429,9 @@ def test_layers_with_side_inputs_are_refused_in_one_line():
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(None):
         spec, _ = model_spec(PositionsInLayers, mesh, SEED)
-    with pytest.raises(ConfigError, match=r"PositionsInLayers.layers: its layers are called with more than "
-                                          r"the hidden state.*compute positions or masks inside the layer"):
+    side_inputs = (r"PositionsInLayers.layers: its layers are called with arrays besides the hidden state"
+                   r".*compute positions or masks inside the layer")
+    with pytest.raises(ConfigError, match=side_inputs):
         make_grad_fn(spec, cfg, mesh)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -52,9 +53,10 @@ class PipelineParts:
     # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
     # balancing): the model's loss adds aux_weight x their mean over the units.
     aux_weight: float | None = None
-    # (model, tokens) -> None, run once abstractly before a run: raises ConfigError where
-    # the parts would not compute the model's loss (set for a found nnx.List, _list_parts).
-    check: Callable[[Any, jax.Array], None] | None = None
+    # (model, tokens) -> each layer's static arguments besides the hidden state, [(args,
+    # kwargs)], run once abstractly before a run: raises ConfigError where the parts would
+    # not compute the model's loss (set for a found nnx.List, _list_parts).
+    check: Callable[[Any, jax.Array], list] | None = None
 
 
 def _how_to(name: str) -> str:
@@ -93,7 +95,7 @@ class _Stop(nnx.Module):
     """Stands in for the first layer: stops the model there with its input."""
 
     def __call__(self, x, *args, **kwargs):
-        raise _Reached(x, bool(args or kwargs))
+        raise _Reached(x, None)  # the layers' other arguments: checked by _list_parts' check
 
 
 class _Link(nnx.Module):
@@ -105,7 +107,7 @@ class _Link(nnx.Module):
 
     def __call__(self, x, *args, **kwargs):
         out = x + jnp.zeros((), x.dtype)  # a new array: the next layer must be called on it
-        self.calls.append((x, out))
+        self.calls.append((x, out, args, kwargs))
         return out
 
 
@@ -166,11 +168,6 @@ def _list_parts(model) -> PipelineParts | None:
         try:
             model_loss(m, tokens, jnp.zeros_like(tokens))
         except _Reached as reached:
-            if reached.extra:
-                raise ConfigError(f"{name}.{_name(path)}: its layers are called with more than the "
-                                  f"hidden state; the pipeline passes one hidden state between stages "
-                                  f"and no side inputs yet: compute positions or masks inside the layer "
-                                  f"from its input") from None
             return reached.x
         raise ConfigError(f"{name}'s loss never calls {_name(path)}[0]; give {name} a {HOOK}() method")
 
@@ -199,8 +196,39 @@ def _list_parts(model) -> PipelineParts | None:
                                   f"computes something between its layers (in its loop, e.g. a residual "
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
+        # Arguments besides the hidden state: static ones (flags such as deterministic=True,
+        # None) are passed again to each unit; arrays are side inputs the pipeline lacks.
+        extras = [(args, kwargs) for _, _, args, kwargs in calls]
+        if any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(extras)):
+            raise ConfigError(f"{where}: its layers are called with arrays besides the hidden state; the "
+                              f"pipeline passes one hidden state between stages and no side inputs yet: "
+                              f"compute positions or masks inside the layer from its input")
+        return extras
 
     return PipelineParts(_name(path), prologue, epilogue, check=check)
+
+
+def _calls_period(calls: list, k: int, where: str) -> int:
+    """The smallest multiple of the structural period k (dividing the depth) with which the
+    layers' static arguments repeat too: a loop passing is_local=(i % 2 == 0) to like layers
+    makes groups of two. None dividing the depth below it: refused, naming the first layer
+    called otherwise than its place in a group of k."""
+    depth = len(calls)
+    for m in range(k, depth, k):
+        if depth % m == 0 and all(calls[i] == calls[i % m] for i in range(depth)):
+            return m
+    i = next((i for i in range(depth) if calls[i] != calls[i % k]), None)
+    if i is None:
+        return k
+    raise ConfigError(f"{where}[{i}] is called with {_shown_call(calls[i])} but {where}[{i % k}], its "
+                      f"place in the repeating group of {k}, with {_shown_call(calls[i % k])}, and the calls "
+                      f"repeat in no group dividing the depth; the pipeline calls every unit alike: compute "
+                      f"the difference inside the layer")
+
+
+def _shown_call(call) -> str:
+    args, kwargs = call
+    return "(" + ", ".join(["h", *map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
 
 
 def model_loss(model, inputs, targets):
@@ -338,6 +366,7 @@ class PipelineModel:
         # An nnx.List of layers: ``split`` stacks its groups (even groups of one layer) in
         # the step, so a tree of shardings cannot go through it.
         self.stacks_in_step = False
+        self._unit_calls: list = []  # an nnx.List stack's static arguments, per place in a group
         self.parts = parts = pipeline_parts(model)
         if parts is None:
             split = self._split_for(tokens.shape[0])
@@ -352,7 +381,11 @@ class PipelineModel:
             epilogue = lambda p, h, t: parts.epilogue(self._model(p), h, t)  # noqa: E731
             example = _abstract(tokens)
             if parts.check is not None:
-                jax.eval_shape(lambda p, t: parts.check(self._model(p), t), self._outer_abstract(), example)
+                found = []
+                jax.eval_shape(lambda p, t: found.extend(parts.check(self._model(p), t)),
+                               self._outer_abstract(), example)
+                self._set_group(_calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
+                                parts.stack)
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
             embed = self._used(prologue, example)
             head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))
@@ -386,18 +419,13 @@ class PipelineModel:
         self._stack_path = path
         if isinstance(stack, nnx.List):
             self.stacks_in_step = True
-            self.group = k = _period(list(stack))
-            depth = len(stack)
-            if k == depth and depth > 1:
-                raise ConfigError(f"{self.name}.{parts.stack}: its {depth} layers do not repeat in "
-                                  f"groups (layer i must have the structure of layer i - k for a k "
-                                  f"dividing the depth); the pipeline splits a stack of like units")
-            self.num_units = depth // k
-            defs = [nnx.graphdef(stack[j]) for j in range(k)]
+            self._layer_defs = [nnx.graphdef(x) for x in stack]
+            self._set_group(_period(list(stack)), [((), {})] * len(stack), parts.stack)
 
             def layer(unit, h):
-                for j, gdef in enumerate(defs):
-                    h = nnx.merge(gdef, unit[j])(h)
+                for j in range(self.group):
+                    args, kwargs = self._unit_calls[j]
+                    h = nnx.merge(self._layer_defs[j], unit[j])(h, *args, **kwargs)
                 return h
             return layer
         leading = {n: self._abstract[n].shape[:1] for n in self.stack_names}
@@ -409,6 +437,16 @@ class PipelineModel:
         self.num_units = next(iter(leading.values()))[0]
         gdef = nnx.graphdef(stack)
         return lambda unit, h: nnx.merge(gdef, unit)(h)
+
+    def _set_group(self, k: int, calls: list, stack: str) -> None:
+        """An nnx.List stack split as groups of k layers, each layer called with ``calls``'
+        static arguments (per layer; they repeat with period k)."""
+        depth = len(self._layer_defs)
+        if k == depth and depth > 1:
+            raise ConfigError(f"{self.name}.{stack}: its {depth} layers do not repeat in groups (layer i "
+                              f"must have the structure of layer i - k for a k dividing the depth); the "
+                              f"pipeline splits a stack of like units")
+        self.group, self.num_units, self._unit_calls = k, depth // k, calls[:k]
 
     def _split_for(self, rows: int, like=None) -> TracedSplit:
         """The traced cut for microbatches of ``rows`` rows (a jaxpr has fixed shapes),
