@@ -47,6 +47,18 @@ class Bigram(nnx.Module):
         return jnp.take(self.table[...], tokens, axis=0)
 
 
+def factory_that_raises(rngs):
+    raise ValueError("no such width")
+
+
+def factory_returning_params(rngs):
+    return {"w": jnp.zeros((2, 2))}
+
+
+def factory_taking_two(rngs, width):
+    return Bigram(rngs)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     """A complete tiny run (one committed checkpoint at step 2) to copy into cases."""
@@ -287,6 +299,13 @@ CASES = [
      "StockGPT2.h[1] is called with (h, deterministic=True, scale=0.5) but StockGPT2.h[0], its place in the "
      "repeating group of 1, with (h, deterministic=True, scale=1.0), and the calls repeat in no group",
      {"model": lambda rngs: StockGPT2(rngs, vocab=256, length=32, scales=[1.0, 0.5, 0.5, 0.5])}),
+    ("model factory that raises", [], "building the model, factory_that_raises(rngs) raised ValueError: "
+     "no such width", {"model": factory_that_raises}),
+    ("model factory returning something else", [],
+     "the model factory factory_returning_params(rngs) returned dict; it must return an nnx.Module",
+     {"model": factory_returning_params}),
+    ("model factory taking other arguments", [],
+     "building the model, factory_taking_two(rngs) raised TypeError", {"model": factory_taking_two}),
     ("model loss returning a tuple", [],
      "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
     ("model with fewer classes than the vocabulary", [],

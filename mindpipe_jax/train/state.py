@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +32,7 @@ from mindpipe_jax.models.bridge import from_linen, is_linen
 from mindpipe_jax.parallel.rules import state_shardings
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mindpipe_jax/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,31 @@ def _refuse_extra_state(rest) -> None:
                           f"trains models whose state is nnx.Param only ({fix})")
 
 
+def _built(build, factory):
+    """``nnx.eval_shape(build)``, with a factory that raises or returns something other than
+    an ``nnx.Module`` refused in one line (naming where in the user's code it raised)."""
+    name = getattr(factory, "__qualname__", type(factory).__name__)
+
+    def checked():
+        model = build()
+        if not isinstance(model, nnx.Module):
+            raise ConfigError(f"the model factory {name}(rngs) returned {type(model).__name__}; it must "
+                              f"return an nnx.Module")
+        return model
+
+    try:
+        return nnx.eval_shape(checked)
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's own code: one line, its place in their file
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if "site-packages" not in f.filename and PACKAGE_DIR not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(f"building the model, {name}(rngs) raised {type(err).__name__}: {first}"
+                          f"{where}") from None
+
+
 def model_spec(model_or_factory, mesh, seed: int, example_input=None
                ) -> tuple[ModelSpec, Callable[[], Any] | None]:
     """Abstract model → ModelSpec, plus a zero-argument function that creates params.
@@ -113,7 +141,7 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
             with nnx.use_eager_sharding(False):
                 return model_or_factory(nnx.Rngs(seed))
 
-        abstract_model = nnx.eval_shape(build)
+        abstract_model = _built(build, model_or_factory)
         graphdef, abstract_state, rest = nnx.split(abstract_model, nnx.Param, ...)
         _refuse_extra_state(rest)
 
