@@ -404,6 +404,11 @@ class NoForward(nnx.Module):
         self.emb = nnx.Embed(256, 32, rngs=rngs)
 
 
+def make_broken(rngs):
+    """A factory with a bug: ``mindpipe train/tune --model`` must say so in one line."""
+    raise ValueError("width 0 is not a width")
+
+
 class PartsOnly(nnx.Module):
     """Only the pipeline parts: no ``__call__``, no ``loss``."""
 

@@ -405,6 +405,20 @@ def test_noise_statistics_for_a_user_model_without_accumulation():
     np.testing.assert_allclose(float(metrics["micro_grad_sq"]), np.mean(sq), rtol=1e-4)
 
 
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_a_factory_that_raises_is_one_line_from_train_and_tune(command, tmp_path, capsys):
+    from mindpipe_jax.cli import main
+
+    ref = f"{Path(__file__).with_name('byom_models.py')}:make_broken"
+    extra = ["--budget-mb", "100"] if command == "tune" else [f"train.out_dir={tmp_path / 'run'}"]
+    assert main([command, "--model", ref, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("mindpipe: error: building the model, make_broken(rngs) raised ValueError: "
+                          "width 0 is not a width at ") and "byom_models.py:" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_tuner_costs_come_from_the_user_model():
     # Before: tune(model=...) predicted from config.model (the built-in GPT).
     from mindpipe_jax.tuner.costmodel import ModelCosts

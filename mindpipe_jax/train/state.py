@@ -90,13 +90,16 @@ def _refuse_extra_state(rest) -> None:
                           f"trains models whose state is nnx.Param only ({fix})")
 
 
-def _built(build, factory):
-    """``nnx.eval_shape(build)``, with a factory that raises or returns something other than
-    an ``nnx.Module`` refused in one line (naming where in the user's code it raised)."""
+def abstract_model(factory, seed: int = 0):
+    """``factory(nnx.Rngs(seed))`` built abstractly (``nnx.eval_shape``, without eager
+    sharding: annotated modules build outside a mesh), with a factory that raises or returns
+    something other than an ``nnx.Module`` refused in one line naming where in the user's
+    code it raised."""
     name = getattr(factory, "__qualname__", type(factory).__name__)
 
     def checked():
-        model = build()
+        with nnx.use_eager_sharding(False):
+            model = factory(nnx.Rngs(seed))
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"the model factory {name}(rngs) returned {type(model).__name__}; it must "
                               f"return an nnx.Module")
@@ -141,13 +144,12 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
             with nnx.use_eager_sharding(False):
                 return model_or_factory(nnx.Rngs(seed))
 
-        abstract_model = _built(build, model_or_factory)
-        graphdef, abstract_state, rest = nnx.split(abstract_model, nnx.Param, ...)
+        probe = abstract_model(model_or_factory, seed)
+        graphdef, abstract_state, rest = nnx.split(probe, nnx.Param, ...)
         _refuse_extra_state(rest)
 
         def create():
             return _pure(nnx.split(build(), nnx.Param, ...)[1])
-        probe = abstract_model
     else:
         raise ConfigError(f"model must be an nnx.Module or a callable rngs -> nnx.Module, "
                           f"got {type(model_or_factory).__name__}")
