@@ -315,6 +315,10 @@ CASES = [
      {"model": NoForward}),
     ("model of the wrong type", [], "got int", {"model": 42}),
     ("data of the wrong type", [], "got float", {"data": 3.5}),
+    ("data array of floats", [], "token ids must be a non-empty 1-D array of integers",
+     {"data": np.arange(5000.0)}),
+    ("data array past the vocabulary", [], "holds id 299 but the vocabulary size is 256",
+     {"data": np.arange(5000) % 300}),
 ]
 RUNS = [(c, via) for c in CASES
         for via in (("cli",) if c[3] == "cli" else ("api",) if c[3] else ("api", "cli"))]

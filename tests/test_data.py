@@ -13,6 +13,7 @@ from mindpipe_jax.config import DataConfig
 from mindpipe_jax.data import (
     Loader,
     TokenSplits,
+    array_tokens,
     eval_batches,
     files,
     load_tokens,
@@ -124,6 +125,28 @@ def test_npy_tokens_round_trip(tmp_path):
     assert s.vocab_size == 1000
     np.testing.assert_array_equal(np.concatenate([s.train, s.val]), ids)
     assert len(s.val) == int(5000 * 0.05)
+
+
+def test_token_ids_in_memory_split_as_the_same_npy_file(tmp_path):
+    """``mp.train(model, ids)``: an array of ids gives the splits its .npy file gives, with the
+    file's checks (integer 1-D ids, within the vocabulary); a list and a JAX array alike."""
+    import jax.numpy as jnp
+
+    ids = np.random.default_rng(0).integers(0, 1000, 5000).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    cfg = DataConfig(source="tokens", path=str(tmp_path / "ids.npy"), vocab_size=1000)
+    want = load_tokens(cfg, 1024)
+    for given in (ids, list(ids), jnp.asarray(ids)):
+        got = array_tokens(given, DataConfig(), 1000)
+        assert got.vocab_size == want.vocab_size == 1000
+        np.testing.assert_array_equal(got.train, want.train)
+        np.testing.assert_array_equal(got.val, want.val)
+    for bad, needle in ((ids.astype(np.float32), "non-empty 1-D array of integers"),
+                        (ids.reshape(50, 100), "non-empty 1-D array of integers"),
+                        (ids + 1000, "holds id 1999 but the vocabulary size is 1000"),
+                        (ids[:3], "too few to split")):
+        with pytest.raises(ConfigError, match=needle):
+            array_tokens(bad, DataConfig(), 1000)
 
 
 def test_bin_tokens_round_trip_and_vocab_from_model(tmp_path):

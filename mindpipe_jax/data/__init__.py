@@ -9,6 +9,6 @@ initialises no backend, so device settings made afterwards still apply).
 """
 
 from mindpipe_jax.data.loader import Loader, eval_batches
-from mindpipe_jax.data.sources import TokenSplits, load_tokens
+from mindpipe_jax.data.sources import TokenSplits, array_tokens, load_tokens
 
-__all__ = ["Loader", "TokenSplits", "eval_batches", "load_tokens"]
+__all__ = ["Loader", "TokenSplits", "array_tokens", "eval_batches", "load_tokens"]

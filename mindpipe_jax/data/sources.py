@@ -188,9 +188,23 @@ def _token_file(cfg: DataConfig, model_vocab: int) -> TokenSplits:
         raise ConfigError(f"token file {cfg.path!r} holds no tokens")
     vocab = cfg.vocab_size if cfg.vocab_size > 0 else model_vocab
     _check_vocab(vocab, model_vocab)  # before scanning a possibly huge file
-    _check_ids(tokens, vocab, cfg.path)
+    _check_ids(tokens, vocab, f"token file {cfg.path!r}")
     train, val = split_by_position(tokens, cfg.val_fraction, f"token file {cfg.path!r}")
     return TokenSplits(train=train, val=val, vocab_size=vocab, name=f"tokens:{path.name}")
+
+
+def array_tokens(tokens, cfg: DataConfig, model_vocab: int) -> TokenSplits:
+    """Token ids held in memory (``mindpipe_jax.train(model, ids)``: a 1-D integer NumPy or
+    JAX array, or a list), checked and split as a token file is."""
+    tokens = np.asarray(tokens)
+    what = f"the data array (shape {tokens.shape}, {tokens.dtype})"
+    if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 1 or tokens.size == 0:
+        raise ConfigError(f"{what}: token ids must be a non-empty 1-D array of integers")
+    vocab = cfg.vocab_size if cfg.vocab_size > 0 else model_vocab
+    _check_vocab(vocab, model_vocab)
+    _check_ids(tokens, vocab, what)
+    train, val = split_by_position(tokens, cfg.val_fraction, what)
+    return TokenSplits(train=train, val=val, vocab_size=vocab, name=f"array:{len(tokens)}")
 
 
 def _read_npy(path: Path, shown: str) -> np.ndarray:
@@ -229,7 +243,7 @@ def _read_bin(path: Path, shown: str, token_dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _check_ids(tokens: np.ndarray, vocab: int, shown: str) -> None:
+def _check_ids(tokens: np.ndarray, vocab: int, what: str) -> None:
     """Every id in ``[0, vocab)``; chunked so a memmap is never loaded whole."""
     info = np.iinfo(tokens.dtype)
     need_low = info.min < 0
@@ -242,11 +256,10 @@ def _check_ids(tokens: np.ndarray, vocab: int, shown: str) -> None:
         low = min(low, int(chunk.min()))
         high = max(high, int(chunk.max()))
     if low < 0:
-        raise ConfigError(f"token file {shown!r} holds negative id {low}; token ids must be "
-                          f"in [0, {vocab})")
+        raise ConfigError(f"{what} holds negative id {low}; token ids must be in [0, {vocab})")
     if high >= vocab:
-        raise ConfigError(f"token file {shown!r} holds id {high} but the vocabulary size is "
-                          f"{vocab}; set data.vocab_size / model.vocab_size > {high}")
+        raise ConfigError(f"{what} holds id {high} but the vocabulary size is {vocab}; set "
+                          f"data.vocab_size / model.vocab_size > {high}")
 
 
 # --- synthetic -------------------------------------------------------------------

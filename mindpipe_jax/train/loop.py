@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mindpipe_jax.config import Config, DataConfig
-from mindpipe_jax.data import TokenSplits, load_tokens
+from mindpipe_jax.data import TokenSplits, array_tokens, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
@@ -95,7 +95,10 @@ def _resolve_data(data, cfg: Config) -> TokenSplits:
         source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
         return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)),
                            cfg.model.vocab_size)
-    raise ConfigError(f"data must be None, a path, a DataConfig or TokenSplits, got {type(data).__name__}")
+    if isinstance(data, (np.ndarray, jax.Array, list, tuple)):
+        return array_tokens(data, cfg.data, cfg.model.vocab_size)
+    raise ConfigError(f"data must be None, a path, a DataConfig, TokenSplits or an array of token ids, got "
+                      f"{type(data).__name__}")
 
 
 def _model_flops_per_token(model, cfg: Config) -> float:
@@ -143,7 +146,8 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
           step_model=None, tuning: OnlineTuning | None = None) -> TrainResult:
     """Train ``model`` (an ``nnx.Module``, a factory ``rngs -> Module``, or None for the
     reference model of ``config.model``) on ``data`` (None = ``config.data``, a path,
-    a ``DataConfig`` or ``TokenSplits``). ``overrides`` are ``key=value`` strings.
+    a ``DataConfig``, ``TokenSplits``, or token ids in memory: a 1-D integer array, split
+    by ``data.val_fraction`` as a token file is). ``overrides`` are ``key=value`` strings.
     ``tuning``: the online tuner ``tuner.enabled`` needs (``mindpipe_jax.train`` passes
     EPara's). ``step_model`` predicts step times for it: any object with
     ``step_time(candidate)`` and ``observe(candidate, seconds)``; default: what this run
