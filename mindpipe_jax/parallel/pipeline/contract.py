@@ -12,6 +12,10 @@ says where they are in one of two ways:
 * the reference shape: attributes ``embed``, ``blocks`` and ``head`` with
   ``head.loss(h, targets)`` (what ``models/gpt.py`` has).
 
+Without either, a model calling one ``nnx.List`` of layers in order gets its parts
+from ``list_parts.py``; failing that, the stack is found in its traced loss
+(``autosplit.py``).
+
 The stack is either a module created stacked (``nnx.vmap``: every parameter has
 a leading layer axis; its ``__call__`` is one layer), or an ``nnx.List`` of
 layers. A list whose layers repeat with period k (local/global attention,
@@ -26,37 +30,18 @@ embedding) is in both parts; its gradient is the sum of both uses.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs
+from mindpipe_jax.parallel.pipeline.list_parts import calls_period, list_parts
+from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
-
-HOOK = "pipeline_parts"
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineParts:
-    """What ``model.pipeline_parts()`` returns (see the module docstring)."""
-
-    stack: str  # attribute path of the layer stack, dots between names: "decoder.layers"
-    prologue: Callable[[Any, jax.Array], jax.Array]  # (model, tokens) -> hidden
-    epilogue: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, hidden, targets) -> loss
-    # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
-    # balancing): the model's loss adds aux_weight x their mean over the units.
-    aux_weight: float | None = None
-    # (model, tokens) -> each layer's static arguments besides the hidden state, [(args,
-    # kwargs)], run once abstractly before a run: raises ConfigError where the parts would
-    # not compute the model's loss (set for a found nnx.List, _list_parts).
-    check: Callable[[Any, jax.Array], list] | None = None
 
 
 def _how_to(name: str) -> str:
@@ -79,165 +64,10 @@ def pipeline_parts(model) -> PipelineParts | None:
         return parts
     present = [a for a in ("embed", "blocks", "head") if hasattr(model, a)]
     if len(present) < 3:
-        return _list_parts(model)
+        return list_parts(model)
     if not callable(getattr(model.head, "loss", None)):
         raise ConfigError(f"{_how_to(name)} ({name}.head has no loss(h, targets) method)")
     return PipelineParts("blocks", lambda m, tokens: m.embed(tokens), lambda m, h, t: m.head.loss(h, t))
-
-
-class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    def __init__(self, x, extra):
-        super().__init__()
-        self.x, self.extra = x, extra
-
-
-class _Stop(nnx.Module):
-    """Stands in for the first layer: stops the model there with its input."""
-
-    def __call__(self, x, *args, **kwargs):
-        raise _Reached(x, None)  # the layers' other arguments: checked by _list_parts' check
-
-
-class _Link(nnx.Module):
-    """Stands in for a layer: records the array it is called on and the new one it
-    returns, so that a chain (each layer called on the previous one's output) shows."""
-
-    def __init__(self, calls: list):
-        self.calls = nnx.data(calls)
-
-    def __call__(self, x, *args, **kwargs):
-        out = x + jnp.zeros((), x.dtype)  # a new array: the next layer must be called on it
-        self.calls.append((x, out, args, kwargs))
-        return out
-
-
-def _check_own_params(layers, where: str) -> None:
-    """Each layer of a found ``nnx.List`` holds parameters of its own: a pipeline puts the
-    layers on different stages, each stage with its layers' parameters only. Refuses a
-    module listed twice (ALBERT-style sharing) and a parameter two layers reach. (One a
-    layer shares with the rest of the model gives that layer another structure than the
-    others, which the period check refuses.)"""
-    fix = ("a pipeline places the layers on different stages, each holding only its own layers' "
-           "parameters: give each layer its own (or train it without parallel.pipe)")
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        same = next((j for j in range(i) if layers[j] is layer), None)
-        if same is not None:
-            raise ConfigError(f"{where}[{i}] is {where}[{same}] (one module listed twice: shared "
-                              f"weights); {fix}")
-        for sub, var in nnx.iter_graph(layer):
-            if isinstance(var, nnx.Param):
-                if id(var) in owner:
-                    raise ConfigError(f"{where}[{i}] and {where}[{owner[id(var)]}] share the parameter "
-                                      f"{_name(sub)}; {fix}")
-                owner[id(var)] = i
-
-
-class _Pass(nnx.Module):
-    """Stands in for a layer: the hidden state goes through unchanged, or is replaced
-    by the one the pipeline delivers (the last layer)."""
-
-    def __init__(self, h=None):
-        self.h = nnx.data(h)
-
-    def __call__(self, x, *args, **kwargs):
-        return x if self.h is None else self.h
-
-
-def _list_parts(model) -> PipelineParts | None:
-    """Parts of a model whose layers are one ``nnx.List`` that it calls in order: the
-    prologue is the model's loss stopped at the first layer, the epilogue its loss
-    with every layer passing the hidden state through and the last one replaced by
-    the pipeline's output. None if the model has no such list."""
-    lists = [(path, node) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.List) and len(node) > 1
-             and all(isinstance(x, nnx.Module) for x in node)]
-    if len(lists) != 1:
-        return None
-    path = lists[0][0]
-    name = type(model).__name__
-
-    def stack_of(m):
-        for k in path:
-            m = m[k] if isinstance(k, int) else getattr(m, k)
-        return m
-
-    def prologue(m, tokens):
-        layers = stack_of(m)
-        layers[0] = _Stop()
-        try:
-            model_loss(m, tokens, jnp.zeros_like(tokens))
-        except _Reached as reached:
-            return reached.x
-        raise ConfigError(f"{name}'s loss never calls {_name(path)}[0]; give {name} a {HOOK}() method")
-
-    def epilogue(m, h, targets):
-        layers = stack_of(m)
-        for i in range(len(layers)):
-            layers[i] = _Pass(h if i == len(layers) - 1 else None)
-        return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
-
-    def check(m, tokens):
-        _check_own_params(stack_of(m), f"{name}.{_name(path)}")
-        # The parts run the layers back to back: the model must call each layer, once, on
-        # the previous one's output. A loop computing between them (h = h + f(layer(h)))
-        # would lose that computation in the pipeline.
-        layers, calls = stack_of(m), []
-        for i in range(len(layers)):
-            layers[i] = _Link(calls)
-        model_loss(m, tokens, jnp.zeros_like(tokens))
-        where = f"{name}.{_name(path)}"
-        if len(calls) != len(layers):
-            raise ConfigError(f"{where}: the model's loss calls its {len(layers)} layers {len(calls)} times; "
-                              f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
-        for i in range(1, len(calls)):
-            if calls[i][0] is not calls[i - 1][1]:
-                raise ConfigError(f"{where}[{i}] is not called on the output of {where}[{i - 1}]: the model "
-                                  f"computes something between its layers (in its loop, e.g. a residual "
-                                  f"or an activation), which a pipeline running the layers back to back "
-                                  f"would lose; move it into the layer, or give {name} a {HOOK}() method")
-        # Arguments besides the hidden state: static ones (flags such as deterministic=True,
-        # None) are passed again to each unit; arrays are side inputs the pipeline lacks.
-        extras = [(args, kwargs) for _, _, args, kwargs in calls]
-        if any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(extras)):
-            raise ConfigError(f"{where}: its layers are called with arrays besides the hidden state; the "
-                              f"pipeline passes one hidden state between stages and no side inputs yet: "
-                              f"compute positions or masks inside the layer from its input")
-        return extras
-
-    return PipelineParts(_name(path), prologue, epilogue, check=check)
-
-
-def _calls_period(calls: list, k: int, where: str) -> int:
-    """The smallest multiple of the structural period k (dividing the depth) with which the
-    layers' static arguments repeat too: a loop passing is_local=(i % 2 == 0) to like layers
-    makes groups of two. None dividing the depth below it: refused, naming the first layer
-    called otherwise than its place in a group of k."""
-    depth = len(calls)
-    for m in range(k, depth, k):
-        if depth % m == 0 and all(calls[i] == calls[i % m] for i in range(depth)):
-            return m
-    i = next((i for i in range(depth) if calls[i] != calls[i % k]), None)
-    if i is None:
-        return k
-    raise ConfigError(f"{where}[{i}] is called with {_shown_call(calls[i])} but {where}[{i % k}], its "
-                      f"place in the repeating group of {k}, with {_shown_call(calls[i % k])}, and the calls "
-                      f"repeat in no group dividing the depth; the pipeline calls every unit alike: compute "
-                      f"the difference inside the layer")
-
-
-def _shown_call(call) -> str:
-    args, kwargs = call
-    return "(" + ", ".join(["h", *map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
-
-
-def model_loss(model, inputs, targets):
-    """A model's mean loss: ``model.loss`` if it has one, else token cross-entropy of its
-    logits."""
-    if callable(getattr(model, "loss", None)):
-        return model.loss(inputs, targets)
-    logits = model(inputs).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def stage_fns(model) -> StageFns:
@@ -384,7 +214,7 @@ class PipelineModel:
                 found = []
                 jax.eval_shape(lambda p, t: found.extend(parts.check(self._model(p), t)),
                                self._outer_abstract(), example)
-                self._set_group(_calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
+                self._set_group(calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
                                 parts.stack)
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
             embed = self._used(prologue, example)

@@ -1,0 +1,43 @@
+"""What a model's ``pipeline_parts()`` returns, and the loss the parts must reproduce.
+
+Kept apart from ``contract.py`` (which turns parts into what the runtime runs) so that
+``list_parts.py``, which finds the parts of a model calling an ``nnx.List`` of layers,
+can build them without importing the contract that calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+HOOK = "pipeline_parts"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineParts:
+    """What ``model.pipeline_parts()`` returns (see the module docstring)."""
+
+    stack: str  # attribute path of the layer stack, dots between names: "decoder.layers"
+    prologue: Callable[[Any, jax.Array], jax.Array]  # (model, tokens) -> hidden
+    epilogue: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, hidden, targets) -> loss
+    # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
+    # balancing): the model's loss adds aux_weight x their mean over the units.
+    aux_weight: float | None = None
+    # (model, tokens) -> each layer's static arguments besides the hidden state, [(args,
+    # kwargs)], run once abstractly before a run: raises ConfigError where the parts would
+    # not compute the model's loss (set for a found nnx.List, list_parts.py).
+    check: Callable[[Any, jax.Array], list] | None = None
+
+
+def model_loss(model, inputs, targets):
+    """A model's mean loss: ``model.loss`` if it has one, else token cross-entropy of its
+    logits."""
+    if callable(getattr(model, "loss", None)):
+        return model.loss(inputs, targets)
+    logits = model(inputs).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
