@@ -40,7 +40,7 @@ from flax import nnx
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs
 from mindpipe_jax.parallel.pipeline.list_parts import calls_period, list_parts
-from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, model_loss
+from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
 
@@ -84,10 +84,6 @@ def stage_fns(model) -> StageFns:
 
 def _key(k) -> Any:
     return getattr(k, "key", getattr(k, "idx", k))
-
-
-def _name(path: tuple) -> str:
-    return ".".join(map(str, path))
 
 
 def _flat(tree) -> dict[tuple, Any]:
@@ -188,7 +184,7 @@ class PipelineModel:
         self.name = type(model).__name__
         self._merge = merge
         flat = _flat(params)
-        self._paths = {_name(p): p for p in flat}
+        self._paths = {dotted(p): p for p in flat}
         self._abstract = {n: _abstract(flat[p]) for n, p in self._paths.items()}
         self._length = tokens.shape[-1]
         self._traced: dict[int, TracedSplit] = {}
@@ -241,7 +237,7 @@ class PipelineModel:
                 stack = stack[k] if isinstance(k, int) else getattr(stack, k)
         except (AttributeError, KeyError, IndexError, TypeError):
             stack = None
-        prefix = _name(path) + "."
+        prefix = dotted(path) + "."
         self.stack_names = [n for n in self._paths if n.startswith(prefix)]
         if not isinstance(stack, nnx.Module) or not self.stack_names:
             raise ConfigError(f"{self.name}: pipeline stack {parts.stack!r} is not a module with "
@@ -358,7 +354,7 @@ class PipelineModel:
                 k = self.group
                 d_stack = {j + g * k: jax.tree.map(lambda x, g=g: x[g], d_stack[j])
                            for j in range(k) for g in range(self.num_units)}
-            out.update({_name(self._stack_path + p): x for p, x in _flat(d_stack).items()})
+            out.update({dotted(self._stack_path + p): x for p, x in _flat(d_stack).items()})
         for n in self._paths:
             if n not in out:
                 uses = [d[n] for d in (d_embed, d_head) if n in d]

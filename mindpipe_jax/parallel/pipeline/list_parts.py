@@ -17,11 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, model_loss
-
-
-def _name(path: tuple) -> str:
-    return ".".join(map(str, path))
+from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 
 
 class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -68,7 +64,7 @@ def _check_own_params(layers, where: str) -> None:
             if isinstance(var, nnx.Param):
                 if id(var) in owner:
                     raise ConfigError(f"{where}[{i}] and {where}[{owner[id(var)]}] share the parameter "
-                                      f"{_name(sub)}; {fix}")
+                                      f"{dotted(sub)}; {fix}")
                 owner[id(var)] = i
 
 
@@ -108,7 +104,7 @@ def list_parts(model) -> PipelineParts | None:
             model_loss(m, tokens, jnp.zeros_like(tokens))
         except _Reached as reached:
             return reached.x
-        raise ConfigError(f"{name}'s loss never calls {_name(path)}[0]; give {name} a {HOOK}() method")
+        raise ConfigError(f"{name}'s loss never calls {dotted(path)}[0]; give {name} a {HOOK}() method")
 
     def epilogue(m, h, targets):
         layers = stack_of(m)
@@ -117,7 +113,8 @@ def list_parts(model) -> PipelineParts | None:
         return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
 
     def check(m, tokens):
-        _check_own_params(stack_of(m), f"{name}.{_name(path)}")
+        where = f"{name}.{dotted(path)}"
+        _check_own_params(stack_of(m), where)
         # The parts run the layers back to back: the model must call each layer, once, on
         # the previous one's output. A loop computing between them (h = h + f(layer(h)))
         # would lose that computation in the pipeline.
@@ -125,7 +122,6 @@ def list_parts(model) -> PipelineParts | None:
         for i in range(len(layers)):
             layers[i] = _Link(calls)
         model_loss(m, tokens, jnp.zeros_like(tokens))
-        where = f"{name}.{_name(path)}"
         if len(calls) != len(layers):
             raise ConfigError(f"{where}: the model's loss calls its {len(layers)} layers {len(calls)} times; "
                               f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
@@ -144,7 +140,7 @@ def list_parts(model) -> PipelineParts | None:
                               f"compute positions or masks inside the layer from its input")
         return extras
 
-    return PipelineParts(_name(path), prologue, epilogue, check=check)
+    return PipelineParts(dotted(path), prologue, epilogue, check=check)
 
 
 def calls_period(calls: list, k: int, where: str) -> int:

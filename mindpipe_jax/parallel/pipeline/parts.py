@@ -18,9 +18,15 @@ import optax
 HOOK = "pipeline_parts"
 
 
+def dotted(path: tuple) -> str:
+    """An attribute path as the user writes it: ``("decoder", "layers", 0)`` -> ``decoder.layers.0``."""
+    return ".".join(map(str, path))
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineParts:
-    """What ``model.pipeline_parts()`` returns (see the module docstring)."""
+    """What ``model.pipeline_parts()`` returns (``contract.py``'s docstring says how the
+    runtime uses it)."""
 
     stack: str  # attribute path of the layer stack, dots between names: "decoder.layers"
     prologue: Callable[[Any, jax.Array], jax.Array]  # (model, tokens) -> hidden
