@@ -368,8 +368,10 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     assert matmuls < prof.flops["layer_F"] < 1.5 * matmuls
     assert prof.flops["layer_BW"] > 1.5 * prof.flops["layer_F"]
     assert 3 * 32 * 32 * 4 < layer.param_bytes < 20 * 32 * 32 * 4
-    # a memory rate between 0.1 GB/s and 10 TB/s: measured, not left at "free"
-    assert 1e-13 < prof.slot_move_s_per_byte < 1e-8
+    # a memory rate between 1 MB/s and 10 TB/s: measured, not left at "free", and in
+    # seconds per byte (seconds per call would be ~1e-3). Eight simulated devices
+    # share 2 cores here, and under the parallel suite the rate has been seen at 0.08 GB/s.
+    assert 1e-13 < prof.slot_move_s_per_byte < 1e-6
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -167,7 +167,9 @@ def slot_move_seconds_per_byte(nbytes: float, *, repeats: int = 5) -> float:
     spread = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), P("all"))
     buf = jax.device_put(jnp.ones((len(devices), elems), jnp.float32), spread)
     stream = _compile(lambda x: x * 1.0001 + 0.5, buf)
-    return _median_time(stream, buf, repeats=repeats) / (2 * 4 * elems)
+    # At least 5 runs whatever the caller's repeats: one run costs milliseconds, and a
+    # single sample on a loaded host can be several times the rate's typical value.
+    return _median_time(stream, buf, repeats=max(repeats, 5)) / (2 * 4 * elems)
 
 
 def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
