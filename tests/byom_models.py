@@ -280,8 +280,9 @@ class StockBlock(nnx.Module):
         self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
         self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
 
-    def __call__(self, x, *, deterministic: bool, scale=None):
-        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    def __call__(self, x, mask=None, *, deterministic: bool, scale=None):
+        if mask is None:
+            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
         x = x + self.attn(self.ln1(x), mask=mask, deterministic=deterministic)
         out = x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
         return out if scale is None else out * scale
@@ -291,19 +292,32 @@ class StockGPT2(nnx.Module):
     """GPT-2 from Flax's stock layers, its blocks a plain ``nnx.List`` of identical layers
     (period 1) called with static keyword arguments (``deterministic=True``, as Flax code
     passes it), learned positions, an untied biased head; returns logits (no ``loss``).
-    ``scales``: per-layer static factors (a model the pipeline must refuse)."""
+    ``scales``: per-layer static factors. ``mask``: where the attention mask is made:
+    ``"layer"`` in each block, ``"causal"`` once in the loop and passed to every block (a side
+    input of the microbatch's shape only), ``"alternating"`` causal and a causal window
+    passed to alternate blocks, ``"padding"`` causal and from the tokens' values (token 0 is
+    padding: a side input the pipeline cannot recompute)."""
 
-    def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8, scales=None):
+    def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8, scales=None, mask="layer"):
         self.wte, self.wpe = nnx.Embed(vocab, d, rngs=rngs), nnx.Embed(length, d, rngs=rngs)
         self.h = nnx.List([StockBlock(d, heads, rngs) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(d, rngs=rngs)
         self.lm_head = nnx.Linear(d, vocab, rngs=rngs)
         self.scales = scales or [None] * layers
+        self.mask = mask
 
     def __call__(self, tokens):
         x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
-        for block, scale in zip(self.h, self.scales, strict=True):
-            x = block(x, deterministic=True, scale=scale)
+        causal = None if self.mask == "layer" else nnx.make_causal_mask(tokens)
+        masks = [causal] * len(self.h)
+        if self.mask == "padding":
+            masks = [nnx.combine_masks(causal, nnx.make_attention_mask(tokens > 0, tokens > 0))] * len(self.h)
+        if self.mask == "alternating":  # even layers causal, odd ones a causal window of 2 (Gemma-like)
+            i = jnp.arange(tokens.shape[1])
+            window = nnx.combine_masks(causal, (i[:, None] - i[None, :] < 2)[None, None])
+            masks = [causal, window] * (len(self.h) // 2)
+        for block, scale, mask in zip(self.h, self.scales, masks, strict=True):
+            x = block(x, mask, deterministic=True, scale=scale)
         return self.lm_head(self.ln_f(x))
 
 
@@ -496,17 +510,23 @@ class PositionLayer(nnx.Module):
 
 
 class PositionsInLayers(nnx.Module):
-    """Its layers take positions computed from the tokens: a side input per microbatch."""
+    """Its layers take a [rows, length] array besides the hidden state, made once in the
+    loop: ``side="positions"`` (of the microbatch's shape only, as a causal mask is),
+    ``"embedded"`` (computed from the embedded input: from parameters)."""
 
-    def __init__(self, rngs, vocab=64, d=16):
+    def __init__(self, rngs, vocab=64, d=16, layers=4, side="positions"):
         self.table = _param(rngs, (vocab, d), ("vocab", "embed"))
-        self.layers = nnx.List([PositionLayer(d, rngs) for _ in range(2)])
+        self.layers = nnx.List([PositionLayer(d, rngs) for _ in range(layers)])
+        self.side = side
 
     def __call__(self, tokens):
         x = jnp.take(self.table[...], tokens, axis=0)
-        positions = jnp.arange(tokens.shape[1])[None] / tokens.shape[1]
+        if self.side == "positions":
+            side = jnp.broadcast_to(jnp.arange(tokens.shape[1]) / tokens.shape[1], tokens.shape)
+        else:
+            side = jnp.tanh(x.mean(-1))
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, side)
         return x @ self.table[...].T
 
 

@@ -296,8 +296,9 @@ CASES = [
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
     ("model calling its layers with different flags", ["parallel.pipe=2", "parallel.data=4"],
-     "StockGPT2.h[1] is called with (h, deterministic=True, scale=0.5) but StockGPT2.h[0], its place in the "
-     "repeating group of 1, with (h, deterministic=True, scale=1.0), and the calls repeat in no group",
+     "StockGPT2.h[1] is called with (h, None, deterministic=True, scale=0.5) but StockGPT2.h[0], its "
+     "place in the repeating group of 1, with (h, None, deterministic=True, scale=1.0), and the calls "
+     "repeat in no group",
      {"model": lambda rngs: StockGPT2(rngs, vocab=256, length=32, scales=[1.0, 0.5, 0.5, 0.5])}),
     ("model factory that raises", [], "building the model, factory_that_raises(rngs) raised ValueError: "
      "no such width", {"model": factory_that_raises}),

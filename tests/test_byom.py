@@ -437,15 +437,40 @@ def test_tuner_costs_come_from_the_user_model():
     assert builtin.param_bytes != measured["llama-tied"].param_bytes
 
 
-def test_layers_with_side_inputs_are_refused_in_one_line():
+# Side inputs: arrays the model's loop passes every layer besides the hidden state. A mask
+# or positions made from the microbatch's shape alone are recomputed by each unit (they were
+# refused before 2026-12-05); one read from the tokens' values or from parameters cannot be.
+# Masks that alternate with depth (one array for even layers, another for odd) split the
+# stack as groups of two, as alternating static flags do.
+SIDE_INPUT_MODELS = {"stock-causal-mask": lambda rngs: StockGPT2(rngs, mask="causal"),
+                     "stock-alternating-masks": lambda rngs: StockGPT2(rngs, mask="alternating"),
+                     "positions": lambda rngs: PositionsInLayers(rngs)}
+SIDE_INPUT_LAYOUTS = {"stock-causal-mask": "pipe4xdata2", "stock-alternating-masks": "pipe2xdata4-zb-h1",
+                      "positions": "pipe2xdata2xtensor2-1f1b"}
+
+
+@pytest.mark.parametrize("family", sorted(SIDE_INPUT_MODELS))
+def test_layers_given_a_mask_or_positions_pipeline_with_the_reference_gradients(family):
+    make = SIDE_INPUT_MODELS[family]
+    layout = SIDE_INPUT_LAYOUTS[family]
+    got = framework_grads(make, *(STOCK_LAYOUTS.get(layout) or LAYOUTS[layout]))
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+@pytest.mark.parametrize("make,reads", [
+    (lambda rngs: StockGPT2(rngs, mask="padding"), "the tokens' values"),
+    (lambda rngs: PositionsInLayers(rngs, side="embedded"), "the tokens' values and parameters")])
+def test_side_inputs_a_stage_cannot_recompute_are_refused_in_one_line(make, reads):
     cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", "parallel.pipe=2", "parallel.data=4",
                            "parallel.tensor=1", "parallel.microbatches=4")
     mesh = make_mesh(cfg.parallel)
     with jax.set_mesh(None):
-        spec, _ = model_spec(PositionsInLayers, mesh, SEED)
-    side_inputs = (r"PositionsInLayers.layers: its layers are called with arrays besides the hidden state"
-                   r".*compute positions or masks inside the layer")
-    with pytest.raises(ConfigError, match=side_inputs):
+        spec, _ = model_spec(make, mesh, SEED)
+    refused = (rf"\.(h|layers): its layers are called with an array computed from {reads} \(e\.g\. .*\) "
+               rf"besides the hidden state; .*compute it inside the layer from its input, or train without "
+               rf"parallel\.pipe$")
+    with pytest.raises(ConfigError, match=refused):
         make_grad_fn(spec, cfg, mesh)
 
 

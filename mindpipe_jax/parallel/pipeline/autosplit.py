@@ -34,10 +34,10 @@ _ROOT_PARAMS, _ROOT_TOKENS, _ROOT_TARGETS = "params", "tokens", "targets"
 
 def live_inputs(jaxpr) -> set:
     """The input vars a jaxpr's outputs really depend on (dead reads do not count)."""
-    return _slice(jaxpr.eqns, jaxpr.outvars)[1]
+    return needed_eqns(jaxpr.eqns, jaxpr.outvars)[1]
 
 
-def _slice(eqns, outputs, stop_eqn=None):
+def needed_eqns(eqns, outputs, stop_eqn=None):
     """Equations needed for ``outputs``, in order (never ``stop_eqn``), and the vars
     they read that no included equation defines."""
     needed = {v for v in outputs if isinstance(v, Var)}
@@ -52,7 +52,7 @@ def _slice(eqns, outputs, stop_eqn=None):
     return keep, needed - defined
 
 
-def _run(eqns, env: dict) -> dict:
+def run_eqns(eqns, env: dict) -> dict:
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
     for eqn in eqns:
@@ -105,18 +105,18 @@ class TracedSplit:
         self.num_units = scan.params["length"]
 
         # Loop invariants: recomputed in every unit call, so they may depend on nothing.
-        self._const_eqns, free = _slice(jaxpr.eqns, scan.invars[:n_consts])
+        self._const_eqns, free = needed_eqns(jaxpr.eqns, scan.invars[:n_consts])
         if free - set(self._consts):
             refuse("its layer scan reads values computed from the tokens or from parameters outside "
                    "the stack (they would have to travel to every stage)")
         self._const_vars = scan.invars[:n_consts]
         self._body = scan.params["jaxpr"]
-        self._prologue, free = _slice(jaxpr.eqns, [scan.invars[n_consts]])
+        self._prologue, free = needed_eqns(jaxpr.eqns, [scan.invars[n_consts]])
         if self._targets in free:
             refuse("what runs before its layer stack reads the targets")
         self._prologue_out = scan.invars[n_consts]
         self.prologue_names = sorted(name_of[v] for v in free if v in name_of)
-        self._epilogue, free = _slice(jaxpr.eqns, jaxpr.outvars[:1], stop_eqn=scan)
+        self._epilogue, free = needed_eqns(jaxpr.eqns, jaxpr.outvars[:1], stop_eqn=scan)
         if self._tokens in free:
             refuse("what runs after its layer stack reads the tokens")
         if free & set(scan.outvars[1:]):
@@ -128,15 +128,15 @@ class TracedSplit:
     def prologue(self, params: dict, tokens):
         env = {**self._consts, self._tokens: tokens}
         env.update({self._param_vars[n]: params[n] for n in self.prologue_names})
-        return _run(self._prologue, env)[self._prologue_out]
+        return run_eqns(self._prologue, env)[self._prologue_out]
 
     def unit(self, unit: dict, h):
-        consts = _run(self._const_eqns, dict(self._consts))
+        consts = run_eqns(self._const_eqns, dict(self._consts))
         body = self._body
         args = [consts[v] if isinstance(v, Var) else v.val for v in self._const_vars]
         env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
         env.update(zip(body.jaxpr.invars, [*args, h, *(unit[n] for n in self.stack_names)], strict=True))
-        out = _run(body.jaxpr.eqns, env)
+        out = run_eqns(body.jaxpr.eqns, env)
         v = body.jaxpr.outvars[0]
         return v.val if isinstance(v, Literal) else out[v]
 
@@ -144,4 +144,4 @@ class TracedSplit:
         env = {**self._consts, self._hidden: h, self._targets: targets}
         env.update({self._param_vars[n]: params[n] for n in self.epilogue_names})
         v = self._loss
-        return v.val if isinstance(v, Literal) else _run(self._epilogue, env)[v]
+        return v.val if isinstance(v, Literal) else run_eqns(self._epilogue, env)[v]

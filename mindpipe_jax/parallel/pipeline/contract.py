@@ -36,10 +36,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.core import Literal
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs
-from mindpipe_jax.parallel.pipeline.list_parts import calls_period, list_parts
+from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs, needed_eqns, run_eqns
+from mindpipe_jax.parallel.pipeline.list_parts import SideInput, calls_period, list_parts
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
@@ -186,13 +187,14 @@ class PipelineModel:
         flat = _flat(params)
         self._paths = {dotted(p): p for p in flat}
         self._abstract = {n: _abstract(flat[p]) for n, p in self._paths.items()}
-        self._length = tokens.shape[-1]
+        self._length, self._token_dtype = tokens.shape[-1], tokens.dtype
         self._traced: dict[int, TracedSplit] = {}
         self.group = 1
         # An nnx.List of layers: ``split`` stacks its groups (even groups of one layer) in
         # the step, so a tree of shardings cannot go through it.
         self.stacks_in_step = False
         self._unit_calls: list = []  # an nnx.List stack's static arguments, per place in a group
+        self._sides: dict[int, tuple] | None = None  # side inputs' traced computation, by rows
         self.parts = parts = pipeline_parts(model)
         if parts is None:
             split = self._split_for(tokens.shape[0])
@@ -212,6 +214,9 @@ class PipelineModel:
                                self._outer_abstract(), example)
                 self._set_group(calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
                                 parts.stack)
+                if any(isinstance(x, SideInput) for x in jax.tree.leaves(found)):
+                    self._sides = {}
+                    self._side_values(tokens.shape[0])  # refuses side inputs a unit cannot recompute
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
             embed = self._used(prologue, example)
             head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))
@@ -249,8 +254,10 @@ class PipelineModel:
             self._set_group(_period(list(stack)), [((), {})] * len(stack), parts.stack)
 
             def layer(unit, h):
+                sides = self._side_values(h.shape[0]) if self._sides is not None else ()
                 for j in range(self.group):
-                    args, kwargs = self._unit_calls[j]
+                    args, kwargs = jax.tree.map(lambda x: sides[x.index] if isinstance(x, SideInput) else x,
+                                                self._unit_calls[j])
                     h = nnx.merge(self._layer_defs[j], unit[j])(h, *args, **kwargs)
                 return h
             return layer
@@ -273,6 +280,35 @@ class PipelineModel:
                               f"must have the structure of layer i - k for a k dividing the depth); the "
                               f"pipeline splits a stack of like units")
         self.group, self.num_units, self._unit_calls = k, depth // k, calls[:k]
+
+    def _side_values(self, rows: int) -> tuple:
+        """The arrays the model passes its layers besides the hidden state, for a microbatch
+        of ``rows`` rows, computed where the unit runs (each stage, every call: XLA folds
+        them). Only those that depend on nothing but the microbatch's shape (a causal mask,
+        positions) can be: every stage knows the shape, while the tokens stay on the first
+        stage and parameters on their own. Any other is refused, naming what it reads."""
+        if rows not in self._sides:
+            example = jax.ShapeDtypeStruct((rows, self._length), self._token_dtype)
+            closed = jax.make_jaxpr(lambda p, t: self.parts.sides(self._model(p), t))(
+                self._outer_abstract(), example)
+            eqns, reads = needed_eqns(closed.jaxpr.eqns, closed.jaxpr.outvars)
+            reads -= set(closed.jaxpr.constvars)
+            if reads:
+                tokens = closed.jaxpr.invars[-1]
+                what = {(True, False): "the tokens' values (e.g. a padding mask)",
+                        (True, True): "the tokens' values and parameters (e.g. the embedded input)",
+                        (False, True): "parameters (e.g. a learned bias)"}[
+                    (tokens in reads, bool(reads - {tokens}))]
+                raise ConfigError(f"{self.name}.{self.parts.stack}: its layers are called with an array "
+                                  f"computed from {what} besides the hidden state; the pipeline passes one "
+                                  f"hidden state between stages and recomputes side inputs only when they "
+                                  f"depend on the microbatch's shape alone (a causal mask, positions): "
+                                  f"compute it inside the layer from its input, or train without "
+                                  f"parallel.pipe")
+            self._sides[rows] = (closed, eqns)
+        closed, eqns = self._sides[rows]
+        env = run_eqns(eqns, dict(zip(closed.jaxpr.constvars, closed.consts, strict=True)))
+        return tuple(v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars)
 
     def _split_for(self, rows: int, like=None) -> TracedSplit:
         """The traced cut for microbatches of ``rows`` rows (a jaxpr has fixed shapes),

@@ -5,11 +5,15 @@ first layer, the epilogue its loss with the layers passing the hidden state thro
 the last one replaced by the pipeline's output. Before a run, ``check`` traces the loss
 once with stand-in layers: each layer must hold its own parameters and be called once,
 on the previous one's output; static arguments the model passes besides the hidden state
-(``deterministic=True``) are recorded so each unit is called with them, and arrays (side
-inputs) are refused.
+(``deterministic=True``) are recorded so each unit is called with them. Arrays passed
+besides it (side inputs: a causal mask, positions) are recorded as ``SideInput`` marks
+and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that depend
+on nothing but the microbatch's shape and refuses the rest.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,38 @@ from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class SideInput:
+    """In a layer's recorded arguments, the place of an array the model passes besides the
+    hidden state: the ``index``-th distinct one (``PipelineParts.sides`` computes them)."""
+
+    index: int
+
+    def __repr__(self) -> str:
+        return f"<side input {self.index}>"
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _marked(calls: list) -> tuple[list, list]:
+    """Each recorded call's (args, kwargs) with every array replaced by its ``SideInput``
+    mark (one per distinct array object: a mask computed once and passed to every layer is
+    one side input), and those arrays in order of first use."""
+    arrays: list = []
+
+    def mark(x):
+        if not _is_array(x):
+            return x
+        index = next((i for i, a in enumerate(arrays) if a is x), None)
+        if index is None:
+            arrays.append(x)
+            index = len(arrays) - 1
+        return SideInput(index)
+    return [jax.tree.map(mark, (args, kwargs)) for _, _, args, kwargs in calls], arrays
 
 
 class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -112,16 +148,23 @@ def list_parts(model) -> PipelineParts | None:
             layers[i] = _Pass(h if i == len(layers) - 1 else None)
         return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
 
+    def linked_calls(m, tokens) -> list:
+        layers, calls = stack_of(m), []
+        for i in range(len(layers)):
+            layers[i] = _Link(calls)
+        model_loss(m, tokens, jnp.zeros_like(tokens))
+        return calls
+
+    def sides(m, tokens) -> tuple:
+        return tuple(_marked(linked_calls(m, tokens))[1])
+
     def check(m, tokens):
         where = f"{name}.{dotted(path)}"
         _check_own_params(stack_of(m), where)
         # The parts run the layers back to back: the model must call each layer, once, on
         # the previous one's output. A loop computing between them (h = h + f(layer(h)))
         # would lose that computation in the pipeline.
-        layers, calls = stack_of(m), []
-        for i in range(len(layers)):
-            layers[i] = _Link(calls)
-        model_loss(m, tokens, jnp.zeros_like(tokens))
+        layers, calls = stack_of(m), linked_calls(m, tokens)
         if len(calls) != len(layers):
             raise ConfigError(f"{where}: the model's loss calls its {len(layers)} layers {len(calls)} times; "
                               f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
@@ -132,15 +175,10 @@ def list_parts(model) -> PipelineParts | None:
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
-        # None) are passed again to each unit; arrays are side inputs the pipeline lacks.
-        extras = [(args, kwargs) for _, _, args, kwargs in calls]
-        if any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(extras)):
-            raise ConfigError(f"{where}: its layers are called with arrays besides the hidden state; the "
-                              f"pipeline passes one hidden state between stages and no side inputs yet: "
-                              f"compute positions or masks inside the layer from its input")
-        return extras
+        # None) are passed again to each unit, arrays as marks of the side inputs.
+        return _marked(calls)[0]
 
-    return PipelineParts(dotted(path), prologue, epilogue, check=check)
+    return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
 
 
 def calls_period(calls: list, k: int, where: str) -> int:

@@ -38,6 +38,8 @@ class PipelineParts:
     # kwargs)], run once abstractly before a run: raises ConfigError where the parts would
     # not compute the model's loss (set for a found nnx.List, list_parts.py).
     check: Callable[[Any, jax.Array], list] | None = None
+    # (model, tokens) -> the arrays ``check``'s SideInput marks stand for (list_parts.py).
+    sides: Callable[[Any, jax.Array], tuple] | None = None
 
 
 def model_loss(model, inputs, targets):
