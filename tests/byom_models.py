@@ -321,10 +321,31 @@ class StockGPT2(nnx.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class BF16Block(nnx.Module):
-    def __init__(self, d, rngs):
-        self.norm = nnx.RMSNorm(d, rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
-        self.lin = nnx.Linear(d, d, rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+class PlainListNet(nnx.Module):
+    """Layers kept as Flax's own error for a list of modules suggests: a plain list marked
+    ``nnx.data`` (``holder="data"``), or an ``nnx.Dict`` the loop walks by key
+    (``holder="dict"``: no order the pipeline can read, so it is refused with the fix)."""
+
+    def __init__(self, rngs, vocab=64, d=16, layers=4, holder="data"):
+        self.embed_in = nnx.Embed(vocab, d, rngs=rngs)
+        blocks = [NormLinearBlock(d, rngs, dtype=jnp.float32) for _ in range(layers)]
+        by_key = {f"l{i}": b for i, b in enumerate(blocks)}
+        self.layers = nnx.data(blocks) if holder == "data" else nnx.Dict(by_key)
+        self.unembed = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed_in(tokens)
+        for layer in (self.layers if isinstance(self.layers, list) else self.layers.values()):
+            h = layer(h)
+        return self.unembed(h)
+
+
+class NormLinearBlock(nnx.Module):
+    """RMSNorm, a linear map and a residual, in ``dtype`` (parameters and activations)."""
+
+    def __init__(self, d, rngs, dtype=jnp.bfloat16):
+        self.norm = nnx.RMSNorm(d, rngs=rngs, param_dtype=dtype, dtype=dtype)
+        self.lin = nnx.Linear(d, d, rngs=rngs, param_dtype=dtype, dtype=dtype)
 
     def __call__(self, h):
         return h + jax.nn.gelu(self.lin(self.norm(h)))
@@ -337,7 +358,7 @@ class BF16Net(nnx.Module):
     def __init__(self, rngs, vocab=64, d=32, layers=4):
         kw = dict(rngs=rngs, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
         self.embed_tokens = nnx.Embed(vocab, d, **kw)
-        self.blocks_list = nnx.List([BF16Block(d, rngs) for _ in range(layers)])
+        self.blocks_list = nnx.List([NormLinearBlock(d, rngs) for _ in range(layers)])
         self.proj = nnx.Linear(d, vocab, **kw)
 
     def __call__(self, tokens):

@@ -20,7 +20,15 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from byom_models import FewClasses, LossWithMetrics, NoForward, ResidualInTheLoop, SharedLayers, StockGPT2
+from byom_models import (
+    FewClasses,
+    LossWithMetrics,
+    NoForward,
+    PlainListNet,
+    ResidualInTheLoop,
+    SharedLayers,
+    StockGPT2,
+)
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -295,6 +303,11 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
+    ("model keeping its layers in an nnx.Dict", ["parallel.pipe=2", "parallel.data=4"],
+     "model PlainListNet does not follow the pipeline contract and cannot be split into stages "
+     "automatically: its loss has no scan over stacked parameters (a layer stack created with nnx.vmap and "
+     "run with nnx.scan / lax.scan, or Linen's nn.scan); keep its layers in one nnx.List (or "
+     "nnx.Sequential) that it calls in order", {"model": lambda rngs: PlainListNet(rngs, holder="dict")}),
     ("model calling its layers with different flags", ["parallel.pipe=2", "parallel.data=4"],
      "StockGPT2.h[1] is called with (h, None, deterministic=True, scale=0.5) but StockGPT2.h[0], its "
      "place in the repeating group of 1, with (h, None, deterministic=True, scale=1.0), and the calls "

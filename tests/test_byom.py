@@ -19,6 +19,7 @@ from byom_models import (
     LlamaStyle,
     OtherNames,
     PartsOnly,
+    PlainListNet,
     PositionsInLayers,
     StockGPT2,
     TwoOpSupernet,
@@ -435,6 +436,14 @@ def test_tuner_costs_come_from_the_user_model():
         assert costs.layer_fwd > 0 and costs.rest_fwd > 0
     builtin = ModelCosts.measure(cfg)
     assert builtin.param_bytes != measured["llama-tied"].param_bytes
+
+
+def test_layers_in_a_plain_list_kept_as_data_pipeline_with_the_reference_gradients():
+    """A plain list marked nnx.data (what Flax's error for a list of modules offers besides
+    nnx.List) is found and pipelined as an nnx.List is (it was refused as 'not a module')."""
+    got = framework_grads(PlainListNet, *STOCK_LAYOUTS["pipe2xdata4-zb-h1"])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(PlainListNet(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
 # Side inputs: arrays the model's loop passes every layer besides the hidden state. A mask

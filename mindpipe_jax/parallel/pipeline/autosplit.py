@@ -79,7 +79,8 @@ class TracedSplit:
 
         def refuse(why: str):
             raise ConfigError(f"model {model_name} does not follow the pipeline contract and cannot be "
-                              f"split into stages automatically: {why}; give it a {hook}() method "
+                              f"split into stages automatically: {why}; keep its layers in one nnx.List "
+                              f"(or nnx.Sequential) that it calls in order, or give it a {hook}() method "
                               f"(mindpipe_jax.PipelineParts) or attributes embed, blocks (stacked) and head")
 
         scans = []

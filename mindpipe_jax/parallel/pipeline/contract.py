@@ -40,7 +40,7 @@ from jax.extend.core import Literal
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs, needed_eqns, run_eqns
-from mindpipe_jax.parallel.pipeline.list_parts import SideInput, calls_period, list_parts
+from mindpipe_jax.parallel.pipeline.list_parts import LAYER_LISTS, SideInput, calls_period, list_parts
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
@@ -244,11 +244,11 @@ class PipelineModel:
             stack = None
         prefix = dotted(path) + "."
         self.stack_names = [n for n in self._paths if n.startswith(prefix)]
-        if not isinstance(stack, nnx.Module) or not self.stack_names:
+        if not isinstance(stack, (nnx.Module, *LAYER_LISTS)) or not self.stack_names:
             raise ConfigError(f"{self.name}: pipeline stack {parts.stack!r} is not a module with "
                               f"parameters in the model")
         self._stack_path = path
-        if isinstance(stack, nnx.List):
+        if isinstance(stack, LAYER_LISTS):
             self.stacks_in_step = True
             self._layer_defs = [nnx.graphdef(x) for x in stack]
             self._set_group(_period(list(stack)), [((), {})] * len(stack), parts.stack)

@@ -1,4 +1,5 @@
-"""The pipeline parts of a model whose layers are one ``nnx.List`` that it calls in order.
+"""The pipeline parts of a model whose layers are one ``nnx.List`` (or a plain list kept with
+``nnx.data``) that it calls in order.
 
 No method or attribute names are needed: the prologue is the model's loss stopped at the
 first layer, the epilogue its loss with the layers passing the hidden state through and
@@ -22,6 +23,10 @@ from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
+
+# What holds a model's layers as a list: nnx.List, or a plain list the model keeps as data
+# (``nnx.data([...])``, one of the fixes Flax's own error for a list of modules offers).
+LAYER_LISTS = (nnx.List, list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +126,7 @@ def list_parts(model) -> PipelineParts | None:
     with every layer passing the hidden state through and the last one replaced by
     the pipeline's output. None if the model has no such list."""
     lists = [(path, node) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.List) and len(node) > 1
+             if isinstance(node, LAYER_LISTS) and len(node) > 1
              and all(isinstance(x, nnx.Module) for x in node)]
     if len(lists) != 1:
         return None
