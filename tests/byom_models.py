@@ -340,6 +340,48 @@ class PlainListNet(nnx.Module):
         return self.unembed(h)
 
 
+class HFStyleLayer(nnx.Module):
+    """A decoder layer called as Hugging Face's Flax ports call theirs: the hidden state by
+    keyword, a mask beside it, and a tuple back (hidden, attention probabilities)."""
+
+    def __init__(self, d, heads, rngs):
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.qkv, self.out = nnx.Linear(d, 3 * d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+        self.heads = heads
+
+    def __call__(self, hidden_states, attention_mask, output_attentions=False):
+        b, t, d = hidden_states.shape
+        q, k, v = jnp.split(self.qkv(self.norm(hidden_states)).reshape(b, t, 3 * self.heads, -1), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+        probs = jax.nn.softmax(jnp.where(attention_mask, scores, -1e9), axis=-1)
+        mixed = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        return hidden_states + self.out(mixed), probs
+
+
+class HFStyle(nnx.Module):
+    """Layers (``nnx.List``) called by keyword with a causal mask made once, returning
+    ``(hidden, probs)``; the loop keeps the hidden state (``read_probs=False``) or also adds
+    the mean attention entropy of every layer to the loss (``True``: what the layers return
+    besides the hidden state reaches the loss, which a pipeline cannot pass on)."""
+
+    def __init__(self, rngs, vocab=64, d=16, heads=2, layers=4, read_probs=False):
+        self.embed_tokens = nnx.Embed(vocab, d, rngs=rngs)
+        self.layers = nnx.List([HFStyleLayer(d, heads, rngs) for _ in range(layers)])
+        self.lm_head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+        self.read_probs = read_probs
+
+    def loss(self, tokens, targets):
+        hidden_states = self.embed_tokens(tokens)
+        mask = nnx.make_causal_mask(tokens).astype(bool)
+        entropy = 0.0
+        for layer in self.layers:
+            hidden_states, probs = layer(hidden_states=hidden_states, attention_mask=mask)
+            entropy += -jnp.mean(jnp.sum(probs * jnp.log(probs + 1e-9), -1))
+        logits = self.lm_head(hidden_states)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return loss + (0.01 * entropy if self.read_probs else 0.0)
+
+
 class NormLinearBlock(nnx.Module):
     """RMSNorm, a linear map and a residual, in ``dtype`` (parameters and activations)."""
 
@@ -382,6 +424,29 @@ class ResidualInTheLoop(nnx.Module):
         for layer in self.layers:
             h = h + jax.nn.gelu(layer(h))
         return self.out(h)
+
+
+class ReadsBesideTheChain(nnx.Module):
+    """Its loss reads more than the last layer's output, which the pipeline's last stage
+    alone has: ``reads="input"`` adds the embedded input back before the head, ``"layer1"``
+    adds layer 1's output (kept from the loop), ``"tokens"`` masks the loss with the inputs.
+    Each trained silently wrong through a pipeline before 2026-12-05 (the masked one to a
+    loss of 0)."""
+
+    def __init__(self, rngs, reads="input", vocab=256, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(4)])
+        self.reads = reads
+
+    def loss(self, tokens, targets):
+        x0 = h = self.emb(tokens)
+        kept = []
+        for layer in self.layers:
+            h = layer(h)
+            kept.append(h)
+        h = h + (x0 if self.reads == "input" else kept[1] if self.reads == "layer1" else 0.0)
+        losses = optax.softmax_cross_entropy_with_integer_labels(self.out(h), targets)
+        return (losses * (tokens > 3)).mean() if self.reads == "tokens" else losses.mean()
 
 
 class SharedLayers(nnx.Module):

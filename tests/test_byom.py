@@ -15,6 +15,7 @@ from byom_models import (
     BF16Net,
     Gemma,
     HalfSupernet,
+    HFStyle,
     Llama,
     LlamaStyle,
     OtherNames,
@@ -446,6 +447,16 @@ def test_layers_in_a_plain_list_kept_as_data_pipeline_with_the_reference_gradien
         assert_grads_equal(got, reference_grads(PlainListNet(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
+def test_layers_called_by_keyword_returning_tuples_pipeline_with_the_reference_gradients():
+    """Hugging Face's calling convention: layer(hidden_states=h, attention_mask=mask) returning
+    (hidden, probs), unpacked in the loop. Each unit calls its layer the same way and passes
+    on the hidden state (both crashed the stand-in trace before 2026-12-05); the probs
+    computed in the loop but not used by the loss are checked to be unread."""
+    got = framework_grads(HFStyle, *STOCK_LAYOUTS["pipe2xdata4-zb-h1"])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(HFStyle(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
 # Side inputs: arrays the model's loop passes every layer besides the hidden state. A mask
 # or positions made from the microbatch's shape alone are recomputed by each unit (they were
 # refused before 2026-12-05); one read from the tokens' values or from parameters cannot be.
@@ -465,6 +476,17 @@ def test_layers_given_a_mask_or_positions_pipeline_with_the_reference_gradients(
     got = framework_grads(make, *(STOCK_LAYOUTS.get(layout) or LAYOUTS[layout]))
     with nnx.use_eager_sharding(False):
         assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+def test_a_loss_reading_what_layers_return_besides_the_hidden_state_is_refused():
+    cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", "parallel.pipe=2", "parallel.data=4",
+                           "parallel.tensor=1", "parallel.microbatches=4")
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, _ = model_spec(lambda rngs: HFStyle(rngs, read_probs=True), mesh, SEED)
+    with pytest.raises(ConfigError, match=r"^HFStyle\.layers: its layers return more than the hidden state "
+                                          r"and the model's loss reads the rest .*aux_weight"):
+        make_grad_fn(spec, cfg, mesh)
 
 
 @pytest.mark.parametrize("make,reads", [

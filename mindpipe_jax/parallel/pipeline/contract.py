@@ -40,7 +40,14 @@ from jax.extend.core import Literal
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs, needed_eqns, run_eqns
-from mindpipe_jax.parallel.pipeline.list_parts import LAYER_LISTS, SideInput, calls_period, list_parts
+from mindpipe_jax.parallel.pipeline.list_parts import (
+    HIDDEN,
+    LAYER_LISTS,
+    LayerCall,
+    SideInput,
+    calls_period,
+    list_parts,
+)
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
@@ -214,7 +221,7 @@ class PipelineModel:
                                self._outer_abstract(), example)
                 self._set_group(calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
                                 parts.stack)
-                if any(isinstance(x, SideInput) for x in jax.tree.leaves(found)):
+                if any(isinstance(x, SideInput) for c in found for x in jax.tree.leaves((c.args, c.kwargs))):
                     self._sides = {}
                     self._side_values(tokens.shape[0])  # refuses side inputs a unit cannot recompute
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
@@ -251,14 +258,12 @@ class PipelineModel:
         if isinstance(stack, LAYER_LISTS):
             self.stacks_in_step = True
             self._layer_defs = [nnx.graphdef(x) for x in stack]
-            self._set_group(_period(list(stack)), [((), {})] * len(stack), parts.stack)
+            self._set_group(_period(list(stack)), [LayerCall((HIDDEN,), {})] * len(stack), parts.stack)
 
             def layer(unit, h):
                 sides = self._side_values(h.shape[0]) if self._sides is not None else ()
                 for j in range(self.group):
-                    args, kwargs = jax.tree.map(lambda x: sides[x.index] if isinstance(x, SideInput) else x,
-                                                self._unit_calls[j])
-                    h = nnx.merge(self._layer_defs[j], unit[j])(h, *args, **kwargs)
+                    h = self._unit_calls[j].run(nnx.merge(self._layer_defs[j], unit[j]), h, sides)
                 return h
             return layer
         leading = {n: self._abstract[n].shape[:1] for n in self.stack_names}

@@ -15,6 +15,7 @@ on nothing but the microbatch's shape and refuses the rest.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.autosplit import live_inputs
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
 
 # What holds a model's layers as a list: nnx.List, or a plain list the model keeps as data
@@ -40,14 +42,47 @@ class SideInput:
         return f"<side input {self.index}>"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hidden:
+    """In a layer's recorded arguments, the place of the hidden state (first positional, or
+    the keyword the model names it by: ``layer(hidden_states=h)``)."""
+
+    def __repr__(self) -> str:
+        return "h"
+
+
+HIDDEN = _Hidden()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """How the model calls one layer, replayed by each unit: the arguments with ``HIDDEN``
+    and ``SideInput`` marks where arrays go, and which leaf of what the layer returns is the
+    hidden state (None: it returns the array itself; 0 for ``h, _ = layer(h)``)."""
+
+    args: tuple
+    kwargs: dict
+    out_leaf: int | None = None
+
+    def run(self, layer, h, sides: tuple = ()):
+        def fill(x):
+            return h if isinstance(x, _Hidden) else sides[x.index] if isinstance(x, SideInput) else x
+        args, kwargs = jax.tree.map(fill, (self.args, self.kwargs))
+        out = layer(*args, **kwargs)
+        return out if self.out_leaf is None else jax.tree.leaves(out)[self.out_leaf]
+
+    def __str__(self) -> str:
+        return "(" + ", ".join([*map(repr, self.args), *(f"{k}={v!r}" for k, v in self.kwargs.items())]) + ")"
+
+
 def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _marked(calls: list) -> tuple[list, list]:
-    """Each recorded call's (args, kwargs) with every array replaced by its ``SideInput``
-    mark (one per distinct array object: a mask computed once and passed to every layer is
-    one side input), and those arrays in order of first use."""
+    """Each recorded ``LayerCall`` with every array besides the hidden state replaced by
+    its ``SideInput`` mark (one per distinct array object: a mask computed once and passed
+    to every layer is one side input), and those arrays in order of first use."""
     arrays: list = []
 
     def mark(x):
@@ -58,7 +93,33 @@ def _marked(calls: list) -> tuple[list, list]:
             arrays.append(x)
             index = len(arrays) - 1
         return SideInput(index)
-    return [jax.tree.map(mark, (args, kwargs)) for _, _, args, kwargs in calls], arrays
+
+    def marked(call: LayerCall) -> LayerCall:
+        args, kwargs = jax.tree.map(mark, (call.args, call.kwargs))
+        return dataclasses.replace(call, args=args, kwargs=kwargs)
+    return [marked(c.call) for c in calls], arrays
+
+
+def _hidden_name(layer) -> str | None:
+    """The name of the first argument of ``layer.__call__`` (the hidden state's, when the
+    model passes it by keyword)."""
+    try:
+        params = list(inspect.signature(layer).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    return first.name if first is not None and first.kind in (first.POSITIONAL_OR_KEYWORD,
+                                                              first.KEYWORD_ONLY) else None
+
+
+def _hidden_in(args: tuple, kwargs: dict, name: str | None):
+    """(the hidden state, args and kwargs with ``HIDDEN`` in its place)."""
+    if args:
+        return args[0], (HIDDEN, *args[1:]), kwargs
+    if name in kwargs:
+        return kwargs[name], args, {**kwargs, name: HIDDEN}
+    raise ConfigError(f"a layer was called with no positional argument and no {name!r}: the pipeline "
+                      f"cannot tell which argument is the hidden state")
 
 
 class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -67,24 +128,91 @@ class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
         self.x = x
 
 
-class _Stop(nnx.Module):
+_RETURNED: dict = {}  # _StandIn.returned's cache
+
+
+class _StandIn(nnx.Module):
+    """Stands in for one of the model's layers, called as the model calls it. ``real`` is
+    the layer it replaces (its signature, and the shape of what it returns)."""
+
+    def __init__(self, real):
+        self.real = nnx.data(real)
+
+    def hidden_in(self, args, kwargs):
+        return _hidden_in(args, kwargs, _hidden_name(self.real))
+
+    def returned(self, args, kwargs):
+        """The abstract value the real layer returns for these arguments. Cached by the
+        layer's structure and shapes and the arguments' shapes and static values: the epilogue stands
+        in for every layer each time it is traced, and like layers return alike."""
+        gdef, state = nnx.split(self.real)
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        key = (gdef, tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
+               tuple((x.shape, x.dtype) for x in jax.tree.leaves(state)))
+        try:
+            return _RETURNED[key]
+        except TypeError:  # an unhashable static argument: not cached
+            return jax.eval_shape(lambda st: nnx.merge(gdef, st)(*args, **kwargs), state)
+        except KeyError:
+            pass
+        if len(_RETURNED) > 256:
+            _RETURNED.clear()
+        out = _RETURNED[key] = jax.eval_shape(lambda st: nnx.merge(gdef, st)(*args, **kwargs), state)
+        return out
+
+    def like_real(self, args, kwargs, hidden, extras) -> tuple:
+        """What the real layer returns, built from ``hidden`` (at the leaf the next layer is
+        called on: the first of the hidden state's shape and dtype) and ``extras(shape,
+        dtype)`` for every other leaf. Returns (that, the hidden's leaf or None)."""
+        out = self.returned(args, kwargs)
+        leaves, tree = jax.tree.flatten(out)
+        if len(leaves) == 1 and not isinstance(out, (tuple, list, dict)):
+            return hidden, None
+        at = next((i for i, a in enumerate(leaves) if a.shape == hidden.shape and a.dtype == hidden.dtype),
+                  None)
+        if at is None:
+            return hidden, None  # no leaf like the hidden state: _returning_hidden refuses the unit
+        made = [hidden if i == at else extras(a.shape, a.dtype) for i, a in enumerate(leaves)]
+        return jax.tree.unflatten(tree, made), at
+
+
+class _Stop(_StandIn):
     """Stands in for the first layer: stops the model there with its input."""
 
-    def __call__(self, x, *args, **kwargs):
-        raise _Reached(x)  # the layers' other arguments: list_parts' check reads them
+    def __call__(self, *args, **kwargs):
+        raise _Reached(self.hidden_in(args, kwargs)[0])
 
 
-class _Link(nnx.Module):
-    """Stands in for a layer: records the array it is called on and the new one it
-    returns, so that a chain (each layer called on the previous one's output) shows."""
+class _Link(_StandIn):
+    """Stands in for a layer: records how it is called, and returns a new array where the
+    real layer returns its hidden state (so a chain, each layer called on the previous
+    one's output, shows) and new arrays for its other outputs, all from ``make(shape,
+    dtype)``, the hidden state first."""
 
-    def __init__(self, calls: list):
-        self.calls = nnx.data(calls)
+    def __init__(self, real, calls: list, make):
+        super().__init__(real)
+        self.calls, self.make = nnx.data(calls), nnx.data(make)
 
-    def __call__(self, x, *args, **kwargs):
-        out = x + jnp.zeros((), x.dtype)  # a new array: the next layer must be called on it
-        self.calls.append((x, out, args, kwargs))
+    def __call__(self, *args, **kwargs):
+        x, marked_args, marked_kwargs = self.hidden_in(args, kwargs)
+        fresh, others = self.make(x.shape, x.dtype), []
+
+        def other(shape, dtype):
+            others.append(self.make(shape, dtype))
+            return others[-1]
+        out, at = self.like_real(args, kwargs, fresh, other)
+        self.calls.append(_Called(x, fresh, LayerCall(marked_args, marked_kwargs, at), others))
         return out
+
+
+@dataclasses.dataclass
+class _Called:
+    """One layer call as a ``_Link`` saw it."""
+
+    x: jax.Array  # the hidden state it was called on
+    out: jax.Array  # the one it returned
+    call: LayerCall
+    others: list  # the rest of what it returned
 
 
 def _check_own_params(layers, where: str) -> None:
@@ -109,15 +237,18 @@ def _check_own_params(layers, where: str) -> None:
                 owner[id(var)] = i
 
 
-class _Pass(nnx.Module):
+class _Pass(_StandIn):
     """Stands in for a layer: the hidden state goes through unchanged, or is replaced
-    by the one the pipeline delivers (the last layer)."""
+    by the one the pipeline delivers (the last layer); its other outputs are zeros (the
+    check has made sure the loss does not read them)."""
 
-    def __init__(self, h=None):
+    def __init__(self, real, h=None):
+        super().__init__(real)
         self.h = nnx.data(h)
 
-    def __call__(self, x, *args, **kwargs):
-        return x if self.h is None else self.h
+    def __call__(self, *args, **kwargs):
+        x = self.hidden_in(args, kwargs)[0]
+        return self.like_real(args, kwargs, x if self.h is None else self.h, jnp.zeros)[0]
 
 
 def list_parts(model) -> PipelineParts | None:
@@ -140,7 +271,7 @@ def list_parts(model) -> PipelineParts | None:
 
     def prologue(m, tokens):
         layers = stack_of(m)
-        layers[0] = _Stop()
+        layers[0] = _Stop(layers[0])
         try:
             model_loss(m, tokens, jnp.zeros_like(tokens))
         except _Reached as reached:
@@ -150,40 +281,86 @@ def list_parts(model) -> PipelineParts | None:
     def epilogue(m, h, targets):
         layers = stack_of(m)
         for i in range(len(layers)):
-            layers[i] = _Pass(h if i == len(layers) - 1 else None)
+            layers[i] = _Pass(layers[i], h if i == len(layers) - 1 else None)
         return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
 
-    def linked_calls(m, tokens) -> list:
+    def linked(m, tokens, reals, make=jnp.zeros, run=True) -> list:
+        """``_Link`` stand-ins for ``reals`` put in ``m``, and the calls they record when the
+        model's loss runs (``run``: now)."""
         layers, calls = stack_of(m), []
         for i in range(len(layers)):
-            layers[i] = _Link(calls)
-        model_loss(m, tokens, jnp.zeros_like(tokens))
+            layers[i] = _Link(reals[i], calls, make)
+        if run:
+            model_loss(m, tokens, jnp.zeros_like(tokens))
         return calls
 
     def sides(m, tokens) -> tuple:
-        return tuple(_marked(linked_calls(m, tokens))[1])
+        return tuple(_marked(linked(m, tokens, list(stack_of(m))))[1])
 
     def check(m, tokens):
         where = f"{name}.{dotted(path)}"
-        _check_own_params(stack_of(m), where)
+        reals = list(stack_of(m))
+        _check_own_params(reals, where)
         # The parts run the layers back to back: the model must call each layer, once, on
         # the previous one's output. A loop computing between them (h = h + f(layer(h)))
         # would lose that computation in the pipeline.
-        layers, calls = stack_of(m), linked_calls(m, tokens)
-        if len(calls) != len(layers):
-            raise ConfigError(f"{where}: the model's loss calls its {len(layers)} layers {len(calls)} times; "
+        calls = linked(m, tokens, reals)
+        if len(calls) != len(reals):
+            raise ConfigError(f"{where}: the model's loss calls its {len(reals)} layers {len(calls)} times; "
                               f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
         for i in range(1, len(calls)):
-            if calls[i][0] is not calls[i - 1][1]:
+            if calls[i].x is not calls[i - 1].out:
                 raise ConfigError(f"{where}[{i}] is not called on the output of {where}[{i - 1}]: the model "
                                   f"computes something between its layers (in its loop, e.g. a residual "
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
+        _check_reads_only_the_last(m, tokens, lambda make: linked(m, tokens, reals, make, run=False), calls,
+                                   where, name)
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
         # None) are passed again to each unit, arrays as marks of the side inputs.
         return _marked(calls)[0]
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
+
+
+def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name: str) -> None:
+    """What follows the layers must read nothing but the last layer's hidden state: the
+    epilogue runs on the last stage with that alone (no tokens, no other layer's output).
+    The loss is traced with every layer's outputs as inputs (``install(make)`` puts
+    stand-ins in ``m`` returning what ``make`` gives, in the order ``calls`` recorded them;
+    before tracing: a model may not be changed inside a trace deeper than its own) and
+    each input it depends on is refused by name."""
+    values, owner = [], []
+    for i, c in enumerate(calls):
+        for kind, a in (("hidden", c.out), *(("other", o) for o in c.others)):
+            values.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
+            owner.append((kind, i))
+    feed: list = []
+    install(lambda shape, dtype: feed.pop(0))
+
+    def loss(tokens, values):
+        feed[:] = values
+        return model_loss(m, tokens, jnp.zeros_like(tokens))
+    jaxpr = jax.make_jaxpr(loss)(jax.ShapeDtypeStruct(tokens.shape, tokens.dtype), values).jaxpr
+    live, last = live_inputs(jaxpr), len(calls) - 1
+    if jaxpr.invars[0] in live:
+        raise ConfigError(f"{name}'s loss reads the tokens after {where}[{last}] (e.g. the embedded input "
+                          f"added back before the head, or a loss mask made from the inputs); the "
+                          f"pipeline's last stage has the last layer's output and the targets only: make "
+                          f"a loss mask from the targets, or train {name} without parallel.pipe")
+    for (kind, i), var in zip(owner, jaxpr.invars[1:], strict=True):
+        if var not in live or (kind, i) == ("hidden", last):
+            continue
+        if kind == "other":
+            raise ConfigError(f"{where}: its layers return more than the hidden state and the model's loss "
+                              f"reads the rest (e.g. an auxiliary loss); the pipeline passes the hidden "
+                              f"state alone from layer to layer: give {name} a {HOOK}() method returning "
+                              f"PipelineParts(..., aux_weight=...) for an auxiliary loss, or train it "
+                              f"without parallel.pipe")
+        raise ConfigError(f"{name}'s loss reads the output of {where}[{i}] besides passing it to "
+                          f"{where}[{i + 1}] (e.g. every layer's hidden state kept for the loss); the "
+                          f"pipeline hands each layer's output to the next layer only: train {name} "
+                          f"without parallel.pipe")
 
 
 def calls_period(calls: list, k: int, where: str) -> int:
@@ -198,12 +375,7 @@ def calls_period(calls: list, k: int, where: str) -> int:
     i = next((i for i in range(depth) if calls[i] != calls[i % k]), None)
     if i is None:
         return k
-    raise ConfigError(f"{where}[{i}] is called with {_shown_call(calls[i])} but {where}[{i % k}], its "
-                      f"place in the repeating group of {k}, with {_shown_call(calls[i % k])}, and the calls "
+    raise ConfigError(f"{where}[{i}] is called with {calls[i]} but {where}[{i % k}], its "
+                      f"place in the repeating group of {k}, with {calls[i % k]}, and the calls "
                       f"repeat in no group dividing the depth; the pipeline calls every unit alike: compute "
                       f"the difference inside the layer")
-
-
-def _shown_call(call) -> str:
-    args, kwargs = call
-    return "(" + ", ".join(["h", *map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]) + ")"
