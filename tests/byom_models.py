@@ -426,6 +426,17 @@ class ResidualInTheLoop(nnx.Module):
         return self.out(h)
 
 
+class ReversedLoop(ResidualInTheLoop):
+    """Calls its layers last to first (a pipeline runs a list in its order; this crashed
+    with a TypeError before 2026-12-05)."""
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in reversed(self.layers):
+            h = layer(h)
+        return self.out(h)
+
+
 class ReadsBesideTheChain(nnx.Module):
     """Its loss reads more than the last layer's output, which the pipeline's last stage
     alone has: ``reads="input"`` adds the embedded input back before the head, ``"layer1"``

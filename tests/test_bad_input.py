@@ -27,6 +27,7 @@ from byom_models import (
     PlainListNet,
     ReadsBesideTheChain,
     ResidualInTheLoop,
+    ReversedLoop,
     SharedLayers,
     StockGPT2,
 )
@@ -313,6 +314,9 @@ CASES = [
     ("model reading a middle layer's output in its loss", ["parallel.pipe=2", "parallel.data=4"],
      "ReadsBesideTheChain's loss reads the output of ReadsBesideTheChain.layers[1] besides passing it to "
      "ReadsBesideTheChain.layers[2]", {"model": lambda rngs: ReadsBesideTheChain(rngs, reads="layer1")}),
+    ("model calling its layers last to first", ["parallel.pipe=2", "parallel.data=4"],
+     "ReversedLoop.layers: the model calls its layers in the order [3, 2, 1, 0]; the pipeline runs them in "
+     "the list's order", {"model": ReversedLoop}),
     ("model keeping its layers in an nnx.Dict", ["parallel.pipe=2", "parallel.data=4"],
      "model PlainListNet does not follow the pipeline contract and cannot be split into stages "
      "automatically: its loss has no scan over stacked parameters (a layer stack created with nnx.vmap and "

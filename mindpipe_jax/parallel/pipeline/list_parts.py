@@ -189,9 +189,9 @@ class _Link(_StandIn):
     one's output, shows) and new arrays for its other outputs, all from ``make(shape,
     dtype)``, the hidden state first."""
 
-    def __init__(self, real, calls: list, make):
+    def __init__(self, real, index: int, calls: list, make):
         super().__init__(real)
-        self.calls, self.make = nnx.data(calls), nnx.data(make)
+        self.index, self.calls, self.make = index, nnx.data(calls), nnx.data(make)
 
     def __call__(self, *args, **kwargs):
         x, marked_args, marked_kwargs = self.hidden_in(args, kwargs)
@@ -201,7 +201,7 @@ class _Link(_StandIn):
             others.append(self.make(shape, dtype))
             return others[-1]
         out, at = self.like_real(args, kwargs, fresh, other)
-        self.calls.append(_Called(x, fresh, LayerCall(marked_args, marked_kwargs, at), others))
+        self.calls.append(_Called(self.index, x, fresh, LayerCall(marked_args, marked_kwargs, at), others))
         return out
 
 
@@ -209,6 +209,7 @@ class _Link(_StandIn):
 class _Called:
     """One layer call as a ``_Link`` saw it."""
 
+    index: int  # the layer's place in the list
     x: jax.Array  # the hidden state it was called on
     out: jax.Array  # the one it returned
     call: LayerCall
@@ -289,7 +290,7 @@ def list_parts(model) -> PipelineParts | None:
         model's loss runs (``run``: now)."""
         layers, calls = stack_of(m), []
         for i in range(len(layers)):
-            layers[i] = _Link(reals[i], calls, make)
+            layers[i] = _Link(reals[i], i, calls, make)
         if run:
             model_loss(m, tokens, jnp.zeros_like(tokens))
         return calls
@@ -308,6 +309,10 @@ def list_parts(model) -> PipelineParts | None:
         if len(calls) != len(reals):
             raise ConfigError(f"{where}: the model's loss calls its {len(reals)} layers {len(calls)} times; "
                               f"the pipeline runs each once, in order: give {name} a {HOOK}() method")
+        order = [c.index for c in calls]
+        if order != sorted(order):
+            raise ConfigError(f"{where}: the model calls its layers in the order {order}; the pipeline runs "
+                              f"them in the list's order: put them in the list in the order they run")
         for i in range(1, len(calls)):
             if calls[i].x is not calls[i - 1].out:
                 raise ConfigError(f"{where}[{i}] is not called on the output of {where}[{i - 1}]: the model "
