@@ -2,6 +2,7 @@
 to an independent single-device reference (plain ``jax.value_and_grad``)."""
 
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,7 +312,32 @@ def test_a_linen_module_trains_directly(tmp_path):
 def test_a_variable_that_is_not_a_param_is_named_by_its_path():
     with pytest.raises(ConfigError, match=r"running_mean \(BatchStat\)") as err:
         model_spec(WithBatchStats, make_mesh(Config().parallel), SEED)
-    assert "make them nnx.Param" in str(err.value)
+    assert str(err.value).endswith("(the train step keeps no running statistics: normalise without them, "
+                                   "e.g. nnx.LayerNorm or nnx.RMSNorm)")
+
+
+@pytest.mark.parametrize("kind,named", [("buffer", "layers/0/inv_freq (Buffer)"),
+                                        ("attribute", "layers/0/inv_freq (float32[8])")])
+def test_a_constant_kept_in_the_model_is_named_with_the_fix(kind, named):
+    """A rotary-frequency table kept as a non-trainable Variable, or as a plain array
+    attribute (which crashed tracing the model with a leaked tracer), from a factory and
+    as a built instance."""
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            freqs = 1.0 / 10000 ** (jnp.arange(0, 16, 2) / 16)
+            self.inv_freq = type("Buffer", (nnx.Variable,), {})(freqs) if kind == "buffer" else freqs
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Layer(rngs), Layer(rngs)])
+
+    for model in (Model, Model(nnx.Rngs(0))):
+        with pytest.raises(ConfigError, match=re.escape(named)) as err:
+            model_spec(model, make_mesh(Config().parallel), SEED)
+        assert str(err.value).count("\n") == 0
+        assert "make a trained array nnx.Param, and compute a constant (rotary frequencies, a mask) inside " \
+               "__call__" in str(err.value)
 
 
 def test_dropout_with_a_random_stream_is_refused_with_the_way_to_build_it():

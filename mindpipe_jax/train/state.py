@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -81,13 +82,33 @@ def _refuse_extra_state(rest) -> None:
     if flat:
         names = ", ".join(f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in flat[:6])
         more = f" and {len(flat) - 6} more" if len(flat) > 6 else ""
-        # Random streams (dropout built with rngs=) need another fix than other state.
-        random = any(isinstance(var, nnx.RngState) for _, var in flat)
-        fix = ("the train step draws no random numbers: build dropout and other random layers "
-               "without rngs=, e.g. nnx.Dropout(rate, deterministic=True)" if random else
-               "make them nnx.Param, or constants outside the state")
+        # Random streams (dropout built with rngs=) and running statistics need other fixes
+        # than a buffer does.
+        if any(isinstance(var, nnx.RngState) for _, var in flat):
+            fix = ("the train step draws no random numbers: build dropout and other random layers "
+                   "without rngs=, e.g. nnx.Dropout(rate, deterministic=True)")
+        elif any(isinstance(var, nnx.BatchStat) for _, var in flat):
+            fix = ("the train step keeps no running statistics: normalise without them, e.g. "
+                   "nnx.LayerNorm or nnx.RMSNorm")
+        else:
+            fix = ("make a trained array nnx.Param, and compute a constant (rotary frequencies, a mask) "
+                   "inside __call__")
         raise ConfigError(f"the model has variables that are not nnx.Param: {names}{more}; mindpipe_jax "
                           f"trains models whose state is nnx.Param only ({fix})")
+
+
+def _refuse_bare_arrays(model) -> None:
+    """Arrays kept as plain module attributes (``self.inv_freq = jnp.array(...)``): Flax
+    makes them state that is no Variable, which the train state cannot place (it crashed
+    tracing the model, with a leaked tracer or a pytree metadata error)."""
+    bare = [(path, leaf) for path, leaf in nnx.iter_graph(model) if isinstance(leaf, (jax.Array, np.ndarray))]
+    if bare:
+        names = ", ".join(f"{'/'.join(map(str, path))} ({leaf.dtype}{list(leaf.shape)})"
+                          for path, leaf in bare[:6])
+        more = f" and {len(bare) - 6} more" if len(bare) > 6 else ""
+        raise ConfigError(f"the model keeps arrays as plain attributes: {names}{more}; mindpipe_jax trains "
+                          f"models whose state is nnx.Param only: make a trained array nnx.Param, and "
+                          f"compute a constant (rotary frequencies, a mask) inside __call__")
 
 
 def abstract_model(factory, seed: int = 0):
@@ -103,6 +124,7 @@ def abstract_model(factory, seed: int = 0):
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"the model factory {name}(rngs) returned {type(model).__name__}; it must "
                               f"return an nnx.Module")
+        _refuse_bare_arrays(model)
         return model
 
     try:
@@ -134,7 +156,9 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
                               f"mindpipe_jax.from_linen(module, example_input)")
         model_or_factory = from_linen(model_or_factory, example_input)
     if isinstance(model_or_factory, nnx.Module):
+        _refuse_bare_arrays(model_or_factory)
         graphdef, params, rest = nnx.split(model_or_factory, nnx.Param, ...)
+        _refuse_extra_state(rest)
         abstract_state = nnx.eval_shape(lambda: params)
         concrete = _pure(params)
         create = lambda: concrete  # noqa: E731
