@@ -200,7 +200,7 @@ class PipelineModel:
         # An nnx.List of layers: ``split`` stacks its groups (even groups of one layer) in
         # the step, so a tree of shardings cannot go through it.
         self.stacks_in_step = False
-        self._unit_calls: list = []  # an nnx.List stack's static arguments, per place in a group
+        self._unit_calls: list = []  # an nnx.List stack: how the model calls each place in a group
         self._sides: dict[int, tuple] | None = None  # side inputs' traced computation, by rows
         self.parts = parts = pipeline_parts(model)
         if parts is None:

@@ -4,12 +4,15 @@
 No method or attribute names are needed: the prologue is the model's loss stopped at the
 first layer, the epilogue its loss with the layers passing the hidden state through and
 the last one replaced by the pipeline's output. Before a run, ``check`` traces the loss
-once with stand-in layers: each layer must hold its own parameters and be called once,
-on the previous one's output; static arguments the model passes besides the hidden state
-(``deterministic=True``) are recorded so each unit is called with them. Arrays passed
-besides it (side inputs: a causal mask, positions) are recorded as ``SideInput`` marks
-and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that depend
-on nothing but the microbatch's shape and refuses the rest.
+with stand-in layers: each layer must hold its own parameters and be called once, in the
+list's order, on the previous one's output, and what follows the layers may read the last
+one's output only (not the tokens, another layer's output, or what a layer returns besides
+the hidden state). How the model calls each layer is recorded (``LayerCall``) and replayed
+by each unit: the hidden state positional or by keyword, static arguments
+(``deterministic=True``), the leaf of a returned tuple that is the hidden state. Arrays
+passed besides it (side inputs: a causal mask, positions) are recorded as ``SideInput``
+marks and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that
+depend on nothing but the microbatch's shape and refuses the rest.
 """
 
 from __future__ import annotations
@@ -143,8 +146,9 @@ class _StandIn(nnx.Module):
 
     def returned(self, args, kwargs):
         """The abstract value the real layer returns for these arguments. Cached by the
-        layer's structure and shapes and the arguments' shapes and static values: the epilogue stands
-        in for every layer each time it is traced, and like layers return alike."""
+        layer's structure and shapes and the arguments' shapes and static values: the
+        epilogue stands in for every layer each time it is traced, and like layers return
+        alike."""
         gdef, state = nnx.split(self.real)
         leaves, tree = jax.tree.flatten((args, kwargs))
         key = (gdef, tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
