@@ -442,7 +442,7 @@ class ReadsBesideTheChain(nnx.Module):
     alone has: ``reads="input"`` adds the embedded input back before the head, ``"layer1"``
     adds layer 1's output (kept from the loop), ``"tokens"`` masks the loss with the inputs.
     Each trained silently wrong through a pipeline before 2026-12-05 (the masked one to a
-    loss of 0)."""
+    loss of 0). ``"targets"`` masks it with the targets instead: what the last stage has."""
 
     def __init__(self, rngs, reads="input", vocab=256, d=32):
         self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
@@ -457,7 +457,9 @@ class ReadsBesideTheChain(nnx.Module):
             kept.append(h)
         h = h + (x0 if self.reads == "input" else kept[1] if self.reads == "layer1" else 0.0)
         losses = optax.softmax_cross_entropy_with_integer_labels(self.out(h), targets)
-        return (losses * (tokens > 3)).mean() if self.reads == "tokens" else losses.mean()
+        if self.reads in ("tokens", "targets"):  # "targets": the fix the refusal offers
+            return (losses * ((tokens if self.reads == "tokens" else targets) > 3)).mean()
+        return losses.mean()
 
 
 class SharedLayers(nnx.Module):

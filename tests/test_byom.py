@@ -5,6 +5,7 @@ import functools
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -23,6 +24,7 @@ from byom_models import (
     PartsOnly,
     PlainListNet,
     PositionsInLayers,
+    ReadsBesideTheChain,
     StockGPT2,
     TwoOpSupernet,
     WithBatchStats,
@@ -500,6 +502,15 @@ def test_layers_given_a_mask_or_positions_pipeline_with_the_reference_gradients(
     make = SIDE_INPUT_MODELS[family]
     layout = SIDE_INPUT_LAYOUTS[family]
     got = framework_grads(make, *(STOCK_LAYOUTS.get(layout) or LAYOUTS[layout]))
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+def test_a_loss_masked_with_the_targets_pipelines_with_the_reference_gradients():
+    """The fix the refusal of a loss mask made from the inputs offers: made from the
+    targets, which the last stage has, the masked loss pipelines exactly."""
+    make = partial(ReadsBesideTheChain, reads="targets", vocab=64)
+    got = framework_grads(make, *LAYOUTS["pipe4xdata2"])
     with nnx.use_eager_sharding(False):
         assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
