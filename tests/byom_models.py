@@ -437,6 +437,32 @@ class ReversedLoop(ResidualInTheLoop):
         return self.out(h)
 
 
+class HalfAndMean(nnx.Module):
+    def __init__(self, d, rngs):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, h):
+        y = self.lin(h)
+        return y.astype(jnp.bfloat16), y.mean()
+
+
+class TupleInAnotherDtype(ResidualInTheLoop):
+    """Its layers return (the hidden state in bf16, a scalar) and the loop casts back to
+    float32: none of what a layer returns is the hidden state the next one takes (this
+    crashed the stand-in trace with a ValueError before 2026-12-05)."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        super().__init__(rngs, vocab, d)
+        self.layers = nnx.List([HalfAndMean(d, rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h, _ = layer(h)
+            h = h.astype(jnp.float32)
+        return self.out(h)
+
+
 class ReadsBesideTheChain(nnx.Module):
     """Its loss reads more than the last layer's output, which the pipeline's last stage
     alone has: ``reads="input"`` adds the embedded input back before the head, ``"layer1"``

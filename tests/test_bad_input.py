@@ -30,6 +30,7 @@ from byom_models import (
     ReversedLoop,
     SharedLayers,
     StockGPT2,
+    TupleInAnotherDtype,
 )
 from flax import nnx
 
@@ -317,6 +318,8 @@ CASES = [
     ("model calling its layers last to first", ["parallel.pipe=2", "parallel.data=4"],
      "ReversedLoop.layers: the model calls its layers in the order [3, 2, 1, 0]; the pipeline runs them in "
      "the list's order", {"model": ReversedLoop}),
+    ("model whose layers return no leaf like the hidden state", ["parallel.pipe=2", "parallel.data=4"],
+     "a layer (HalfAndMean) returns (bfloat16[", {"model": TupleInAnotherDtype}),
     ("model keeping its layers in an nnx.Dict", ["parallel.pipe=2", "parallel.data=4"],
      "model PlainListNet does not follow the pipeline contract and cannot be split into stages "
      "automatically: its loss has no scan over stacked parameters (a layer stack created with nnx.vmap and "

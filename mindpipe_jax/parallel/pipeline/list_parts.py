@@ -175,7 +175,10 @@ class _StandIn(nnx.Module):
         at = next((i for i, a in enumerate(leaves) if a.shape == hidden.shape and a.dtype == hidden.dtype),
                   None)
         if at is None:
-            return hidden, None  # no leaf like the hidden state: _returning_hidden refuses the unit
+            shown = ", ".join(f"{a.dtype}{list(a.shape)}" for a in leaves)
+            raise ConfigError(f"a layer ({type(self.real).__name__}) returns ({shown}) for a hidden state "
+                              f"{hidden.dtype}{list(hidden.shape)}: none of it has the hidden state's shape "
+                              f"and dtype, which the pipeline passes from layer to layer")
         made = [hidden if i == at else extras(a.shape, a.dtype) for i, a in enumerate(leaves)]
         return jax.tree.unflatten(tree, made), at
 
