@@ -153,16 +153,17 @@ class _StandIn(nnx.Module):
         leaves, tree = jax.tree.flatten((args, kwargs))
         key = (gdef, tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(state)))
-        try:
-            return _RETURNED[key]
-        except TypeError:  # an unhashable static argument: not cached
+        def trace():
             return jax.eval_shape(lambda st: nnx.merge(gdef, st)(*args, **kwargs), state)
-        except KeyError:
-            pass
-        if len(_RETURNED) > 256:
-            _RETURNED.clear()
-        out = _RETURNED[key] = jax.eval_shape(lambda st: nnx.merge(gdef, st)(*args, **kwargs), state)
-        return out
+        try:
+            cached = key in _RETURNED
+        except TypeError:  # an unhashable static argument: not cached
+            return trace()
+        if not cached:
+            if len(_RETURNED) > 256:
+                _RETURNED.clear()
+            _RETURNED[key] = trace()
+        return _RETURNED[key]
 
     def like_real(self, args, kwargs, hidden, extras) -> tuple:
         """What the real layer returns, built from ``hidden`` (at the leaf the next layer is
