@@ -146,6 +146,16 @@ def tokens(seed, rows, length=8, vocab=64):
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
+def padded_tokens(seed, rows, length=8, vocab=64):
+    """Like ``tokens``, with padding: ids 1..vocab-1, then token 0 from a random place in
+    most rows on (every row keeps its first two tokens), targets padded alike."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(1, vocab, (rows, length + 1)).astype(np.int32)
+    ends = rng.integers(2, length + 2, rows)
+    t[np.arange(length + 1)[None, :] >= ends[:, None]] = 0
+    return {"inputs": t[:, :-1], "targets": t[:, 1:]}
+
+
 def reference_grads(model, batch):
     """Loss and gradients of the mean loss, one device, plain ``jax.value_and_grad``."""
     gdef, params = nnx.split(model, nnx.Param)
@@ -296,7 +306,7 @@ class StockGPT2(nnx.Module):
     ``"layer"`` in each block, ``"causal"`` once in the loop and passed to every block (a side
     input of the microbatch's shape only), ``"alternating"`` causal and a causal window
     passed to alternate blocks, ``"padding"`` causal and from the tokens' values (token 0 is
-    padding: a side input the pipeline cannot recompute)."""
+    padding: a side input each stage recomputes from the tokens the hidden state carries)."""
 
     def __init__(self, rngs, vocab=64, d=32, layers=4, heads=2, length=8, scales=None, mask="layer"):
         self.wte, self.wpe = nnx.Embed(vocab, d, rngs=rngs), nnx.Embed(length, d, rngs=rngs)
@@ -468,7 +478,8 @@ class ReadsBesideTheChain(nnx.Module):
     alone has: ``reads="input"`` adds the embedded input back before the head, ``"layer1"``
     adds layer 1's output (kept from the loop), ``"tokens"`` masks the loss with the inputs.
     Each trained silently wrong through a pipeline before 2026-12-05 (the masked one to a
-    loss of 0). ``"targets"`` masks it with the targets instead: what the last stage has."""
+    loss of 0), then "input" and "tokens" were refused, "layer1" still is; since 2026-12-05
+    (e) the tokens reach the last stage. ``"targets"`` masks it with the targets."""
 
     def __init__(self, rngs, reads="input", vocab=256, d=32):
         self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
@@ -637,7 +648,8 @@ class PositionLayer(nnx.Module):
 class PositionsInLayers(nnx.Module):
     """Its layers take a [rows, length] array besides the hidden state, made once in the
     loop: ``side="positions"`` (of the microbatch's shape only, as a causal mask is),
-    ``"embedded"`` (computed from the embedded input: from parameters)."""
+    ``"embedded"`` (computed from the embedded input: from the tokens and parameters),
+    ``"param"`` (from a parameter alone)."""
 
     def __init__(self, rngs, vocab=64, d=16, layers=4, side="positions"):
         self.table = _param(rngs, (vocab, d), ("vocab", "embed"))
@@ -648,6 +660,8 @@ class PositionsInLayers(nnx.Module):
         x = jnp.take(self.table[...], tokens, axis=0)
         if self.side == "positions":
             side = jnp.broadcast_to(jnp.arange(tokens.shape[1]) / tokens.shape[1], tokens.shape)
+        elif self.side == "param":
+            side = jnp.broadcast_to(jnp.tanh(self.table[0, 0]), tokens.shape)
         else:
             side = jnp.tanh(x.mean(-1))
         for layer in self.layers:

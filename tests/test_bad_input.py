@@ -306,12 +306,6 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
-    ("model adding its embedded input back before the head", ["parallel.pipe=2", "parallel.data=4"],
-     "ReadsBesideTheChain's loss reads the tokens after ReadsBesideTheChain.layers[3] (e.g. the embedded "
-     "input added back", {"model": lambda rngs: ReadsBesideTheChain(rngs, reads="input")}),
-    ("model masking its loss with the inputs", ["parallel.pipe=2", "parallel.data=4"],
-     "the pipeline's last stage has the last layer's output and the targets only: make a loss mask from "
-     "the targets", {"model": lambda rngs: ReadsBesideTheChain(rngs, reads="tokens")}),
     ("model reading a middle layer's output in its loss", ["parallel.pipe=2", "parallel.data=4"],
      "ReadsBesideTheChain's loss reads the output of ReadsBesideTheChain.layers[1] besides passing it to "
      "ReadsBesideTheChain.layers[2]", {"model": lambda rngs: ReadsBesideTheChain(rngs, reads="layer1")}),

@@ -29,6 +29,7 @@ from byom_models import (
     TwoOpSupernet,
     WithBatchStats,
     linen_transformer,
+    padded_tokens,
     reference_grads,
     tokens,
 )
@@ -50,9 +51,9 @@ SEED = 0
 ROWS = 16  # global batch: 4 microbatches of 4 rows, 2 per data shard
 
 
-def framework_grads(factory, *overrides, devices=None):
+def framework_grads(factory, *overrides, devices=None, batch=None):
     """Loss and gradients through the train step's own gradient function (on ``devices``:
-    default all)."""
+    default all), for ``batch`` (default ``tokens(1, ROWS)``)."""
     cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", f"train.global_batch={ROWS}",
                            f"train.seed={SEED}", *overrides)
     mesh = make_mesh(cfg.parallel, devices)
@@ -61,7 +62,7 @@ def framework_grads(factory, *overrides, devices=None):
     spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)  # as the train layout stores them
     params = jax.jit(create, out_shardings=spec.storage)()
     grad_fn = make_grad_fn(spec, cfg, mesh)
-    batch = tokens(1, ROWS)
+    batch = tokens(1, ROWS) if batch is None else batch
     loss, grads, _ = jax.jit(grad_fn)(params, batch, jax.random.key(0))
     return loss, jax.device_get(grads)
 
@@ -526,10 +527,34 @@ def test_a_loss_reading_what_layers_return_besides_the_hidden_state_is_refused()
         make_grad_fn(spec, cfg, mesh)
 
 
-@pytest.mark.parametrize("make,reads", [
-    (lambda rngs: StockGPT2(rngs, mask="padding"), "the tokens' values"),
-    (lambda rngs: PositionsInLayers(rngs, side="embedded"), "the tokens' values and parameters")])
-def test_side_inputs_a_stage_cannot_recompute_are_refused_in_one_line(make, reads):
+# Models reading their tokens past the first layer: a padding mask made in the loop and
+# passed to every layer, a loss masked with the inputs, the embedded input added back
+# before the head (tied to the prologue's table). The hidden state carries the ids to
+# every stage (carry_tokens.py); each unit recomputes the mask for its own microbatch.
+# The batch is padded (token 0 from a random place in most rows), so a unit reading
+# another microbatch's tokens, or none, changes the gradients.
+READS_TOKENS = {
+    "padding-mask": (lambda rngs: StockGPT2(rngs, mask="padding"), "pipe4xdata2"),
+    "padding-mask-zb-h1-tensor": (lambda rngs: StockGPT2(rngs, mask="padding"), "pipe2xdata2xtensor2-zb-h1"),
+    "loss-mask-from-inputs": (partial(ReadsBesideTheChain, reads="tokens", vocab=64), "pipe4xdata2"),
+    "embedded-input-added-back": (partial(ReadsBesideTheChain, reads="input", vocab=64),
+                                  "pipe2xdata2xtensor2-interleaved"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(READS_TOKENS))
+def test_models_reading_their_tokens_past_the_first_layer_pipeline_with_the_reference_gradients(case):
+    make, layout = READS_TOKENS[case]
+    batch = padded_tokens(1, ROWS)
+    got = framework_grads(make, *LAYOUTS[layout], batch=batch)
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), batch))
+
+
+@pytest.mark.parametrize("side,reads", [("embedded", "the tokens' values and parameters"),
+                                        ("param", "parameters")])
+def test_side_inputs_read_from_parameters_are_refused_in_one_line(side, reads):
+    make = partial(PositionsInLayers, side=side)
     cfg = Config().replace("model.vocab_size=64", "model.seq_len=8", "parallel.pipe=2", "parallel.data=4",
                            "parallel.tensor=1", "parallel.microbatches=4")
     mesh = make_mesh(cfg.parallel)

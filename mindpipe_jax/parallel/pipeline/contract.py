@@ -25,7 +25,9 @@ group is the unit, so the depth must be a multiple of k.
 ``PipelineModel`` turns a model into what the runtime executes: the three pure
 functions (``StageFns``), and the parameters cut into the prologue's part, the
 stacked units and the epilogue's part. A parameter both ends use (a tied
-embedding) is in both parts; its gradient is the sum of both uses.
+embedding) is in both parts; its gradient is the sum of both uses. A found
+``nnx.List`` whose side inputs or loss read the tokens (a padding mask, a loss
+mask from the inputs) gets them carried in the hidden state (``carry_tokens.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jax.extend.core import Literal
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs, needed_eqns, run_eqns
+from mindpipe_jax.parallel.pipeline.carry_tokens import carrying_tokens
 from mindpipe_jax.parallel.pipeline.list_parts import (
     HIDDEN,
     LAYER_LISTS,
@@ -169,8 +172,8 @@ def _returning_hidden(fns: StageFns, where: str) -> StageFns:
     input: the pipeline hands that array to the next unit (and stage). A unit returning
     anything else (e.g. ``(hidden, aux)`` of an MoE block without ``aux_weight``) is
     refused here in one line rather than failing inside the runtime's transfers."""
-    def layer(unit, h):
-        out = fns.layer(unit, h)
+    def layer(unit, h, *tokens):  # tokens: see carry_tokens.py
+        out = fns.layer(unit, h, *tokens)
         if not (hasattr(out, "shape") and hasattr(out, "dtype")) or tuple(out.shape) != tuple(h.shape):
             what = f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else \
                 f"{type(out).__name__} {jax.tree.structure(out)}"
@@ -201,7 +204,10 @@ class PipelineModel:
         # the step, so a tree of shardings cannot go through it.
         self.stacks_in_step = False
         self._unit_calls: list = []  # an nnx.List stack: how the model calls each place in a group
-        self._sides: dict[int, tuple] | None = None  # side inputs' traced computation, by rows
+        self._sides: dict[tuple, tuple] | None = None  # side inputs' traced computation, by rows
+        # The model reads its tokens past the first layer (a padding mask for its layers, a
+        # loss mask from the inputs): the hidden state carries them (carry_tokens.py).
+        self._sides_read_tokens = self._loss_reads_tokens = False
         self.parts = parts = pipeline_parts(model)
         if parts is None:
             split = self._split_for(tokens.shape[0])
@@ -213,25 +219,30 @@ class PipelineModel:
         else:
             layer = self._stack_from_parts(model, parts)
             prologue = lambda p, t: parts.prologue(self._model(p), t)  # noqa: E731
-            epilogue = lambda p, h, t: parts.epilogue(self._model(p), h, t)  # noqa: E731
+            # (only list_parts' epilogue takes the tokens: ``tokens`` is empty for the others)
+            epilogue = lambda p, h, t, *tokens: parts.epilogue(self._model(p), h, t, *tokens)  # noqa: E731
             example = _abstract(tokens)
             if parts.check is not None:
                 found = []
-                jax.eval_shape(lambda p, t: found.extend(parts.check(self._model(p), t)),
+                jax.eval_shape(lambda p, t: found.append(parts.check(self._model(p), t)),
                                self._outer_abstract(), example)
+                (found, self._loss_reads_tokens), = found
                 self._set_group(calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
                                 parts.stack)
                 if any(isinstance(x, SideInput) for c in found for x in jax.tree.leaves((c.args, c.kwargs))):
                     self._sides = {}
-                    self._side_values(tokens.shape[0])  # refuses side inputs a unit cannot recompute
+                    self._side_trace(tokens.shape[0])  # refuses side inputs a unit cannot recompute
             hidden = jax.eval_shape(prologue, self._outer_abstract(), example)
             embed = self._used(prologue, example)
-            head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32))
+            head = self._used(epilogue, hidden, jax.ShapeDtypeStruct(example.shape, jnp.int32),
+                              *([example] if self._loss_reads_tokens else []))
             self.fns = StageFns(embed=prologue, layer=layer, head_loss=epilogue)
             if parts.aux_weight is not None:
                 self.fns = _carrying_aux(self.fns, parts.aux_weight, self.num_units)
             else:
                 self.fns = _returning_hidden(self.fns, f"{self.name}.{parts.stack}")
+            if self._sides_read_tokens or self._loss_reads_tokens:
+                self.fns = carrying_tokens(self.fns, self._token_dtype, f"{self.name}.{parts.stack}")
         self._embed_names, self._head_names = tuple(sorted(embed)), tuple(sorted(head))
         if parts is not None:  # trace one unit now: a contract mistake is refused before a run starts
             stack = jax.eval_shape(lambda p: self.split(p)[1], params)
@@ -260,8 +271,8 @@ class PipelineModel:
             self._layer_defs = [nnx.graphdef(x) for x in stack]
             self._set_group(_period(list(stack)), [LayerCall((HIDDEN,), {})] * len(stack), parts.stack)
 
-            def layer(unit, h):
-                sides = self._side_values(h.shape[0]) if self._sides is not None else ()
+            def layer(unit, h, tokens=None):  # tokens: the microbatch's, where side inputs read them
+                sides = self._side_values(h.shape[0], tokens) if self._sides is not None else ()
                 for j in range(self.group):
                     h = self._unit_calls[j].run(nnx.merge(self._layer_defs[j], unit[j]), h, sides)
                 return h
@@ -286,34 +297,48 @@ class PipelineModel:
                               f"pipeline splits a stack of like units")
         self.group, self.num_units, self._unit_calls = k, depth // k, calls[:k]
 
-    def _side_values(self, rows: int) -> tuple:
+    def _side_values(self, rows: int, tokens=None) -> tuple:
         """The arrays the model passes its layers besides the hidden state, for a microbatch
-        of ``rows`` rows, computed where the unit runs (each stage, every call: XLA folds
-        them). Only those that depend on nothing but the microbatch's shape (a causal mask,
-        positions) can be: every stage knows the shape, while the tokens stay on the first
-        stage and parameters on their own. Any other is refused, naming what it reads."""
-        if rows not in self._sides:
+        of ``rows`` rows, computed where the unit runs (each stage, every call). Those that
+        depend on nothing but the microbatch's shape (a causal mask, positions) are
+        computed from constants (XLA folds them); those that read the tokens' values (a
+        padding mask) from ``tokens``, the microbatch's ids the hidden state carries
+        (``carry_tokens.py``). One that reads a parameter is refused, naming what it
+        reads: the parameter lives on another stage."""
+        closed, eqns, token_var = self._side_trace(rows, tokens)
+        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        if tokens is not None:
+            env[token_var] = tokens
+        env = run_eqns(eqns, env)
+        return tuple(v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars)
+
+    def _side_trace(self, rows: int, tokens=None):
+        """(the side inputs' computation traced for ``rows`` rows, with ``tokens``' typing,
+        the equations they need, the tokens' variable in it); refuses a parameter read."""
+        manual = jax.typeof(tokens).manual_axis_type if tokens is not None else None
+        key = (rows, manual)
+        if key not in self._sides:
             example = jax.ShapeDtypeStruct((rows, self._length), self._token_dtype)
+            if manual is not None and manual.varying:  # typed as inside the shard_map (see _split_for)
+                example = jax.lax.pcast(jnp.zeros(example.shape, example.dtype),
+                                        tuple(sorted(manual.varying)), to="varying")
             closed = jax.make_jaxpr(lambda p, t: self.parts.sides(self._model(p), t))(
                 self._outer_abstract(), example)
             eqns, reads = needed_eqns(closed.jaxpr.eqns, closed.jaxpr.outvars)
             reads -= set(closed.jaxpr.constvars)
-            if reads:
-                tokens = closed.jaxpr.invars[-1]
-                what = {(True, False): "the tokens' values (e.g. a padding mask)",
-                        (True, True): "the tokens' values and parameters (e.g. the embedded input)",
-                        (False, True): "parameters (e.g. a learned bias)"}[
-                    (tokens in reads, bool(reads - {tokens}))]
+            token_var = closed.jaxpr.invars[-1]
+            if reads - {token_var}:
+                what = "the tokens' values and parameters (e.g. the embedded input)" if token_var in reads \
+                    else "parameters (e.g. a learned bias)"
                 raise ConfigError(f"{self.name}.{self.parts.stack}: its layers are called with an array "
                                   f"computed from {what} besides the hidden state; the pipeline passes one "
-                                  f"hidden state between stages and recomputes side inputs only when they "
-                                  f"depend on the microbatch's shape alone (a causal mask, positions): "
-                                  f"compute it inside the layer from its input, or train without "
-                                  f"parallel.pipe")
-            self._sides[rows] = (closed, eqns)
-        closed, eqns = self._sides[rows]
-        env = run_eqns(eqns, dict(zip(closed.jaxpr.constvars, closed.consts, strict=True)))
-        return tuple(v.val if isinstance(v, Literal) else env[v] for v in closed.jaxpr.outvars)
+                                  f"hidden state between stages and recomputes side inputs from the "
+                                  f"microbatch's tokens and shape only (a padding or causal mask, "
+                                  f"positions): compute it inside the layer from its input, or train "
+                                  f"without parallel.pipe")
+            self._sides_read_tokens |= token_var in reads
+            self._sides[key] = (closed, eqns, token_var)
+        return self._sides[key]
 
     def _split_for(self, rows: int, like=None) -> TracedSplit:
         """The traced cut for microbatches of ``rows`` rows (a jaxpr has fixed shapes),

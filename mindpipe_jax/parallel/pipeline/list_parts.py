@@ -6,13 +6,13 @@ first layer, the epilogue its loss with the layers passing the hidden state thro
 the last one replaced by the pipeline's output. Before a run, ``check`` traces the loss
 with stand-in layers: each layer must hold its own parameters and be called once, in the
 list's order, on the previous one's output, and what follows the layers may read the last
-one's output only (not the tokens, another layer's output, or what a layer returns besides
-the hidden state). How the model calls each layer is recorded (``LayerCall``) and replayed
+one's output and the tokens only (not another layer's output, or what a layer returns
+besides the hidden state). How the model calls each layer is recorded (``LayerCall``) and replayed
 by each unit: the hidden state positional or by keyword, static arguments
 (``deterministic=True``), the leaf of a returned tuple that is the hidden state. Arrays
 passed besides it (side inputs: a causal mask, positions) are recorded as ``SideInput``
 marks and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that
-depend on nothing but the microbatch's shape and refuses the rest.
+depend on nothing but the microbatch's shape and tokens and refuses the rest.
 """
 
 from __future__ import annotations
@@ -287,11 +287,13 @@ def list_parts(model) -> PipelineParts | None:
             return reached.x
         raise ConfigError(f"{name}'s loss never calls {dotted(path)}[0]; give {name} a {HOOK}() method")
 
-    def epilogue(m, h, targets):
+    def epilogue(m, h, targets, tokens=None):
+        """``tokens``: the microbatch's, for a loss that reads them after the layers (a loss
+        mask from the inputs); the pipeline carries them to the last stage only then."""
         layers = stack_of(m)
         for i in range(len(layers)):
             layers[i] = _Pass(layers[i], h if i == len(layers) - 1 else None)
-        return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32), targets)
+        return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32) if tokens is None else tokens, targets)
 
     def linked(m, tokens, reals, make=jnp.zeros, run=True) -> list:
         """``_Link`` stand-ins for ``reals`` put in ``m``, and the calls they record when the
@@ -327,22 +329,24 @@ def list_parts(model) -> PipelineParts | None:
                                   f"computes something between its layers (in its loop, e.g. a residual "
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
-        _check_reads_only_the_last(m, tokens, lambda make: linked(m, tokens, reals, make, run=False), calls,
-                                   where, name)
+        reads_tokens = _check_reads_only_the_last(
+            m, tokens, lambda make: linked(m, tokens, reals, make, run=False), calls, where, name)
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
         # None) are passed again to each unit, arrays as marks of the side inputs.
-        return _marked(calls)[0]
+        return _marked(calls)[0], reads_tokens
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
 
 
-def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name: str) -> None:
-    """What follows the layers must read nothing but the last layer's hidden state: the
-    epilogue runs on the last stage with that alone (no tokens, no other layer's output).
-    The loss is traced with every layer's outputs as inputs (``install(make)`` puts
-    stand-ins in ``m`` returning what ``make`` gives, in the order ``calls`` recorded them;
-    before tracing: a model may not be changed inside a trace deeper than its own) and
-    each input it depends on is refused by name."""
+def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name: str) -> bool:
+    """What follows the layers must read nothing but the last layer's hidden state and the
+    microbatch's tokens: the epilogue runs on the last stage with those alone (no other
+    layer's output). The loss is traced with every layer's outputs as inputs
+    (``install(make)`` puts stand-ins in ``m`` returning what ``make`` gives, in the order
+    ``calls`` recorded them; before tracing: a model may not be changed inside a trace
+    deeper than its own) and each other input it depends on is refused by name. Returns
+    whether it reads the tokens (a loss mask from the inputs, the embedded input added
+    back): the pipeline then carries them to the last stage."""
     values, owner = [], []
     for i, c in enumerate(calls):
         for kind, a in (("hidden", c.out), *(("other", o) for o in c.others)):
@@ -356,11 +360,6 @@ def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name
         return model_loss(m, tokens, jnp.zeros_like(tokens))
     jaxpr = jax.make_jaxpr(loss)(jax.ShapeDtypeStruct(tokens.shape, tokens.dtype), values).jaxpr
     live, last = live_inputs(jaxpr), len(calls) - 1
-    if jaxpr.invars[0] in live:
-        raise ConfigError(f"{name}'s loss reads the tokens after {where}[{last}] (e.g. the embedded input "
-                          f"added back before the head, or a loss mask made from the inputs); the "
-                          f"pipeline's last stage has the last layer's output and the targets only: make "
-                          f"a loss mask from the targets, or train {name} without parallel.pipe")
     for (kind, i), var in zip(owner, jaxpr.invars[1:], strict=True):
         if var not in live or (kind, i) == ("hidden", last):
             continue
@@ -374,6 +373,7 @@ def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name
                           f"{where}[{i + 1}] (e.g. every layer's hidden state kept for the loss); the "
                           f"pipeline hands each layer's output to the next layer only: train {name} "
                           f"without parallel.pipe")
+    return jaxpr.invars[0] in live
 
 
 def calls_period(calls: list, k: int, where: str) -> int:
