@@ -518,6 +518,58 @@ class SharedLayers(nnx.Module):
         return self.out(h)
 
 
+class SowingBlock(nnx.Module):
+    """A residual tanh block that sows the mean square of its update (``self.sow``, as
+    NNX code collects an auxiliary loss)."""
+
+    def __init__(self, d, rngs, sow=True):
+        self.lin, self.sows = nnx.Linear(d, d, rngs=rngs), sow
+
+    def __call__(self, h):
+        update = jnp.tanh(self.lin(h))
+        if self.sows:
+            self.sow(nnx.Intermediate, "aux", jnp.mean(update ** 2))
+        return h + update
+
+
+class SowingHead(nnx.Module):
+    def __init__(self, d, vocab, rngs):
+        self.lin = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, h):
+        logits = self.lin(h)
+        self.sow(nnx.Intermediate, "z", jnp.mean(jax.nn.logsumexp(logits, -1) ** 2))
+        return logits
+
+
+class Sowing(nnx.Module):
+    """Values sown along the way (``self.sow``) and an auxiliary loss made of them, as NNX
+    code writes one: ``aux="none"`` (the layers sow, the loss ignores it), ``"pop"``
+    (``nnx.pop`` of the layers' values after the forward), ``"capture"`` (``nnx.capture``,
+    Flax 0.12's way), ``"head"`` (captured, but only the head sows: a z-loss)."""
+
+    def __init__(self, rngs, aux="none", vocab=64, d=32):
+        self.emb = nnx.Embed(vocab, d, rngs=rngs)
+        self.layers = nnx.List([SowingBlock(d, rngs, sow=aux != "head") for _ in range(4)])
+        self.out = SowingHead(d, vocab, rngs) if aux == "head" else nnx.Linear(d, vocab, rngs=rngs)
+        self.aux = aux
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+    def loss(self, tokens, targets):
+        if self.aux in ("capture", "head"):
+            logits, sown = nnx.capture(lambda m, t: m(t), nnx.Intermediate)(self, tokens)
+        else:
+            logits = self(tokens)
+            sown = nnx.pop(self, nnx.Intermediate) if self.aux == "pop" else {}
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return ce + 0.01 * sum(jax.tree.leaves(sown), jnp.float32(0.0))
+
+
 class ScaledLinear(nnx.Module):
     def __init__(self, d, scale, rngs):
         self.lin, self.scale = nnx.Linear(d, d, rngs=rngs), scale

@@ -29,6 +29,7 @@ from byom_models import (
     ResidualInTheLoop,
     ReversedLoop,
     SharedLayers,
+    Sowing,
     StockGPT2,
     TupleInAnotherDtype,
 )
@@ -306,6 +307,12 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
+    ("model whose loss reads what its layers sow", ["parallel.pipe=2", "parallel.data=4"],
+     "Sowing.layers: its layers sow values (self.sow, e.g. an auxiliary loss) that Sowing's loss reads",
+     {"model": lambda rngs: Sowing(rngs, aux="pop")}),
+    ("model capturing what its layers sow for its loss", ["parallel.pipe=2", "parallel.data=4"],
+     "Sowing.layers: its layers sow values (self.sow, e.g. an auxiliary loss) that Sowing's loss reads",
+     {"model": lambda rngs: Sowing(rngs, aux="capture")}),
     ("model reading a middle layer's output in its loss", ["parallel.pipe=2", "parallel.data=4"],
      "ReadsBesideTheChain's loss reads the output of ReadsBesideTheChain.layers[1] besides passing it to "
      "ReadsBesideTheChain.layers[2]", {"model": lambda rngs: ReadsBesideTheChain(rngs, reads="layer1")}),

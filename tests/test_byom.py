@@ -25,6 +25,7 @@ from byom_models import (
     PlainListNet,
     PositionsInLayers,
     ReadsBesideTheChain,
+    Sowing,
     StockGPT2,
     TwoOpSupernet,
     WithBatchStats,
@@ -549,6 +550,21 @@ def test_models_reading_their_tokens_past_the_first_layer_pipeline_with_the_refe
     got = framework_grads(make, *LAYOUTS[layout], batch=batch)
     with nnx.use_eager_sharding(False):
         assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), batch))
+
+
+# Values sown along the way (self.sow): layers that sow what the loss ignores, and a
+# loss collecting the head's sown z-loss with nnx.capture (Flax 0.12's way), pipeline
+# exactly; without a pipeline the layers' sown values reach the loss too. (Before
+# 2026-12-05 (e) nnx.capture in a loss crashed the pipeline's checks with
+# Flax's TraceContextError, and a loss reading what the layers sow trained without it:
+# now refused, tests/test_bad_input.py.)
+@pytest.mark.parametrize("aux,layout", [("none", "pipe4xdata2"), ("head", "pipe4xdata2"),
+                                        ("head", "pipe2xdata2xtensor2-zb-h1"), ("capture", "data4xtensor2")])
+def test_models_that_sow_pipeline_with_the_reference_gradients(aux, layout):
+    make = partial(Sowing, aux=aux)
+    got = framework_grads(make, *LAYOUTS[layout])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
 @pytest.mark.parametrize("side,reads", [("embedded", "the tokens' values and parameters"),

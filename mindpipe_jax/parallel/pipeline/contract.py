@@ -49,6 +49,7 @@ from mindpipe_jax.parallel.pipeline.list_parts import (
     LayerCall,
     SideInput,
     calls_period,
+    check_the_loss,
     list_parts,
 )
 from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
@@ -226,7 +227,11 @@ class PipelineModel:
                 found = []
                 jax.eval_shape(lambda p, t: found.append(parts.check(self._model(p), t)),
                                self._outer_abstract(), example)
-                (found, self._loss_reads_tokens), = found
+                checked, = found
+                found = checked.calls
+                self._loss_reads_tokens = check_the_loss(
+                    checked, self._merge, _unflatten({self._paths[n]: a for n, a in self._abstract.items()}),
+                    example)
                 self._set_group(calls_period(found, self.group, f"{self.name}.{parts.stack}"), found,
                                 parts.stack)
                 if any(isinstance(x, SideInput) for c in found for x in jax.tree.leaves((c.args, c.kwargs))):

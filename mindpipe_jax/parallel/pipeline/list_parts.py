@@ -6,10 +6,11 @@ first layer, the epilogue its loss with the layers passing the hidden state thro
 the last one replaced by the pipeline's output. Before a run, ``check`` traces the loss
 with stand-in layers: each layer must hold its own parameters and be called once, in the
 list's order, on the previous one's output, and what follows the layers may read the last
-one's output and the tokens only (not another layer's output, or what a layer returns
-besides the hidden state). How the model calls each layer is recorded (``LayerCall``) and replayed
-by each unit: the hidden state positional or by keyword, static arguments
-(``deterministic=True``), the leaf of a returned tuple that is the hidden state. Arrays
+one's output and the tokens only (not another layer's output, what a layer returns
+besides the hidden state, or what it sows). How the model calls each layer is recorded
+(``LayerCall``) and replayed by each unit: the hidden state positional or by keyword,
+static arguments (``deterministic=True``), the leaf of a returned tuple that is the
+hidden state. Arrays
 passed besides it (side inputs: a causal mask, positions) are recorded as ``SideInput``
 marks and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that
 depend on nothing but the microbatch's shape and tokens and refuses the rest.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -145,16 +148,36 @@ class _StandIn(nnx.Module):
         return _hidden_in(args, kwargs, _hidden_name(self.real))
 
     def returned(self, args, kwargs):
-        """The abstract value the real layer returns for these arguments. Cached by the
-        layer's structure and shapes and the arguments' shapes and static values: the
-        epilogue stands in for every layer each time it is traced, and like layers return
-        alike."""
+        """The abstract value the real layer returns for these arguments."""
+        return self._traced(args, kwargs)[0]
+
+    def sows(self, args, kwargs) -> bool:
+        """Whether the real layer stores values in itself when called so (``self.sow``: an
+        auxiliary loss, router statistics)."""
+        return self._traced(args, kwargs)[1]
+
+    def _traced(self, args, kwargs):
+        """(what the real layer returns, what it sows), abstract. Cached by the layer's
+        structure and shapes and the arguments' shapes and static values: the epilogue
+        stands in for every layer each time it is traced, and like layers return alike."""
         gdef, state = nnx.split(self.real)
         leaves, tree = jax.tree.flatten((args, kwargs))
         key = (gdef, tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves(state)))
+
+        sows = []
+
+        def call(st):
+            layer = nnx.merge(gdef, st)
+            before = _state_leaves(layer)
+            with warnings.catch_warnings():  # sow outside nnx.capture: deprecated, but how to see it
+                warnings.simplefilter("ignore", DeprecationWarning)
+                out = layer(*args, **kwargs)
+            sows.append(bool(_new_leaves(layer, before)))
+            return out
+
         def trace():
-            return jax.eval_shape(lambda st: nnx.merge(gdef, st)(*args, **kwargs), state)
+            return jax.eval_shape(call, state), sows[-1]
         try:
             cached = key in _RETURNED
         except TypeError:  # an unhashable static argument: not cached
@@ -184,6 +207,35 @@ class _StandIn(nnx.Module):
         return jax.tree.unflatten(tree, made), at
 
 
+def _state_leaves(layer) -> set:
+    """The ids of the array leaves of ``layer``'s non-parameter state."""
+    return {id(x) for x in jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param)))}
+
+
+def _new_leaves(layer, before: set) -> list:
+    """The leaves of ``layer``'s non-parameter state that were not there at ``before``
+    (``_state_leaves``): what a call sowed (into the layer, or into ``nnx.capture``'s
+    collection kept on it)."""
+    return [x for x in jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param))) if id(x) not in before]
+
+
+class _Probed(_StandIn):
+    """Runs the real layer, then adds ``probe`` (a scalar zero the trace takes as an
+    input) to each value it sowed, so the loss's dependence on what it sows shows."""
+
+    def __init__(self, real, probe):
+        super().__init__(real)
+        self.probe = nnx.data(probe)
+
+    def __call__(self, *args, **kwargs):
+        before = _state_leaves(self.real)
+        out = self.real(*args, **kwargs)
+        for _, var in nnx.to_flat_state(nnx.state(self.real, nnx.Not(nnx.Param))):
+            var.set_value(jax.tree.map(lambda x: x if id(x) in before else x + self.probe.astype(x.dtype),
+                                       var.get_value()))
+        return out
+
+
 class _Stop(_StandIn):
     """Stands in for the first layer: stops the model there with its input."""
 
@@ -209,7 +261,8 @@ class _Link(_StandIn):
             others.append(self.make(shape, dtype))
             return others[-1]
         out, at = self.like_real(args, kwargs, fresh, other)
-        self.calls.append(_Called(self.index, x, fresh, LayerCall(marked_args, marked_kwargs, at), others))
+        self.calls.append(_Called(self.index, x, fresh, LayerCall(marked_args, marked_kwargs, at), others,
+                                  self.sows(args, kwargs)))
         return out
 
 
@@ -222,6 +275,25 @@ class _Called:
     out: jax.Array  # the one it returned
     call: LayerCall
     others: list  # the rest of what it returned
+    sows: bool  # it stores values in itself (``self.sow``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What ``PipelineParts.check`` found, and what ``check_the_loss`` traces next: how the
+    model calls each layer (``calls``), each layer output (``outputs``: (kind, layer,
+    abstract value)), whether a layer sows, and two losses of a model built in the
+    trace: ``loss_of_outputs(model, tokens, values)`` with the layers returning
+    ``values``, and ``probed_loss(model, tokens, probes)`` with the real layers, each
+    one's sown values plus its probe."""
+
+    calls: list
+    outputs: list
+    sows: bool
+    loss_of_outputs: Callable
+    probed_loss: Callable
+    where: str
+    name: str
 
 
 def _check_own_params(layers, where: str) -> None:
@@ -329,38 +401,46 @@ def list_parts(model) -> PipelineParts | None:
                                   f"computes something between its layers (in its loop, e.g. a residual "
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
-        reads_tokens = _check_reads_only_the_last(
-            m, tokens, lambda make: linked(m, tokens, reals, make, run=False), calls, where, name)
+        outputs = [(kind, i, jax.ShapeDtypeStruct(a.shape, a.dtype)) for i, c in enumerate(calls)
+                   for kind, a in (("hidden", c.out), *(("other", o) for o in c.others))]
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
         # None) are passed again to each unit, arrays as marks of the side inputs.
-        return _marked(calls)[0], reads_tokens
+        return Checked(_marked(calls)[0], outputs, any(c.sows for c in calls), loss_of_outputs, probed_loss,
+                       where, name)
+
+    def loss_of_outputs(m, tokens, values):
+        feed = list(values)
+        linked(m, tokens, list(stack_of(m)), lambda shape, dtype: feed.pop(0), run=False)
+        return model_loss(m, tokens, jnp.zeros_like(tokens))
+
+    def probed_loss(m, tokens, probes):
+        layers = stack_of(m)
+        for i in range(len(layers)):
+            layers[i] = _Probed(layers[i], probes[i])
+        return model_loss(m, tokens, jnp.zeros_like(tokens))
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
 
 
-def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name: str) -> bool:
+def check_the_loss(checked: Checked, model_of, params, tokens) -> bool:
     """What follows the layers must read nothing but the last layer's hidden state and the
     microbatch's tokens: the epilogue runs on the last stage with those alone (no other
-    layer's output). The loss is traced with every layer's outputs as inputs
-    (``install(make)`` puts stand-ins in ``m`` returning what ``make`` gives, in the order
-    ``calls`` recorded them; before tracing: a model may not be changed inside a trace
-    deeper than its own) and each other input it depends on is refused by name. Returns
+    layer's output, nothing a layer sowed). The loss is traced with every layer's outputs
+    as inputs and each other output it depends on is refused by name; if a layer sows,
+    traced again with the real layers and a probe added to what each sows. Returns
     whether it reads the tokens (a loss mask from the inputs, the embedded input added
-    back): the pipeline then carries them to the last stage."""
-    values, owner = [], []
-    for i, c in enumerate(calls):
-        for kind, a in (("hidden", c.out), *(("other", o) for o in c.others)):
-            values.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
-            owner.append((kind, i))
-    feed: list = []
-    install(lambda shape, dtype: feed.pop(0))
+    back): the pipeline then carries them to the last stage.
 
-    def loss(tokens, values):
-        feed[:] = values
-        return model_loss(m, tokens, jnp.zeros_like(tokens))
-    jaxpr = jax.make_jaxpr(loss)(jax.ShapeDtypeStruct(tokens.shape, tokens.dtype), values).jaxpr
-    live, last = live_inputs(jaxpr), len(calls) - 1
-    for (kind, i), var in zip(owner, jaxpr.invars[1:], strict=True):
+    Each trace builds the model itself (``model_of(params)``, ``params`` abstract): a
+    model changed in a trace deeper than its own (stand-ins put in, ``nnx.capture``'s
+    collections) raises Flax's TraceContextError."""
+    where, name = checked.where, checked.name
+    values = [a for _, _, a in checked.outputs]
+    jaxpr = jax.make_jaxpr(lambda p, t, v: checked.loss_of_outputs(model_of(p), t, v))(
+        params, tokens, values).jaxpr
+    live, last = live_inputs(jaxpr), max(i for _, i, _ in checked.outputs)
+    first = len(jaxpr.invars) - len(values)
+    for (kind, i, _), var in zip(checked.outputs, jaxpr.invars[first:], strict=True):
         if var not in live or (kind, i) == ("hidden", last):
             continue
         if kind == "other":
@@ -373,7 +453,20 @@ def _check_reads_only_the_last(m, tokens, install, calls: list, where: str, name
                           f"{where}[{i + 1}] (e.g. every layer's hidden state kept for the loss); the "
                           f"pipeline hands each layer's output to the next layer only: train {name} "
                           f"without parallel.pipe")
-    return jaxpr.invars[0] in live
+    reads_tokens = jaxpr.invars[first - 1] in live
+    if checked.sows:
+        probes = [jax.ShapeDtypeStruct((), jnp.float32)] * (last + 1)
+        jaxpr = jax.make_jaxpr(lambda p, t, probes: checked.probed_loss(model_of(p), t, probes))(
+            params, tokens, probes).jaxpr
+        live = live_inputs(jaxpr)
+        if any(v in live for v in jaxpr.invars[len(jaxpr.invars) - len(probes):]):
+            raise ConfigError(f"{where}: its layers sow values (self.sow, e.g. an auxiliary loss) that "
+                              f"{name}'s loss reads; the pipeline passes the hidden state alone from layer "
+                              f"to layer and computes the loss on the last stage, where nothing was sown: "
+                              f"return (hidden, aux) from each layer and give {name} a {HOOK}() method "
+                              f"returning PipelineParts(..., aux_weight=...), or train it without "
+                              f"parallel.pipe")
+    return reads_tokens
 
 
 def calls_period(calls: list, k: int, where: str) -> int:

@@ -34,10 +34,10 @@ class PipelineParts:
     # Units that return (hidden, aux), a scalar auxiliary loss each (an MoE block's load
     # balancing): the model's loss adds aux_weight x their mean over the units.
     aux_weight: float | None = None
-    # (model, tokens) -> (how the model calls each layer, [LayerCall] (list_parts.py),
-    # whether its loss reads the tokens after the layers), run once abstractly before a
-    # run: raises ConfigError where the parts would not compute the model's loss (set for
-    # a found nnx.List; its epilogue then takes the tokens as a fourth argument).
+    # (model, tokens) -> list_parts.Checked (how the model calls each layer, whether its
+    # loss reads the tokens after the layers, what the layers sow), run once abstractly
+    # before a run: raises ConfigError where the parts would not compute the model's loss
+    # (set for a found nnx.List; its epilogue then takes the tokens as a fourth argument).
     check: Callable[[Any, jax.Array], list] | None = None
     # (model, tokens) -> the arrays ``check``'s SideInput marks stand for (list_parts.py).
     sides: Callable[[Any, jax.Array], tuple] | None = None
