@@ -518,6 +518,33 @@ class SharedLayers(nnx.Module):
         return self.out(h)
 
 
+class StreamLayer(nnx.Module):
+    """Takes and returns (hidden, residual), as Mamba's layers (and Hugging Face's ports of
+    them) keep the residual stream apart."""
+
+    def __init__(self, d, rngs):
+        self.norm, self.mix = nnx.RMSNorm(d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, hidden, residual):
+        residual = hidden + residual
+        return jnp.tanh(self.mix(self.norm(residual))), residual
+
+
+class TwoStreams(nnx.Module):
+    """Two arrays carried from layer to layer (the hidden state and a residual stream)."""
+
+    def __init__(self, rngs, vocab=64, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([StreamLayer(d, rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        r = jnp.zeros_like(h)
+        for layer in self.layers:
+            h, r = layer(h, r)
+        return self.out(h)
+
+
 class SowingBlock(nnx.Module):
     """A residual tanh block that sows the mean square of its update (``self.sow``, as
     NNX code collects an auxiliary loss)."""

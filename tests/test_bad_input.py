@@ -32,6 +32,7 @@ from byom_models import (
     Sowing,
     StockGPT2,
     TupleInAnotherDtype,
+    TwoStreams,
 )
 from flax import nnx
 
@@ -307,6 +308,9 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
+    ("model passing a second stream between its layers", ["parallel.pipe=2", "parallel.data=4"],
+     "TwoStreams.layers[1] is called with what TwoStreams.layers[0] returned besides the hidden state",
+     {"model": TwoStreams}),
     ("model whose loss reads what its layers sow", ["parallel.pipe=2", "parallel.data=4"],
      "Sowing.layers: its layers sow values (self.sow, e.g. an auxiliary loss) that Sowing's loss reads",
      {"model": lambda rngs: Sowing(rngs, aux="pop")}),

@@ -401,6 +401,7 @@ def list_parts(model) -> PipelineParts | None:
                                   f"computes something between its layers (in its loop, e.g. a residual "
                                   f"or an activation), which a pipeline running the layers back to back "
                                   f"would lose; move it into the layer, or give {name} a {HOOK}() method")
+        _check_one_stream(calls, where, name)
         outputs = [(kind, i, jax.ShapeDtypeStruct(a.shape, a.dtype)) for i, c in enumerate(calls)
                    for kind, a in (("hidden", c.out), *(("other", o) for o in c.others))]
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
@@ -420,6 +421,23 @@ def list_parts(model) -> PipelineParts | None:
         return model_loss(m, tokens, jnp.zeros_like(tokens))
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
+
+
+def _check_one_stream(calls: list, where: str, name: str) -> None:
+    """A layer called with what an earlier one returned besides the hidden state (a second
+    stream: Mamba's ``hidden, residual = layer(hidden, residual)``) is refused by name: the
+    pipeline passes one array between layers (the side-input machinery would take the
+    stand-in's placeholder for it)."""
+    returned = {id(o): j for j, c in enumerate(calls) for o in c.others}
+    for i, c in enumerate(calls):
+        passed = jax.tree.leaves((c.call.args, c.call.kwargs))
+        j = next((returned[id(a)] for a in passed if id(a) in returned), None)
+        if j is not None:
+            raise ConfigError(f"{where}[{i}] is called with what {where}[{j}] returned besides the hidden "
+                              f"state (a second stream passed from layer to layer, e.g. a residual); the "
+                              f"pipeline passes one array between layers: return one (e.g. the two "
+                              f"concatenated on the feature axis), give {name} a {HOOK}() method, or train "
+                              f"it without parallel.pipe")
 
 
 def check_the_loss(checked: Checked, model_of, params, tokens) -> bool:
