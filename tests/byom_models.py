@@ -518,6 +518,29 @@ class SharedLayers(nnx.Module):
         return self.out(h)
 
 
+class KeywordsOnlyLayer(nnx.Module):
+    """``__call__(self, **inputs)``: every argument by keyword, none of them named by the
+    signature."""
+
+    def __init__(self, d, rngs):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, **inputs):
+        return inputs["hidden_states"] + jnp.tanh(self.lin(inputs["hidden_states"]))
+
+
+class KeywordsOnly(nnx.Module):
+    def __init__(self, rngs, vocab=64, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([KeywordsOnlyLayer(d, rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(hidden_states=h)
+        return self.out(h)
+
+
 class StreamLayer(nnx.Module):
     """Takes and returns (hidden, residual), as Mamba's layers (and Hugging Face's ports of
     them) keep the residual stream apart."""

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from byom_models import (
     FewClasses,
+    KeywordsOnly,
     LossWithMetrics,
     NoForward,
     PlainListNet,
@@ -308,6 +309,10 @@ CASES = [
     ("model whose layers share a parameter", ["parallel.pipe=2", "parallel.data=4"],
      "SharedLayers.layers[1] and SharedLayers.layers[0] share the parameter scale",
      {"model": lambda rngs: SharedLayers(rngs, share="param")}),
+    ("model calling its layers by keywords their signature does not name", ["parallel.pipe=2",
+                                                                              "parallel.data=4"],
+     "layer 0 of the list (KeywordsOnlyLayer) was called with no positional argument and a __call__ that "
+     "names no first parameter, with keywords hidden_states", {"model": KeywordsOnly}),
     ("model passing a second stream between its layers", ["parallel.pipe=2", "parallel.data=4"],
      "TwoStreams.layers[1] is called with what TwoStreams.layers[0] returned besides the hidden state",
      {"model": TwoStreams}),

@@ -118,14 +118,17 @@ def _hidden_name(layer) -> str | None:
                                                               first.KEYWORD_ONLY) else None
 
 
-def _hidden_in(args: tuple, kwargs: dict, name: str | None):
-    """(the hidden state, args and kwargs with ``HIDDEN`` in its place)."""
+def _hidden_in(args: tuple, kwargs: dict, name: str | None, which: str = "a layer"):
+    """(the hidden state, args and kwargs with ``HIDDEN`` in its place). ``which``: the
+    layer, as the error names it."""
     if args:
         return args[0], (HIDDEN, *args[1:]), kwargs
     if name in kwargs:
         return kwargs[name], args, {**kwargs, name: HIDDEN}
-    raise ConfigError(f"a layer was called with no positional argument and no {name!r}: the pipeline "
-                      f"cannot tell which argument is the hidden state")
+    named = f"no {name!r} (its first parameter)" if name else "a __call__ that names no first parameter"
+    raise ConfigError(f"{which} was called with no positional argument and {named}, with keywords "
+                      f"{', '.join(kwargs) or 'none'}: the pipeline cannot tell which argument is the "
+                      f"hidden state; pass it first")
 
 
 class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -144,8 +147,12 @@ class _StandIn(nnx.Module):
     def __init__(self, real):
         self.real = nnx.data(real)
 
+    index: int | None = None  # the layer's place in the list, where the stand-in knows it
+
     def hidden_in(self, args, kwargs):
-        return _hidden_in(args, kwargs, _hidden_name(self.real))
+        which = f"layer {self.index} of the list ({type(self.real).__name__})" if self.index is not None \
+            else f"a layer ({type(self.real).__name__})"
+        return _hidden_in(args, kwargs, _hidden_name(self.real), which)
 
     def returned(self, args, kwargs):
         """The abstract value the real layer returns for these arguments."""
