@@ -157,11 +157,12 @@ def padded_tokens(seed, rows, length=8, vocab=64):
 
 
 def reference_grads(model, batch):
-    """Loss and gradients of the mean loss, one device, plain ``jax.value_and_grad``."""
-    gdef, params = nnx.split(model, nnx.Param)
+    """Loss and gradients of the mean loss, one device, plain ``jax.value_and_grad`` (of
+    the ``nnx.Param``s; any other variable, a constant buffer, held as built)."""
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
-        m = nnx.merge(gdef, p)
+        m = nnx.merge(gdef, p, rest)
         inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
         if hasattr(m, "loss"):
             return m.loss(inputs, targets)
@@ -510,6 +511,49 @@ class SharedLayers(nnx.Module):
         else:
             scale = nnx.Param(jnp.ones((d,)))
             self.layers = nnx.List([ScaledLinear(d, scale, rngs) for _ in range(4)])
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+class Buffer(nnx.Variable):
+    """A constant the model keeps beside its parameters, as a non-trainable buffer."""
+
+
+class Count(nnx.Variable):
+    """A counter the model updates as it runs."""
+
+
+class RotaryLayer(nnx.Module):
+    """Rotary position mixing from an ``inv_freq`` table kept as a ``Buffer`` (base
+    ``base``), then a residual tanh; ``count``: a ``Count`` it increments every call."""
+
+    def __init__(self, d, rngs, base=10000.0, count=False):
+        self.inv_freq = Buffer(1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.calls = Count(jnp.zeros((), jnp.int32)) if count else None
+
+    def __call__(self, x):
+        angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * self.inv_freq[...][None]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        x1, x2 = jnp.split(self.proj(x), 2, axis=-1)
+        if self.calls is not None:
+            self.calls[...] += 1
+        return x + jnp.tanh(jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1))
+
+
+class WithBuffers(nnx.Module):
+    """Layers holding a constant buffer: the same table in every layer (``kind="same"``),
+    a base growing with depth (``"per-layer"``), or a counter each layer increments
+    (``"counter"``)."""
+
+    def __init__(self, rngs, kind="same", vocab=64, d=32, layers=4):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([RotaryLayer(d, rngs, base=10000.0 * (i + 1 if kind == "per-layer" else 1),
+                                            count=kind == "counter") for i in range(layers)])
 
     def __call__(self, tokens):
         h = self.emb(tokens)

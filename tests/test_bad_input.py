@@ -34,6 +34,7 @@ from byom_models import (
     StockGPT2,
     TupleInAnotherDtype,
     TwoStreams,
+    WithBuffers,
 )
 from flax import nnx
 
@@ -313,6 +314,12 @@ CASES = [
                                                                               "parallel.data=4"],
      "layer 0 of the list (KeywordsOnlyLayer) was called with no positional argument and a __call__ that "
      "names no first parameter, with keywords hidden_states", {"model": KeywordsOnly}),
+    ("model writing a buffer as it runs", ["parallel.data=8"],
+     "the model writes its buffers as it runs: layers/0/calls (Count)",
+     {"model": lambda rngs: WithBuffers(rngs, kind="counter")}),
+    ("model whose layers hold different buffers, pipelined", ["parallel.pipe=2", "parallel.data=4"],
+     "WithBuffers.layers[1] holds other constants (nnx.Variable buffers) than WithBuffers.layers[0]",
+     {"model": lambda rngs: WithBuffers(rngs, kind="per-layer")}),
     ("model passing a second stream between its layers", ["parallel.pipe=2", "parallel.data=4"],
      "TwoStreams.layers[1] is called with what TwoStreams.layers[0] returned besides the hidden state",
      {"model": TwoStreams}),

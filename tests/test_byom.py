@@ -29,6 +29,7 @@ from byom_models import (
     StockGPT2,
     TwoOpSupernet,
     WithBatchStats,
+    WithBuffers,
     linen_transformer,
     padded_tokens,
     reference_grads,
@@ -320,16 +321,12 @@ def test_a_variable_that_is_not_a_param_is_named_by_its_path():
                                    "e.g. nnx.LayerNorm or nnx.RMSNorm)")
 
 
-@pytest.mark.parametrize("kind,named", [("buffer", "layers/0/inv_freq (Buffer)"),
-                                        ("attribute", "layers/0/inv_freq (float32[8])")])
-def test_a_constant_kept_in_the_model_is_named_with_the_fix(kind, named):
-    """A rotary-frequency table kept as a non-trainable Variable, or as a plain array
-    attribute (which crashed tracing the model with a leaked tracer), from a factory and
-    as a built instance."""
+def test_a_constant_kept_as_a_plain_attribute_is_named_with_the_fix():
+    """A rotary-frequency table kept as a plain array attribute (which crashed tracing the
+    model with a leaked tracer), from a factory and as a built instance."""
     class Layer(nnx.Module):
         def __init__(self, rngs):
-            freqs = 1.0 / 10000 ** (jnp.arange(0, 16, 2) / 16)
-            self.inv_freq = type("Buffer", (nnx.Variable,), {})(freqs) if kind == "buffer" else freqs
+            self.inv_freq = 1.0 / 10000 ** (jnp.arange(0, 16, 2) / 16)
             self.lin = nnx.Linear(16, 16, rngs=rngs)
 
     class Model(nnx.Module):
@@ -337,11 +334,35 @@ def test_a_constant_kept_in_the_model_is_named_with_the_fix(kind, named):
             self.layers = nnx.List([Layer(rngs), Layer(rngs)])
 
     for model in (Model, Model(nnx.Rngs(0))):
-        with pytest.raises(ConfigError, match=re.escape(named)) as err:
+        with pytest.raises(ConfigError, match=re.escape("layers/0/inv_freq (float32[8])")) as err:
             model_spec(model, make_mesh(Config().parallel), SEED)
         assert str(err.value).count("\n") == 0
-        assert "make a trained array nnx.Param, and compute a constant (rotary frequencies, a mask) inside " \
-               "__call__" in str(err.value)
+        assert "make a trained array nnx.Param, and a constant (rotary frequencies, a mask) an nnx.Variable" \
+               in str(err.value)
+
+
+# Constant buffers (nnx.Variable that is no Param: rotary frequencies), held fixed: the
+# gradients of the Params equal plain value_and_grad's on every axis (refused before
+# 2026-12-05 (e)); a buffer the forward writes, or one that differs from layer to layer
+# under a pipeline, is refused (tests/test_bad_input.py).
+@pytest.mark.parametrize("layout", ["data4xtensor2", "fsdp8", "pipe4xdata2", "pipe2xdata2xtensor2-zb-h1"])
+def test_constant_buffers_are_held_fixed_and_the_gradients_equal_the_reference(layout):
+    got = framework_grads(WithBuffers, *LAYOUTS[layout])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(WithBuffers(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+def test_a_model_with_buffers_trains_and_resumes_through_a_pipeline(tmp_path):
+    args = ("model.vocab_size=64", "model.seq_len=8", "data.source=synthetic", "train.global_batch=8",
+            "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2", "train.eval_every=0",
+            "train.tensorboard=false", "train.progress=false", "train.checkpoint_every=2",
+            f"train.out_dir={tmp_path}")
+    first = mp.train(WithBuffers, None, None, "train.steps=2", *args)
+    resumed = mp.train(WithBuffers, None, None, "train.steps=4", "train.resume=true", *args)
+    assert first.step == 2 and resumed.step == 4
+    assert all(np.isfinite(h["loss"]) for h in first.history + resumed.history)
+    assert not any("inv_freq" in jax.tree_util.keystr(path)
+                   for path, _ in jax.tree_util.tree_flatten_with_path(resumed.state["params"])[0])
 
 
 def test_dropout_with_a_random_stream_is_refused_with_the_way_to_build_it():

@@ -41,7 +41,9 @@ class ModelSpec:
     """Static facts about a model: structure, abstract params and their shardings."""
 
     graphdef: Any
-    rest: Any  # non-trainable variables (static here; kept as an nnx State)
+    # Non-trainable variables (an nnx State): constant buffers (``is_buffer``) with their
+    # values, held fixed and not checkpointed (the factory rebuilds them), and empty ones.
+    rest: Any
     abstract_params: Any  # pure dict of ShapeDtypeStruct with storage shardings
     storage: Any  # pure dict of NamedSharding (between steps)
     compute: Any  # pure dict of NamedSharding (inside the step)
@@ -50,7 +52,9 @@ class ModelSpec:
     has_loss: bool
 
     def merge(self, params):
-        return nnx.merge(self.graphdef, params, self.rest)
+        # Fresh variables for every model built (``tree.map`` copies them): a forward that
+        # writes one writes its own copy, in the trace that built it.
+        return nnx.merge(self.graphdef, params, jax.tree.map(lambda x: x, self.rest))
 
     def fingerprint(self) -> dict[str, list[int]]:
         """Parameter paths and shapes: how a checkpoint recognises its model."""
@@ -75,10 +79,27 @@ def _decays(variable) -> bool:
     return len(shape) >= 2
 
 
+# Variables the model updates as it runs, or that hold no constant: not buffers.
+_NOT_BUFFERS = (nnx.Param, nnx.RngState, nnx.BatchStat, nnx.Cache, nnx.Intermediate, nnx.Perturbation)
+
+
+def is_buffer(variable) -> bool:
+    """A constant the model keeps beside its parameters (``nnx.Variable(inv_freq)``, a
+    subclass of it of the user's): held fixed through training, as a non-trainable
+    buffer is elsewhere."""
+    return isinstance(variable, nnx.Variable) and not isinstance(variable, _NOT_BUFFERS)
+
+
+def buffers(state) -> list:
+    """(path, variable) of every buffer holding values in ``state`` (an nnx State)."""
+    return [(path, var) for path, var in nnx.to_flat_state(state) if is_buffer(var) and jax.tree.leaves(var)]
+
+
 def _refuse_extra_state(rest) -> None:
-    """Name every variable that is not an ``nnx.Param`` (the train state holds Params
-    only; ``rest`` stays as built)."""
-    flat = [(path, var) for path, var in nnx.to_flat_state(rest) if jax.tree.leaves(var)]
+    """Name every variable that is neither an ``nnx.Param`` nor a constant buffer (the
+    train state holds Params; buffers stay as built, ``is_buffer``)."""
+    flat = [(path, var) for path, var in nnx.to_flat_state(rest)
+            if jax.tree.leaves(var) and not is_buffer(var)]
     if flat:
         names = ", ".join(f"{'/'.join(map(str, path))} ({type(var).__name__})" for path, var in flat[:6])
         more = f" and {len(flat) - 6} more" if len(flat) > 6 else ""
@@ -91,8 +112,8 @@ def _refuse_extra_state(rest) -> None:
             fix = ("the train step keeps no running statistics: normalise without them, e.g. "
                    "nnx.LayerNorm or nnx.RMSNorm")
         else:
-            fix = ("make a trained array nnx.Param, and compute a constant (rotary frequencies, a mask) "
-                   "inside __call__")
+            fix = ("make a trained array nnx.Param, and keep a constant (rotary frequencies, a mask) "
+                   "as an nnx.Variable or compute it inside __call__")
         raise ConfigError(f"the model has variables that are not nnx.Param: {names}{more}; mindpipe_jax "
                           f"trains models whose state is nnx.Param only ({fix})")
 
@@ -107,8 +128,9 @@ def _refuse_bare_arrays(model) -> None:
                           for path, leaf in bare[:6])
         more = f" and {len(bare) - 6} more" if len(bare) > 6 else ""
         raise ConfigError(f"the model keeps arrays as plain attributes: {names}{more}; mindpipe_jax trains "
-                          f"models whose state is nnx.Param only: make a trained array nnx.Param, and "
-                          f"compute a constant (rotary frequencies, a mask) inside __call__")
+                          f"models whose state is nnx.Param and constant nnx.Variable buffers: make a "
+                          f"trained array nnx.Param, and a constant (rotary frequencies, a mask) an "
+                          f"nnx.Variable")
 
 
 def abstract_model(factory, seed: int = 0):
@@ -171,6 +193,8 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
         probe = abstract_model(model_or_factory, seed)
         graphdef, abstract_state, rest = nnx.split(probe, nnx.Param, ...)
         _refuse_extra_state(rest)
+        if buffers(rest):  # their values, once: the step holds them as constants
+            rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[2])()
 
         def create():
             return _pure(nnx.split(build(), nnx.Param, ...)[1])

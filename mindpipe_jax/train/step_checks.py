@@ -13,6 +13,7 @@ from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.train.state import buffers
 
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -137,11 +138,18 @@ def check_pipeline_depth(units: int, cfg: Config, stages: int, model: str | None
                           f"parallel.stage_layers")
 
 
+def _buffer_leaves(model) -> dict:
+    """The ids of each buffer's leaves (``state.is_buffer``), by path: a write replaces them."""
+    return {path: [id(x) for x in jax.tree.leaves(var.get_value())]
+            for path, var in buffers(nnx.state(model))}
+
+
 def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
     """What the model gives the step, traced abstractly once on a [1, seq_len] batch: a
     scalar from ``loss(inputs, targets)``, or logits [1, seq_len, C] with C >= vocab_size
     from ``__call__`` (token ids go up to vocab_size - 1; fewer classes give a NaN loss at
-    the first step). A model with neither must be a pipeline-contract model."""
+    the first step). A model with neither must be a pipeline-contract model. A forward that
+    writes a buffer (``state.is_buffer``: held constant by the step) is refused."""
     from mindpipe_jax.parallel.pipeline.contract import pipeline_parts
 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
@@ -153,15 +161,27 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
                               f"targets) -> scalar; give it one of them (or a pipeline_parts() method)")
         return
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    written: list = []
 
     def out(params, t):
         model = spec.merge(params)
+        before = _buffer_leaves(model)
         if spec.has_loss:
             extra = {"dropout_key": jax.random.key(0)} if spec.loss_takes_key else {}
-            return model.loss(t, t, **extra)
-        return model(t)
+            got = model.loss(t, t, **extra)
+        else:
+            got = model(t)
+        after = _buffer_leaves(model)
+        written.extend(path for path in after if after[path] != before.get(path))
+        return got
 
     got = jax.eval_shape(out, abstract, tokens)
+    if written:
+        kinds = {path: type(var).__name__ for path, var in buffers(spec.rest)}
+        names = ", ".join(f"{'/'.join(map(str, p))} ({kinds.get(p, 'Variable')})" for p in written[:6])
+        raise ConfigError(f"the model writes its buffers as it runs: {names}; mindpipe_jax holds "
+                          f"nnx.Variable buffers constant through training, so every write would be lost: "
+                          f"make a trained array nnx.Param, and keep a count or statistic outside the model")
     shown = getattr(got, "shape", None)
     if spec.has_loss:
         if not (hasattr(got, "shape") and got.shape == () and jnp.issubdtype(got.dtype, jnp.floating)):

@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.extend.core import Literal
 
@@ -249,6 +250,8 @@ class PipelineModel:
             if self._sides_read_tokens or self._loss_reads_tokens:
                 self.fns = carrying_tokens(self.fns, self._token_dtype, f"{self.name}.{parts.stack}")
         self._embed_names, self._head_names = tuple(sorted(embed)), tuple(sorted(head))
+        if self.stacks_in_step:
+            self._check_buffers(parts.stack)
         if parts is not None:  # trace one unit now: a contract mistake is refused before a run starts
             stack = jax.eval_shape(lambda p: self.split(p)[1], params)
             unit = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
@@ -274,14 +277,24 @@ class PipelineModel:
         if isinstance(stack, LAYER_LISTS):
             self.stacks_in_step = True
             self._layer_defs = [nnx.graphdef(x) for x in stack]
+            # What a layer holds besides its parameters: constant buffers (rotary
+            # frequencies; train/state.is_buffer) that every unit closes over, checked to be
+            # the same at every place of a group once the group is known (_check_buffers).
+            self._layer_rest = [nnx.state(x, nnx.Not(nnx.Param)) for x in stack]
             self._set_group(_period(list(stack)), [LayerCall((HIDDEN,), {})] * len(stack), parts.stack)
 
             def layer(unit, h, tokens=None):  # tokens: the microbatch's, where side inputs read them
                 sides = self._side_values(h.shape[0], tokens) if self._sides is not None else ()
                 for j in range(self.group):
-                    h = self._unit_calls[j].run(nnx.merge(self._layer_defs[j], unit[j]), h, sides)
+                    h = self._unit_calls[j].run(nnx.merge(self._layer_defs[j], unit[j], self._layer_rest[j]),
+                                                h, sides)
                 return h
             return layer
+        if jax.tree.leaves(nnx.state(stack, nnx.Not(nnx.Param))):
+            raise ConfigError(f"{self.name}.{parts.stack} is a stacked module holding constants besides "
+                              f"its parameters (nnx.Variable buffers); the pipeline's units hold parameters "
+                              f"only: keep the layers in an nnx.List, or compute the constants inside "
+                              f"__call__")
         leading = {n: self._abstract[n].shape[:1] for n in self.stack_names}
         if len(set(leading.values())) != 1 or () in leading.values():
             shapes = ", ".join(f"{n} {self._abstract[n].shape}" for n in self.stack_names)
@@ -291,6 +304,22 @@ class PipelineModel:
         self.num_units = next(iter(leading.values()))[0]
         gdef = nnx.graphdef(stack)
         return lambda unit, h: nnx.merge(gdef, unit)(h)
+
+    def _check_buffers(self, stack: str) -> None:
+        """Every unit closes over the constants of the first group's layers: each layer's
+        must equal those of its place in the first group (the same rotary frequencies in
+        every layer). Refuses, naming the first that differs."""
+        k = self.group
+        for i, rest in enumerate(self._layer_rest):
+            first = self._layer_rest[i % k]
+            same = jax.tree.structure(rest) == jax.tree.structure(first) and all(
+                a.shape == b.shape and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                for a, b in zip(jax.tree.leaves(rest), jax.tree.leaves(first), strict=True))
+            if not same:
+                raise ConfigError(f"{self.name}.{stack}[{i}] holds other constants (nnx.Variable buffers) "
+                                  f"than {self.name}.{stack}[{i % k}], its place in the repeating group of "
+                                  f"{k}; the pipeline's units share one copy of them: compute them inside "
+                                  f"__call__, or make a per-layer array an nnx.Param")
 
     def _set_group(self, k: int, calls: list, stack: str) -> None:
         """An nnx.List stack split as groups of k layers, each layer called with ``calls``'
