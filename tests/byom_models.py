@@ -162,7 +162,7 @@ def reference_grads(model, batch):
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
-        m = nnx.merge(gdef, p, rest)
+        m = nnx.merge(gdef, p, jax.tree.map(lambda x: x, rest))  # fresh variables in this trace
         inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
         if hasattr(m, "loss"):
             return m.loss(inputs, targets)
@@ -560,6 +560,26 @@ class WithBuffers(nnx.Module):
         for layer in self.layers:
             h = layer(h)
         return self.out(h)
+
+
+class ScannedWithBuffers(nnx.Module):
+    """``RotaryLayer``s created stacked (``nnx.vmap``: each holds its ``inv_freq`` buffer
+    with a leading layer axis) and run by ``nnx.scan``."""
+
+    def __init__(self, rngs, vocab=64, d=32, layers=4):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return RotaryLayer(d, rngs)
+        self.layers = make(rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(layer, h):
+            return layer(h)
+        return self.out(run(self.layers, self.emb(tokens)))
 
 
 class KeywordsOnlyLayer(nnx.Module):

@@ -29,6 +29,7 @@ from byom_models import (
     ReadsBesideTheChain,
     ResidualInTheLoop,
     ReversedLoop,
+    ScannedWithBuffers,
     SharedLayers,
     Sowing,
     StockGPT2,
@@ -320,6 +321,9 @@ CASES = [
     ("model whose layers hold different buffers, pipelined", ["parallel.pipe=2", "parallel.data=4"],
      "WithBuffers.layers[1] holds other constants (nnx.Variable buffers) than WithBuffers.layers[0]",
      {"model": lambda rngs: WithBuffers(rngs, kind="per-layer")}),
+    ("model scanning stacked layers that hold buffers, pipelined", ["parallel.pipe=2", "parallel.data=4"],
+     "its layer scan also iterates over values that are not parameters (per-layer inputs such as keys, or "
+     "stacked nnx.Variable buffers)", {"model": ScannedWithBuffers}),
     ("model passing a second stream between its layers", ["parallel.pipe=2", "parallel.data=4"],
      "TwoStreams.layers[1] is called with what TwoStreams.layers[0] returned besides the hidden state",
      {"model": TwoStreams}),

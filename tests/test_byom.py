@@ -25,6 +25,7 @@ from byom_models import (
     PlainListNet,
     PositionsInLayers,
     ReadsBesideTheChain,
+    ScannedWithBuffers,
     Sowing,
     StockGPT2,
     TwoOpSupernet,
@@ -350,6 +351,13 @@ def test_constant_buffers_are_held_fixed_and_the_gradients_equal_the_reference(l
     got = framework_grads(WithBuffers, *LAYOUTS[layout])
     with nnx.use_eager_sharding(False):
         assert_grads_equal(got, reference_grads(WithBuffers(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+@pytest.mark.parametrize("layout", ["data4xtensor2", "fsdp8"])
+def test_stacked_buffers_run_by_a_scan_are_held_fixed_too(layout):
+    got = framework_grads(ScannedWithBuffers, *LAYOUTS[layout])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(ScannedWithBuffers(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
 def test_a_model_with_buffers_trains_and_resumes_through_a_pipeline(tmp_path):

@@ -101,7 +101,7 @@ class TracedSplit:
         xs = scan.invars[n_consts + 1:]
         if not all(v in name_of for v in xs):
             refuse("its layer scan also iterates over values that are not parameters (per-layer "
-                   "inputs such as keys)")
+                   "inputs such as keys, or stacked nnx.Variable buffers)")
         self.stack_names = [name_of[v] for v in xs]
         self.num_units = scan.params["length"]
 
