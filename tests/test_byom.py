@@ -25,6 +25,7 @@ from byom_models import (
     PlainListNet,
     PositionsInLayers,
     ReadsBesideTheChain,
+    ResidualInTheLoop,
     ScannedWithBuffers,
     Sowing,
     StockGPT2,
@@ -496,6 +497,33 @@ def test_tuner_costs_come_from_the_user_model():
         assert costs.layer_fwd > 0 and costs.rest_fwd > 0
     builtin = ModelCosts.measure(cfg)
     assert builtin.param_bytes != measured["llama-tied"].param_bytes
+
+
+def test_the_tuner_prices_a_model_the_pipeline_cannot_cut_whole_and_rejects_its_pipelines():
+    """A model computing between its layers (a residual in its loop) cannot be cut into
+    stages; before 2026-12-05 (e) the tuner refused the whole search with the pipeline's
+    refusal, even for data-parallel layouts. Now its costs are the whole loss's and its
+    pipeline layouts are rejected with the reason."""
+    from mindpipe_jax.tuner.costmodel import ModelCosts
+    from mindpipe_jax.tuner.tune import tune
+
+    cfg = Config().replace("model.vocab_size=256", "model.seq_len=8", "train.global_batch=16")
+    costs = ModelCosts.measure(cfg, model=ResidualInTheLoop)
+    assert costs.unsplit.startswith("ResidualInTheLoop.layers[1] is not called on the output of")
+    assert costs.n_layers == 0 and costs.rest_bwd > costs.rest_fwd > 0
+    with nnx.use_eager_sharding(False):
+        model = ResidualInTheLoop(nnx.Rngs(0))
+    # The whole forward: four [*, 32] x [32, 32] layers and the [32, 256] head per token, at least.
+    assert costs.rest_fwd >= 2 * 8 * (4 * 32 * 32 + 32 * 256)
+    assert costs.param_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    result = tune(cfg, axes=("pipe", "data"), schedules=("1f1b",), microbatches=(1, 2), remats=("none",),
+                  max_compile=1, measure=1, trial_steps=2, rounds=1, model=ResidualInTheLoop, costs=costs,
+                  log=lambda _: None)
+    assert result.best.candidate.pipe == 1 and result.best.measured_s is not None
+    assert all(c.pipe == 1 for c in (r.candidate for r in result.rows))
+    cut = [c for c, why in result.space.rejected
+           if why.startswith("the model cannot be pipelined: ResidualInTheLoop.layers[1]")]
+    assert {c.pipe for c in cut} == {2, 4}  # (pipe 8 is rejected by the depth check first)
 
 
 def test_layers_in_a_plain_list_kept_as_data_pipeline_with_the_reference_gradients():

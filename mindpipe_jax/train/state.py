@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import from_linen, is_linen
+from mindpipe_jax.parallel.pipeline.parts import merged
 from mindpipe_jax.parallel.rules import state_shardings
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -52,9 +53,7 @@ class ModelSpec:
     has_loss: bool
 
     def merge(self, params):
-        # Fresh variables for every model built (``tree.map`` copies them): a forward that
-        # writes one writes its own copy, in the trace that built it.
-        return nnx.merge(self.graphdef, params, jax.tree.map(lambda x: x, self.rest))
+        return merged(self.graphdef, params, self.rest)  # fresh variables for each model built
 
     def fingerprint(self) -> dict[str, list[int]]:
         """Parameter paths and shapes: how a checkpoint recognises its model."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
 from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class ModelCosts:
     # Remat policy -> bytes one block's forward leaves in the pipeline's residual buffer per
     # sequence ("full" keeps only the stage input, in another buffer: absent, 0).
     residual_bytes_per_row: dict | None = None
+    # Why the model cannot be cut into stages (the pipeline contract's one-line refusal):
+    # it is then measured whole (``rest_F``/``rest_BW`` are the whole loss, no layers), and
+    # the tuner rejects its pipeline layouts with this reason. None: it can be.
+    unsplit: str | None = None
 
     def layer_total(self, remat: str) -> float:
         return self.layer_fwd + self.layer_bwd[remat]
@@ -140,6 +146,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
 
     from mindpipe_jax.models.gpt import GPT
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+    from mindpipe_jax.parallel.pipeline.parts import merged, model_loss
     from mindpipe_jax.parallel.pipeline.plan.profile import residual_bytes
     from mindpipe_jax.train.state import make_optimizer
 
@@ -160,7 +167,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
         row; per remat policy, what one block keeps in the pipeline's residual buffer per
         row, as the runtime's ``ResidualStore`` sizes it ("full": its input, elsewhere)."""
         tokens = jnp.asarray(rng.integers(0, m.vocab_size, (n_rows, m.seq_len)), jnp.int32)
-        split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
+        split = PipelineModel(model, params, partial(merged, graphdef, rest=rest), tokens)
         fns = split.fns
         embed_p, stack, head_p = split.split(params)
         block = jax.tree.map(lambda x: x[0], stack)
@@ -197,18 +204,42 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
                     "dots": residual_bytes(dots, block, hidden) / n_rows, "full": 0.0}
         return found, split.num_units, hidden.size * hidden.dtype.itemsize / n_rows, residual
 
+    def whole_at(n_rows: int) -> dict:
+        """The whole loss's forward and backward (a model the contract cannot cut)."""
+        tokens = jnp.asarray(rng.integers(0, m.vocab_size, (n_rows, m.seq_len)), jnp.int32)
+
+        def loss(p):
+            return model_loss(merged(graphdef, p, rest), tokens, tokens)
+        vjp_fn = jax.jit(lambda p: jax.vjp(loss, p)[1])(params)
+        return {"rest_F": compiled_piece(loss, params),
+                "rest_BW": compiled_piece(lambda f, c: f(c), vjp_fn, jnp.ones((), jnp.float32))}
+
     measured: dict[str, list[tuple[float, float, int]]] = {}
+    unsplit = None
     for n_rows in sizes:
-        found, n_units, hidden_bytes, residual = pieces_at(n_rows)
+        try:
+            found, n_units, hidden_bytes, residual = pieces_at(n_rows)
+        except ConfigError as err:  # the contract cannot cut it: measured whole
+            unsplit = str(err)
+            break
         for k, v in found.items():
             measured.setdefault(k, []).append(v)
+    if unsplit is not None:
+        measured = {}
+        for n_rows in sizes:
+            for k, v in whole_at(n_rows).items():
+                measured.setdefault(k, []).append(v)
+        n_units, hidden_bytes, residual = 0, 0.0, None
 
     def fitted(name) -> Piece:
         return fitted_piece(*measured[name], rows)
 
-    pieces = {k: fitted(k) for k in measured if not k.startswith(("embed", "head"))}
-    pieces["rest_F"] = fitted("embed_F") + fitted("head_F")
-    pieces["rest_BW"] = fitted("embed_BW") + fitted("head_BW")
+    if unsplit is None:
+        pieces = {k: fitted(k) for k in measured if not k.startswith(("embed", "head"))}
+        pieces["rest_F"] = fitted("embed_F") + fitted("head_F")
+        pieces["rest_BW"] = fitted("embed_BW") + fitted("head_BW")
+    else:  # no layers: "rest" is the whole loss
+        pieces = {k: fitted(k) for k in measured}
     if experts:
         from mindpipe_jax.models import gpt, moe
 
@@ -233,7 +264,7 @@ def _measure_pieces(cfg: Config, rows: int, factory) -> ModelCosts:
         param_bytes += 4.0 * m.n_layers * ((experts - 1) * 2 * m.d_model * m.ff_dim + m.d_model * experts)
     factor = m.top_k * m.capacity_factor if experts else 0.0
     p = pieces
-    bwd = {r: p[f"layer_BW:{r}"].flops for r in ("none", "dots", "full")}
-    return ModelCosts(n_units, p["layer_F"].flops, bwd, p["rest_F"].flops, p["rest_BW"].flops, param_bytes,
-                      hidden_bytes, factor, pieces, residual)
+    bwd = {r: p[f"layer_BW:{r}"].flops if unsplit is None else 0.0 for r in ("none", "dots", "full")}
+    return ModelCosts(n_units, p["layer_F"].flops if unsplit is None else 0.0, bwd, p["rest_F"].flops,
+                      p["rest_BW"].flops, param_bytes, hidden_bytes, factor, pieces, residual, unsplit)
 

@@ -180,6 +180,15 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes,
                                               cache_dir=Path(cache_path).parent if cache_path else None)
     costs = costs or ModelCosts.measure(cfg, model=_factory(model))
+    if costs.unsplit is not None:  # a model the pipeline cannot cut: its pipeline layouts are not runs
+        cut = [c for c in space.valid if c.pipe > 1]
+        space.valid = [c for c in space.valid if c.pipe == 1]
+        space.rejected += [(c, f"the model cannot be pipelined: {costs.unsplit}") for c in cut]
+        if cut:
+            log(f"rejected {len(cut)} pipeline layouts: the model cannot be pipelined ({costs.unsplit})")
+        if not space.valid:
+            raise ConfigError(f"tune: no valid configuration of this model on {n} devices (the model cannot "
+                              f"be pipelined: {costs.unsplit})")
     # The runtime re-times a pipeline's table into fused ticks (parallel.fuse_ticks):
     # the model counts the ticks it runs.
     model_cost = CostModel(costs, hardware, cfg.model.seq_len, fuse_mode=cfg.parallel.fuse_ticks)

@@ -43,6 +43,15 @@ class PipelineParts:
     sides: Callable[[Any, jax.Array], tuple] | None = None
 
 
+def merged(graphdef, params, rest):
+    """``nnx.merge(graphdef, params, rest)`` with fresh copies of ``rest``'s variables (its
+    constant buffers): a variable built outside a trace cannot be used by an NNX transform
+    (``nnx.scan``) or written inside it, and a merged model's writes stay its own."""
+    from flax import nnx
+
+    return nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
+
+
 def model_loss(model, inputs, targets):
     """A model's mean loss: ``model.loss`` if it has one, else token cross-entropy of its
     logits."""

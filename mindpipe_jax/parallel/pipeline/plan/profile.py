@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from mindpipe_jax.errors import ConfigError
@@ -236,6 +237,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
 
     from mindpipe_jax.models.gpt import GPT
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+    from mindpipe_jax.parallel.pipeline.parts import merged
 
     with nnx.use_eager_sharding(False):
         model = factory(nnx.Rngs(0)) if factory is not None else GPT(model_cfg, rngs=nnx.Rngs(0))
@@ -245,7 +247,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     shape = (microbatch, model_cfg.seq_len)
     tokens = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
     targets = jnp.asarray(rng.integers(0, model_cfg.vocab_size, shape), jnp.int32)
-    split = PipelineModel(model, params, lambda p: nnx.merge(graphdef, p, rest), tokens)
+    split = PipelineModel(model, params, partial(merged, graphdef, rest=rest), tokens)
     fns = split.fns
     embed_p, stack, head_p = split.split(params)
     params = {"embed": embed_p, "head": head_p}
