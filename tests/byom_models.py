@@ -50,8 +50,9 @@ def rotary(x):
     return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
 
 
-def attend(q, k, v, *, window=None, soft_cap=None):
-    """Causal attention; ``k``/``v`` have fewer heads than ``q`` (grouped-query)."""
+def attend(q, k, v, *, window=None, soft_cap=None, keep=None):
+    """Causal attention; ``k``/``v`` have fewer heads than ``q`` (grouped-query); ``keep``:
+    [batch, length] keys to attend to (False: padding)."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
@@ -62,6 +63,8 @@ def attend(q, k, v, *, window=None, soft_cap=None):
     mask = j <= i
     if window is not None:
         mask = mask & (i - j < window)
+    if keep is not None:
+        mask = mask & keep[:, None, None, :]
     s = jnp.where(mask, s, -1e9)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
 
@@ -80,13 +83,13 @@ class LlamaBlock(nnx.Module):
         self.w_up = _param(rngs, (d, ff), ("embed", "mlp"))
         self.w_down = _param(rngs, (ff, d), ("mlp", "embed"))
 
-    def __call__(self, x):
+    def __call__(self, x, keep=None):
         b, t, _ = x.shape
         h = rms_norm(x, self.attn_norm[...])
         q = (h @ self.wq[...]).reshape(b, t, self.heads, self.head_dim)
         k = (h @ self.wk[...]).reshape(b, t, self.kv_heads, self.head_dim)
         v = (h @ self.wv[...]).reshape(b, t, self.kv_heads, self.head_dim)
-        y = attend(rotary(q), rotary(k), v).reshape(b, t, -1)
+        y = attend(rotary(q), rotary(k), v, keep=keep).reshape(b, t, -1)
         x = x + y @ self.wo[...]
         h = rms_norm(x, self.mlp_norm[...])
         return x + (jax.nn.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
@@ -195,6 +198,28 @@ class LlamaStyle(nnx.Module):
             return layer(x)
 
         return rms_norm(run(h, self.layers), self.norm[...]) @ self.output[...]
+
+
+class PaddedLlamaStyle(LlamaStyle):
+    """``LlamaStyle`` on padded batches (token 0): its scanned layers mask padded keys with
+    a mask made from the tokens before the scan, and its loss skips padded inputs."""
+
+    def logits(self, tokens):
+        h = jnp.take(self.tok_embeddings[...], tokens, axis=0)
+        keep = tokens != 0
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, layer):
+            return layer(x, keep)
+
+        return rms_norm(run(h, self.layers), self.norm[...]) @ self.output[...]
+
+    def loss(self, tokens, targets):
+        losses = optax.softmax_cross_entropy_with_integer_labels(self.logits(tokens), targets)
+        # Mean over all positions, padded ones counting 0: a mean per row, so any split of
+        # the batch into microbatches averages to it (a sum over kept tokens divided by
+        # their count would differ per microbatch split).
+        return (losses * (tokens != 0)).mean()
 
 
 class GemmaBlock(nnx.Module):

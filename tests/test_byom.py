@@ -21,6 +21,7 @@ from byom_models import (
     Llama,
     LlamaStyle,
     OtherNames,
+    PaddedLlamaStyle,
     PartsOnly,
     PlainListNet,
     PositionsInLayers,
@@ -593,6 +594,9 @@ def test_a_loss_reading_what_layers_return_besides_the_hidden_state_is_refused()
 # another microbatch's tokens, or none, changes the gradients.
 READS_TOKENS = {
     "padding-mask": (lambda rngs: StockGPT2(rngs, mask="padding"), "pipe4xdata2"),
+    # A scanned stack (cut from the traced loss): the mask is a loop invariant of the scan,
+    # and the loss skips padded inputs.
+    "scanned-padding-mask-loss-mask": (lambda rngs: PaddedLlamaStyle(rngs=rngs), "pipe2xdata2xtensor2-zb-h1"),
     "padding-mask-zb-h1-tensor": (lambda rngs: StockGPT2(rngs, mask="padding"), "pipe2xdata2xtensor2-zb-h1"),
     "loss-mask-from-inputs": (partial(ReadsBesideTheChain, reads="tokens", vocab=64), "pipe4xdata2"),
     "embedded-input-added-back": (partial(ReadsBesideTheChain, reads="input", vocab=64),

@@ -105,11 +105,13 @@ class TracedSplit:
         self.stack_names = [name_of[v] for v in xs]
         self.num_units = scan.params["length"]
 
-        # Loop invariants: recomputed in every unit call, so they may depend on nothing.
+        # Loop invariants: recomputed in every unit call, so they may depend on nothing but
+        # the tokens (a padding mask), which the hidden state then carries (carry_tokens.py).
         self._const_eqns, free = needed_eqns(jaxpr.eqns, scan.invars[:n_consts])
-        if free - set(self._consts):
-            refuse("its layer scan reads values computed from the tokens or from parameters outside "
-                   "the stack (they would have to travel to every stage)")
+        if free - set(self._consts) - {self._tokens}:
+            refuse("its layer scan reads values computed from parameters outside the stack (they "
+                   "would have to travel to every stage)")
+        self.unit_reads_tokens = self._tokens in free
         self._const_vars = scan.invars[:n_consts]
         self._body = scan.params["jaxpr"]
         self._prologue, free = needed_eqns(jaxpr.eqns, [scan.invars[n_consts]])
@@ -118,8 +120,7 @@ class TracedSplit:
         self._prologue_out = scan.invars[n_consts]
         self.prologue_names = sorted(name_of[v] for v in free if v in name_of)
         self._epilogue, free = needed_eqns(jaxpr.eqns, jaxpr.outvars[:1], stop_eqn=scan)
-        if self._tokens in free:
-            refuse("what runs after its layer stack reads the tokens")
+        self.loss_reads_tokens = self._tokens in free  # (a loss mask from the inputs)
         if free & set(scan.outvars[1:]):
             refuse("its loss uses the layer scan's per-layer outputs")
         self._hidden, self._loss = scan.outvars[0], jaxpr.outvars[0]
@@ -131,8 +132,10 @@ class TracedSplit:
         env.update({self._param_vars[n]: params[n] for n in self.prologue_names})
         return run_eqns(self._prologue, env)[self._prologue_out]
 
-    def unit(self, unit: dict, h):
-        consts = run_eqns(self._const_eqns, dict(self._consts))
+    def unit(self, unit: dict, h, tokens=None):
+        """One layer on ``h``; ``tokens``: the microbatch's, where its invariants read them."""
+        given = {} if tokens is None else {self._tokens: tokens}
+        consts = run_eqns(self._const_eqns, {**self._consts, **given})
         body = self._body
         args = [consts[v] if isinstance(v, Var) else v.val for v in self._const_vars]
         env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
@@ -141,8 +144,9 @@ class TracedSplit:
         v = body.jaxpr.outvars[0]
         return v.val if isinstance(v, Literal) else out[v]
 
-    def epilogue(self, params: dict, h, targets):
-        env = {**self._consts, self._hidden: h, self._targets: targets}
+    def epilogue(self, params: dict, h, targets, tokens=None):
+        given = {} if tokens is None else {self._tokens: tokens}
+        env = {**self._consts, self._hidden: h, self._targets: targets, **given}
         env.update({self._param_vars[n]: params[n] for n in self.epilogue_names})
         v = self._loss
         return v.val if isinstance(v, Literal) else run_eqns(self._epilogue, env)[v]

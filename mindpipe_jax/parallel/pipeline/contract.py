@@ -216,8 +216,11 @@ class PipelineModel:
             self.stack_names, self.num_units = split.stack_names, split.num_units
             embed, head = split.prologue_names, split.epilogue_names
             self.fns = StageFns(embed=lambda p, t: self._split_for(t.shape[0], t).prologue(p, t),
-                                layer=lambda u, h: self._split_for(h.shape[0], h).unit(u, h),
-                                head_loss=lambda p, h, t: self._split_for(h.shape[0], h).epilogue(p, h, t))
+                                layer=lambda u, h, *tk: self._split_for(h.shape[0], h).unit(u, h, *tk),
+                                head_loss=lambda p, h, t, *tk: self._split_for(h.shape[0], h).epilogue(
+                                    p, h, t, *tk))
+            if split.unit_reads_tokens or split.loss_reads_tokens:
+                self.fns = carrying_tokens(self.fns, self._token_dtype, self.name)
         else:
             layer = self._stack_from_parts(model, parts)
             prologue = lambda p, t: parts.prologue(self._model(p), t)  # noqa: E731
