@@ -525,7 +525,18 @@ class ReadsBesideTheChain(nnx.Module):
         return losses.mean()
 
 
-class SharedLayers(nnx.Module):
+class Chain(nnx.Module):
+    """``emb``, then each of ``layers`` in order, then ``out``: the loop most models here
+    share (subclasses build the three)."""
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+class SharedLayers(Chain):
     """Weights shared across depth: ``share="module"`` lists one layer four times (ALBERT),
     ``share="param"`` gives four layers one scale parameter between them."""
 
@@ -536,12 +547,6 @@ class SharedLayers(nnx.Module):
         else:
             scale = nnx.Param(jnp.ones((d,)))
             self.layers = nnx.List([ScaledLinear(d, scale, rngs) for _ in range(4)])
-
-    def __call__(self, tokens):
-        h = self.emb(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
 
 
 class Buffer(nnx.Variable):
@@ -570,7 +575,7 @@ class RotaryLayer(nnx.Module):
         return x + jnp.tanh(jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1))
 
 
-class WithBuffers(nnx.Module):
+class WithBuffers(Chain):
     """Layers holding a constant buffer: the same table in every layer (``kind="same"``),
     a base growing with depth (``"per-layer"``), or a counter each layer increments
     (``"counter"``)."""
@@ -579,12 +584,6 @@ class WithBuffers(nnx.Module):
         self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
         self.layers = nnx.List([RotaryLayer(d, rngs, base=10000.0 * (i + 1 if kind == "per-layer" else 1),
                                             count=kind == "counter") for i in range(layers)])
-
-    def __call__(self, tokens):
-        h = self.emb(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
 
 
 class ScannedWithBuffers(nnx.Module):
@@ -681,7 +680,7 @@ class SowingHead(nnx.Module):
         return logits
 
 
-class Sowing(nnx.Module):
+class Sowing(Chain):
     """Values sown along the way (``self.sow``) and an auxiliary loss made of them, as NNX
     code writes one: ``aux="none"`` (the layers sow, the loss ignores it), ``"pop"``
     (``nnx.pop`` of the layers' values after the forward), ``"capture"`` (``nnx.capture``,
@@ -692,12 +691,6 @@ class Sowing(nnx.Module):
         self.layers = nnx.List([SowingBlock(d, rngs, sow=aux != "head") for _ in range(4)])
         self.out = SowingHead(d, vocab, rngs) if aux == "head" else nnx.Linear(d, vocab, rngs=rngs)
         self.aux = aux
-
-    def __call__(self, tokens):
-        h = self.emb(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h)
 
     def loss(self, tokens, targets):
         if self.aux in ("capture", "head"):
