@@ -536,6 +536,26 @@ class Chain(nnx.Module):
         return self.out(h)
 
 
+class RematInTheLoop(Chain):
+    """Each layer call rematerialised in the loop, as memory-bound NNX code does:
+    ``how="nnx"`` with ``nnx.remat(lambda m, x: m(x))(layer, h)``, ``"jax"`` with
+    ``jax.checkpoint`` around a closure over the layer."""
+
+    def __init__(self, rngs, how="nnx", vocab=64, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([NormLinearBlock(d, rngs, dtype=jnp.float32) for _ in range(4)])
+        self.how = how
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            if self.how == "nnx":
+                h = nnx.remat(lambda m, x: m(x))(layer, h)
+            else:
+                h = jax.checkpoint(lambda x, m=layer: m(x))(h)
+        return self.out(h)
+
+
 class SharedLayers(Chain):
     """Weights shared across depth: ``share="module"`` lists one layer four times (ALBERT),
     ``share="param"`` gives four layers one scale parameter between them."""

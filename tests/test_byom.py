@@ -26,6 +26,7 @@ from byom_models import (
     PlainListNet,
     PositionsInLayers,
     ReadsBesideTheChain,
+    RematInTheLoop,
     ResidualInTheLoop,
     ScannedWithBuffers,
     Sowing,
@@ -525,6 +526,18 @@ def test_the_tuner_prices_a_model_the_pipeline_cannot_cut_whole_and_rejects_its_
     cut = [c for c, why in result.space.rejected
            if why.startswith("the model cannot be pipelined: ResidualInTheLoop.layers[1]")]
     assert {c.pipe for c in cut} == {2, 4}  # (pipe 8 is rejected by the depth check first)
+
+
+@pytest.mark.parametrize("how", ["nnx", "jax"])
+def test_layers_rematerialised_in_the_loop_pipeline_with_the_reference_gradients(how):
+    """``nnx.remat`` / ``jax.checkpoint`` around each layer call in the model's loop: the
+    stand-ins ran inside those transforms and crashed (nnx.remat: a TypeError splitting the
+    stand-in) or hid the chain of calls (jax.checkpoint: refused as computing between
+    layers) before 2026-12-05 (e); the pipeline's own per-stage remat stands in for it."""
+    make = partial(RematInTheLoop, how=how)
+    got = framework_grads(make, *LAYOUTS["pipe4xdata2"])
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
 def test_layers_in_a_plain_list_kept_as_data_pipeline_with_the_reference_gradients():

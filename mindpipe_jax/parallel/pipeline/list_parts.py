@@ -18,6 +18,7 @@ depend on nothing but the microbatch's shape and tokens and refuses the rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.typing import Missing
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import live_inputs
@@ -129,6 +131,31 @@ def _hidden_in(args: tuple, kwargs: dict, name: str | None, which: str = "a laye
     raise ConfigError(f"{which} was called with no positional argument and {named}, with keywords "
                       f"{', '.join(kwargs) or 'none'}: the pipeline cannot tell which argument is the "
                       f"hidden state; pass it first")
+
+
+@contextlib.contextmanager
+def _without_remat():
+    """The model's own rematerialisation switched off (``jax.checkpoint`` / ``jax.remat`` /
+    ``nnx.remat`` calling their function as it is) while its loss runs with stand-in layers:
+    a loop wrapping each layer call in one (``h = nnx.remat(lambda m, x: m(x))(layer, h)``)
+    would trace the stand-ins inside another trace, where a chain of calls does not show and
+    a stand-in cannot be split. The pipeline rematerialises by its own per-stage policy."""
+    def plain(fun=None, *args, **kwargs):
+        return fun if fun is not None and not isinstance(fun, Missing) else (lambda f: f)
+    saved = [(module, name, getattr(module, name))
+             for module, name in ((jax, "checkpoint"), (jax, "remat"), (nnx, "remat"))]
+    for module, name, _ in saved:
+        setattr(module, name, plain)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def _loss_with_stand_ins(m, tokens, targets):
+    with _without_remat():
+        return model_loss(m, tokens, targets)
 
 
 class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -361,7 +388,7 @@ def list_parts(model) -> PipelineParts | None:
         layers = stack_of(m)
         layers[0] = _Stop(layers[0])
         try:
-            model_loss(m, tokens, jnp.zeros_like(tokens))
+            _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
         except _Reached as reached:
             return reached.x
         raise ConfigError(f"{name}'s loss never calls {dotted(path)}[0]; give {name} a {HOOK}() method")
@@ -372,7 +399,8 @@ def list_parts(model) -> PipelineParts | None:
         layers = stack_of(m)
         for i in range(len(layers)):
             layers[i] = _Pass(layers[i], h if i == len(layers) - 1 else None)
-        return model_loss(m, jnp.zeros(h.shape[:2], jnp.int32) if tokens is None else tokens, targets)
+        tokens = jnp.zeros(h.shape[:2], jnp.int32) if tokens is None else tokens
+        return _loss_with_stand_ins(m, tokens, targets)
 
     def linked(m, tokens, reals, make=jnp.zeros, run=True) -> list:
         """``_Link`` stand-ins for ``reals`` put in ``m``, and the calls they record when the
@@ -381,7 +409,7 @@ def list_parts(model) -> PipelineParts | None:
         for i in range(len(layers)):
             layers[i] = _Link(reals[i], i, calls, make)
         if run:
-            model_loss(m, tokens, jnp.zeros_like(tokens))
+            _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
         return calls
 
     def sides(m, tokens) -> tuple:
@@ -419,13 +447,13 @@ def list_parts(model) -> PipelineParts | None:
     def loss_of_outputs(m, tokens, values):
         feed = list(values)
         linked(m, tokens, list(stack_of(m)), lambda shape, dtype: feed.pop(0), run=False)
-        return model_loss(m, tokens, jnp.zeros_like(tokens))
+        return _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
 
     def probed_loss(m, tokens, probes):
         layers = stack_of(m)
         for i in range(len(layers)):
             layers[i] = _Probed(layers[i], probes[i])
-        return model_loss(m, tokens, jnp.zeros_like(tokens))
+        return _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
 
