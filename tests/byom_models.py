@@ -595,15 +595,23 @@ class RotaryLayer(nnx.Module):
         return x + jnp.tanh(jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1))
 
 
+class RematRotaryLayer(RotaryLayer):
+    """``RotaryLayer`` whose ``__call__`` is ``nnx.remat``-ed (an NNX transform that must
+    see its buffer created in its own trace)."""
+
+    __call__ = nnx.remat(RotaryLayer.__call__)
+
+
 class WithBuffers(Chain):
-    """Layers holding a constant buffer: the same table in every layer (``kind="same"``),
-    a base growing with depth (``"per-layer"``), or a counter each layer increments
-    (``"counter"``)."""
+    """Layers holding a constant buffer: the same table in every layer (``kind="same"``;
+    ``"remat"`` with each layer's call rematerialised), a base growing with depth
+    (``"per-layer"``), or a counter each layer increments (``"counter"``)."""
 
     def __init__(self, rngs, kind="same", vocab=64, d=32, layers=4):
         self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
-        self.layers = nnx.List([RotaryLayer(d, rngs, base=10000.0 * (i + 1 if kind == "per-layer" else 1),
-                                            count=kind == "counter") for i in range(layers)])
+        kind_of = RematRotaryLayer if kind == "remat" else RotaryLayer
+        self.layers = nnx.List([kind_of(d, rngs, base=10000.0 * (i + 1 if kind == "per-layer" else 1),
+                                        count=kind == "counter") for i in range(layers)])
 
 
 class ScannedWithBuffers(nnx.Module):
@@ -746,6 +754,26 @@ class FewClasses(nnx.Module):
 
     def __init__(self, rngs, d=32):
         self.emb, self.out = nnx.Embed(256, d, rngs=rngs), nnx.Linear(d, 100, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+class NeedsAttentionMask(nnx.Module):
+    """``__call__(input_ids, attention_mask)``, as Hugging Face's models take them."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask):
+        return self.out(self.emb(input_ids) * attention_mask[..., None])
+
+
+class BrokenForward(nnx.Module):
+    """A forward with a bug: a matmul of mismatched widths."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d + 1, vocab, rngs=rngs)
 
     def __call__(self, tokens):
         return self.out(self.emb(tokens))

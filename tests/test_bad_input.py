@@ -21,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from byom_models import (
+    BrokenForward,
     FewClasses,
     KeywordsOnly,
     LossWithMetrics,
+    NeedsAttentionMask,
     NoForward,
     PlainListNet,
     ReadsBesideTheChain,
@@ -360,6 +362,12 @@ CASES = [
      "building the model, factory_taking_two(rngs) raised TypeError", {"model": factory_taking_two}),
     ("model loss returning a tuple", [],
      "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
+    ("model needing more arguments than the tokens", [],
+     "NeedsAttentionMask(tokens) cannot be called so (missing a required argument: 'attention_mask'); "
+     "mindpipe_jax calls a model's loss(inputs, targets) when it has one, else model(tokens)",
+     {"model": NeedsAttentionMask}),
+    ("model whose forward has a bug", [], "running the model, BrokenForward(tokens) on a [1, ",
+     {"model": BrokenForward}),
     ("model with fewer classes than the vocabulary", [],
      "FewClasses(tokens) returns 100 classes per position, fewer than model.vocab_size=256",
      {"model": FewClasses}),

@@ -349,11 +349,14 @@ def test_a_constant_kept_as_a_plain_attribute_is_named_with_the_fix():
 # gradients of the Params equal plain value_and_grad's on every axis (refused before
 # 2026-12-05 (e)); a buffer the forward writes, or one that differs from layer to layer
 # under a pipeline, is refused (tests/test_bad_input.py).
-@pytest.mark.parametrize("layout", ["data4xtensor2", "fsdp8", "pipe4xdata2", "pipe2xdata2xtensor2-zb-h1"])
-def test_constant_buffers_are_held_fixed_and_the_gradients_equal_the_reference(layout):
-    got = framework_grads(WithBuffers, *LAYOUTS[layout])
+@pytest.mark.parametrize("kind,layout", [("same", "data4xtensor2"), ("same", "fsdp8"),
+                                         ("same", "pipe4xdata2"), ("same", "pipe2xdata2xtensor2-zb-h1"),
+                                         ("remat", "pipe4xdata2")])
+def test_constant_buffers_are_held_fixed_and_the_gradients_equal_the_reference(kind, layout):
+    make = partial(WithBuffers, kind=kind)
+    got = framework_grads(make, *LAYOUTS[layout])
     with nnx.use_eager_sharding(False):
-        assert_grads_equal(got, reference_grads(WithBuffers(nnx.Rngs(SEED)), tokens(1, ROWS)))
+        assert_grads_equal(got, reference_grads(make(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
 @pytest.mark.parametrize("layout", ["data4xtensor2", "fsdp8"])

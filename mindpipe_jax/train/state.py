@@ -153,12 +153,17 @@ def abstract_model(factory, seed: int = 0):
     except ConfigError:
         raise
     except Exception as err:  # the user's own code: one line, its place in their file
-        frames = [f for f in traceback.extract_tb(err.__traceback__)
-                  if "site-packages" not in f.filename and PACKAGE_DIR not in f.filename]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ConfigError(f"building the model, {name}(rngs) raised {type(err).__name__}: {first}"
-                          f"{where}") from None
+        raise user_code_error(err, f"building the model, {name}(rngs)") from None
+
+
+def user_code_error(err: Exception, doing: str) -> ConfigError:
+    """``err``, raised by the user's own code while ``doing``, as one line naming the last
+    place in their files it passed through."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "site-packages" not in f.filename and PACKAGE_DIR not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return ConfigError(f"{doing} raised {type(err).__name__}: {first}{where}")
 
 
 def model_spec(model_or_factory, mesh, seed: int, example_input=None

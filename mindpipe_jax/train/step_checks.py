@@ -5,6 +5,7 @@ axis and a pipeline's depth, checked before anything is compiled. Separate from
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -13,7 +14,7 @@ from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.train.state import buffers
+from mindpipe_jax.train.state import buffers, user_code_error
 
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -161,6 +162,18 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
                               f"targets) -> scalar; give it one of them (or a pipeline_parts() method)")
         return
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    # Called as the step calls it: loss(inputs, targets), else model(tokens) -> logits. A
+    # signature that needs more (Hugging Face's attention_mask) is refused by name.
+    called = f"{name}.loss(inputs, targets)" if spec.has_loss else f"{name}(tokens)"
+    try:
+        inspect.signature(probe.loss if spec.has_loss else probe).bind(
+            *((tokens, tokens) if spec.has_loss else (tokens,)),
+            **({"dropout_key": None} if spec.loss_takes_key else {}))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{called} cannot be called so ({err}); mindpipe_jax calls a model's "
+                          f"loss(inputs, targets) when it has one, else model(tokens) for logits: give "
+                          f"its other parameters defaults (e.g. attention_mask=None), or give it a "
+                          f"loss(inputs, targets) method") from None
     written: list = []
 
     def out(params, t):
@@ -175,7 +188,12 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
         written.extend(path for path in after if after[path] != before.get(path))
         return got
 
-    got = jax.eval_shape(out, abstract, tokens)
+    try:
+        got = jax.eval_shape(out, abstract, tokens)
+    except ConfigError:
+        raise
+    except Exception as err:  # a mistake in the user's forward: one line, its place in their file
+        raise user_code_error(err, f"running the model, {called} on a [1, {seq_len}] batch,") from None
     if written:
         kinds = {path: type(var).__name__ for path, var in buffers(spec.rest)}
         names = ", ".join(f"{'/'.join(map(str, p))} ({kinds.get(p, 'Variable')})" for p in written[:6])

@@ -25,9 +25,9 @@ group is the unit, so the depth must be a multiple of k.
 ``PipelineModel`` turns a model into what the runtime executes: the three pure
 functions (``StageFns``), and the parameters cut into the prologue's part, the
 stacked units and the epilogue's part. A parameter both ends use (a tied
-embedding) is in both parts; its gradient is the sum of both uses. A found
-``nnx.List`` whose side inputs or loss read the tokens (a padding mask, a loss
-mask from the inputs) gets them carried in the hidden state (``carry_tokens.py``).
+embedding) is in both parts; its gradient is the sum of both uses. A model whose
+side inputs, loop invariants or loss read the tokens (a padding mask, a loss mask
+from the inputs) gets them carried in the hidden state (``carry_tokens.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from mindpipe_jax.parallel.pipeline.list_parts import (
     check_the_loss,
     list_parts,
 )
-from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
+from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, merged, model_loss
 from mindpipe_jax.parallel.pipeline.runtime.spmd import StageFns
 
 
@@ -289,7 +289,7 @@ class PipelineModel:
             def layer(unit, h, tokens=None):  # tokens: the microbatch's, where side inputs read them
                 sides = self._side_values(h.shape[0], tokens) if self._sides is not None else ()
                 for j in range(self.group):
-                    h = self._unit_calls[j].run(nnx.merge(self._layer_defs[j], unit[j], self._layer_rest[j]),
+                    h = self._unit_calls[j].run(merged(self._layer_defs[j], unit[j], self._layer_rest[j]),
                                                 h, sides)
                 return h
             return layer

@@ -10,10 +10,10 @@ one's output and the tokens only (not another layer's output, what a layer retur
 besides the hidden state, or what it sows). How the model calls each layer is recorded
 (``LayerCall``) and replayed by each unit: the hidden state positional or by keyword,
 static arguments (``deterministic=True``), the leaf of a returned tuple that is the
-hidden state. Arrays
-passed besides it (side inputs: a causal mask, positions) are recorded as ``SideInput``
-marks and ``sides`` computes them; ``contract.py`` lets the units recompute the ones that
-depend on nothing but the microbatch's shape and tokens and refuses the rest.
+hidden state. Arrays passed besides it (side inputs: a causal mask, positions, a padding
+mask) are recorded as ``SideInput`` marks and ``sides`` computes them; ``contract.py``
+lets the units recompute the ones that depend on nothing but the microbatch's shape and
+tokens and refuses the rest.
 """
 
 from __future__ import annotations
@@ -171,10 +171,10 @@ class _StandIn(nnx.Module):
     """Stands in for one of the model's layers, called as the model calls it. ``real`` is
     the layer it replaces (its signature, and the shape of what it returns)."""
 
+    index: int | None = None  # the layer's place in the list, where the stand-in knows it
+
     def __init__(self, real):
         self.real = nnx.data(real)
-
-    index: int | None = None  # the layer's place in the list, where the stand-in knows it
 
     def hidden_in(self, args, kwargs):
         which = f"layer {self.index} of the list ({type(self.real).__name__})" if self.index is not None \
