@@ -222,7 +222,7 @@ def test_train_moe_with_expert_parallelism(tmp_path):
                                               ("zb-h1", 1, "none")])
 def test_moe_through_the_pipeline_equals_a_plain_reference(schedule, v, remat):
     """pipe=2 (data=1): the MoE blocks' load-balancing losses ride to the last stage with
-    the hidden state (contract._carrying_aux). Loss and every gradient equal a plain
+    the hidden state (unit_wrappers.carrying_aux). Loss and every gradient equal a plain
     jax.value_and_grad of the mean over microbatches of MoEGPT's own loss (CE +
     moe_aux_weight x the layers' mean aux), each microbatch routed on its own, as the
     stages route it; written here with no framework code. The aux weight is large so

@@ -4,7 +4,7 @@
 No method or attribute names are needed: the prologue is the model's loss stopped at the
 first layer, the epilogue its loss with the layers passing the hidden state through and
 the last one replaced by the pipeline's output. Before a run, ``check`` traces the loss
-with stand-in layers: each layer must hold its own parameters and be called once, in the
+with stand-in layers (``stand_ins.py``): each layer must hold its own parameters and be called once, in the
 list's order, on the previous one's output, and what follows the layers may read the last
 one's output and the tokens only (not another layer's output, what a layer returns
 besides the hidden state, or what it sows). How the model calls each layer is recorded
@@ -18,298 +18,29 @@ tokens and refuses the rest.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
-import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from flax.typing import Missing
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.autosplit import live_inputs
-from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted, model_loss
+from mindpipe_jax.parallel.pipeline.parts import HOOK, PipelineParts, dotted
+from mindpipe_jax.parallel.pipeline.stand_ins import (
+    Link,
+    Pass,
+    Probed,
+    Reached,
+    Stop,
+    loss_with_stand_ins,
+    marked,
+)
 
 # What holds a model's layers as a list: nnx.List, or a plain list the model keeps as data
 # (``nnx.data([...])``, one of the fixes Flax's own error for a list of modules offers).
 LAYER_LISTS = (nnx.List, list)
-
-
-@dataclasses.dataclass(frozen=True)
-class SideInput:
-    """In a layer's recorded arguments, the place of an array the model passes besides the
-    hidden state: the ``index``-th distinct one (``PipelineParts.sides`` computes them)."""
-
-    index: int
-
-    def __repr__(self) -> str:
-        return f"<side input {self.index}>"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Hidden:
-    """In a layer's recorded arguments, the place of the hidden state (first positional, or
-    the keyword the model names it by: ``layer(hidden_states=h)``)."""
-
-    def __repr__(self) -> str:
-        return "h"
-
-
-HIDDEN = _Hidden()
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCall:
-    """How the model calls one layer, replayed by each unit: the arguments with ``HIDDEN``
-    and ``SideInput`` marks where arrays go, and which leaf of what the layer returns is the
-    hidden state (None: it returns the array itself; 0 for ``h, _ = layer(h)``)."""
-
-    args: tuple
-    kwargs: dict
-    out_leaf: int | None = None
-
-    def run(self, layer, h, sides: tuple = ()):
-        def fill(x):
-            return h if isinstance(x, _Hidden) else sides[x.index] if isinstance(x, SideInput) else x
-        args, kwargs = jax.tree.map(fill, (self.args, self.kwargs))
-        out = layer(*args, **kwargs)
-        return out if self.out_leaf is None else jax.tree.leaves(out)[self.out_leaf]
-
-    def __str__(self) -> str:
-        return "(" + ", ".join([*map(repr, self.args), *(f"{k}={v!r}" for k, v in self.kwargs.items())]) + ")"
-
-
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _marked(calls: list) -> tuple[list, list]:
-    """Each recorded ``LayerCall`` with every array besides the hidden state replaced by
-    its ``SideInput`` mark (one per distinct array object: a mask computed once and passed
-    to every layer is one side input), and those arrays in order of first use."""
-    arrays: list = []
-
-    def mark(x):
-        if not _is_array(x):
-            return x
-        index = next((i for i, a in enumerate(arrays) if a is x), None)
-        if index is None:
-            arrays.append(x)
-            index = len(arrays) - 1
-        return SideInput(index)
-
-    def marked(call: LayerCall) -> LayerCall:
-        args, kwargs = jax.tree.map(mark, (call.args, call.kwargs))
-        return dataclasses.replace(call, args=args, kwargs=kwargs)
-    return [marked(c.call) for c in calls], arrays
-
-
-def _hidden_name(layer) -> str | None:
-    """The name of the first argument of ``layer.__call__`` (the hidden state's, when the
-    model passes it by keyword)."""
-    try:
-        params = list(inspect.signature(layer).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    first = params[0] if params else None
-    return first.name if first is not None and first.kind in (first.POSITIONAL_OR_KEYWORD,
-                                                              first.KEYWORD_ONLY) else None
-
-
-def _hidden_in(args: tuple, kwargs: dict, name: str | None, which: str = "a layer"):
-    """(the hidden state, args and kwargs with ``HIDDEN`` in its place). ``which``: the
-    layer, as the error names it."""
-    if args:
-        return args[0], (HIDDEN, *args[1:]), kwargs
-    if name in kwargs:
-        return kwargs[name], args, {**kwargs, name: HIDDEN}
-    named = f"no {name!r} (its first parameter)" if name else "a __call__ that names no first parameter"
-    raise ConfigError(f"{which} was called with no positional argument and {named}, with keywords "
-                      f"{', '.join(kwargs) or 'none'}: the pipeline cannot tell which argument is the "
-                      f"hidden state; pass it first")
-
-
-@contextlib.contextmanager
-def _without_remat():
-    """The model's own rematerialisation switched off (``jax.checkpoint`` / ``jax.remat`` /
-    ``nnx.remat`` calling their function as it is) while its loss runs with stand-in layers:
-    a loop wrapping each layer call in one (``h = nnx.remat(lambda m, x: m(x))(layer, h)``)
-    would trace the stand-ins inside another trace, where a chain of calls does not show and
-    a stand-in cannot be split. The pipeline rematerialises by its own per-stage policy."""
-    def plain(fun=None, *args, **kwargs):
-        return fun if fun is not None and not isinstance(fun, Missing) else (lambda f: f)
-    saved = [(module, name, getattr(module, name))
-             for module, name in ((jax, "checkpoint"), (jax, "remat"), (nnx, "remat"))]
-    for module, name, _ in saved:
-        setattr(module, name, plain)
-    try:
-        yield
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
-
-
-def _loss_with_stand_ins(m, tokens, targets):
-    with _without_remat():
-        return model_loss(m, tokens, targets)
-
-
-class _Reached(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    def __init__(self, x):
-        super().__init__()
-        self.x = x
-
-
-_RETURNED: dict = {}  # _StandIn.returned's cache
-
-
-class _StandIn(nnx.Module):
-    """Stands in for one of the model's layers, called as the model calls it. ``real`` is
-    the layer it replaces (its signature, and the shape of what it returns)."""
-
-    index: int | None = None  # the layer's place in the list, where the stand-in knows it
-
-    def __init__(self, real):
-        self.real = nnx.data(real)
-
-    def hidden_in(self, args, kwargs):
-        which = f"layer {self.index} of the list ({type(self.real).__name__})" if self.index is not None \
-            else f"a layer ({type(self.real).__name__})"
-        return _hidden_in(args, kwargs, _hidden_name(self.real), which)
-
-    def returned(self, args, kwargs):
-        """The abstract value the real layer returns for these arguments."""
-        return self._traced(args, kwargs)[0]
-
-    def sows(self, args, kwargs) -> bool:
-        """Whether the real layer stores values in itself when called so (``self.sow``: an
-        auxiliary loss, router statistics)."""
-        return self._traced(args, kwargs)[1]
-
-    def _traced(self, args, kwargs):
-        """(what the real layer returns, what it sows), abstract. Cached by the layer's
-        structure and shapes and the arguments' shapes and static values: the epilogue
-        stands in for every layer each time it is traced, and like layers return alike."""
-        gdef, state = nnx.split(self.real)
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        key = (gdef, tree, tuple((x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves),
-               tuple((x.shape, x.dtype) for x in jax.tree.leaves(state)))
-
-        sows = []
-
-        def call(st):
-            layer = nnx.merge(gdef, st)
-            before = _state_leaves(layer)
-            with warnings.catch_warnings():  # sow outside nnx.capture: deprecated, but how to see it
-                warnings.simplefilter("ignore", DeprecationWarning)
-                out = layer(*args, **kwargs)
-            sows.append(bool(_new_leaves(layer, before)))
-            return out
-
-        def trace():
-            return jax.eval_shape(call, state), sows[-1]
-        try:
-            cached = key in _RETURNED
-        except TypeError:  # an unhashable static argument: not cached
-            return trace()
-        if not cached:
-            if len(_RETURNED) > 256:
-                _RETURNED.clear()
-            _RETURNED[key] = trace()
-        return _RETURNED[key]
-
-    def like_real(self, args, kwargs, hidden, extras) -> tuple:
-        """What the real layer returns, built from ``hidden`` (at the leaf the next layer is
-        called on: the first of the hidden state's shape and dtype) and ``extras(shape,
-        dtype)`` for every other leaf. Returns (that, the hidden's leaf or None)."""
-        out = self.returned(args, kwargs)
-        leaves, tree = jax.tree.flatten(out)
-        if len(leaves) == 1 and not isinstance(out, (tuple, list, dict)):
-            return hidden, None
-        at = next((i for i, a in enumerate(leaves) if a.shape == hidden.shape and a.dtype == hidden.dtype),
-                  None)
-        if at is None:
-            shown = ", ".join(f"{a.dtype}{list(a.shape)}" for a in leaves)
-            raise ConfigError(f"a layer ({type(self.real).__name__}) returns ({shown}) for a hidden state "
-                              f"{hidden.dtype}{list(hidden.shape)}: none of it has the hidden state's shape "
-                              f"and dtype, which the pipeline passes from layer to layer")
-        made = [hidden if i == at else extras(a.shape, a.dtype) for i, a in enumerate(leaves)]
-        return jax.tree.unflatten(tree, made), at
-
-
-def _state_leaves(layer) -> set:
-    """The ids of the array leaves of ``layer``'s non-parameter state."""
-    return {id(x) for x in jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param)))}
-
-
-def _new_leaves(layer, before: set) -> list:
-    """The leaves of ``layer``'s non-parameter state that were not there at ``before``
-    (``_state_leaves``): what a call sowed (into the layer, or into ``nnx.capture``'s
-    collection kept on it)."""
-    return [x for x in jax.tree.leaves(nnx.state(layer, nnx.Not(nnx.Param))) if id(x) not in before]
-
-
-class _Probed(_StandIn):
-    """Runs the real layer, then adds ``probe`` (a scalar zero the trace takes as an
-    input) to each value it sowed, so the loss's dependence on what it sows shows."""
-
-    def __init__(self, real, probe):
-        super().__init__(real)
-        self.probe = nnx.data(probe)
-
-    def __call__(self, *args, **kwargs):
-        before = _state_leaves(self.real)
-        out = self.real(*args, **kwargs)
-        for _, var in nnx.to_flat_state(nnx.state(self.real, nnx.Not(nnx.Param))):
-            var.set_value(jax.tree.map(lambda x: x if id(x) in before else x + self.probe.astype(x.dtype),
-                                       var.get_value()))
-        return out
-
-
-class _Stop(_StandIn):
-    """Stands in for the first layer: stops the model there with its input."""
-
-    def __call__(self, *args, **kwargs):
-        raise _Reached(self.hidden_in(args, kwargs)[0])
-
-
-class _Link(_StandIn):
-    """Stands in for a layer: records how it is called, and returns a new array where the
-    real layer returns its hidden state (so a chain, each layer called on the previous
-    one's output, shows) and new arrays for its other outputs, all from ``make(shape,
-    dtype)``, the hidden state first."""
-
-    def __init__(self, real, index: int, calls: list, make):
-        super().__init__(real)
-        self.index, self.calls, self.make = index, nnx.data(calls), nnx.data(make)
-
-    def __call__(self, *args, **kwargs):
-        x, marked_args, marked_kwargs = self.hidden_in(args, kwargs)
-        fresh, others = self.make(x.shape, x.dtype), []
-
-        def other(shape, dtype):
-            others.append(self.make(shape, dtype))
-            return others[-1]
-        out, at = self.like_real(args, kwargs, fresh, other)
-        self.calls.append(_Called(self.index, x, fresh, LayerCall(marked_args, marked_kwargs, at), others,
-                                  self.sows(args, kwargs)))
-        return out
-
-
-@dataclasses.dataclass
-class _Called:
-    """One layer call as a ``_Link`` saw it."""
-
-    index: int  # the layer's place in the list
-    x: jax.Array  # the hidden state it was called on
-    out: jax.Array  # the one it returned
-    call: LayerCall
-    others: list  # the rest of what it returned
-    sows: bool  # it stores values in itself (``self.sow``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,20 +83,6 @@ def _check_own_params(layers, where: str) -> None:
                 owner[id(var)] = i
 
 
-class _Pass(_StandIn):
-    """Stands in for a layer: the hidden state goes through unchanged, or is replaced
-    by the one the pipeline delivers (the last layer); its other outputs are zeros (the
-    check has made sure the loss does not read them)."""
-
-    def __init__(self, real, h=None):
-        super().__init__(real)
-        self.h = nnx.data(h)
-
-    def __call__(self, *args, **kwargs):
-        x = self.hidden_in(args, kwargs)[0]
-        return self.like_real(args, kwargs, x if self.h is None else self.h, jnp.zeros)[0]
-
-
 def list_parts(model) -> PipelineParts | None:
     """Parts of a model whose layers are one ``nnx.List`` that it calls in order: the
     prologue is the model's loss stopped at the first layer, the epilogue its loss
@@ -386,10 +103,10 @@ def list_parts(model) -> PipelineParts | None:
 
     def prologue(m, tokens):
         layers = stack_of(m)
-        layers[0] = _Stop(layers[0])
+        layers[0] = Stop(layers[0])
         try:
-            _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
-        except _Reached as reached:
+            loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
+        except Reached as reached:
             return reached.x
         raise ConfigError(f"{name}'s loss never calls {dotted(path)}[0]; give {name} a {HOOK}() method")
 
@@ -398,22 +115,22 @@ def list_parts(model) -> PipelineParts | None:
         mask from the inputs); the pipeline carries them to the last stage only then."""
         layers = stack_of(m)
         for i in range(len(layers)):
-            layers[i] = _Pass(layers[i], h if i == len(layers) - 1 else None)
+            layers[i] = Pass(layers[i], h if i == len(layers) - 1 else None)
         tokens = jnp.zeros(h.shape[:2], jnp.int32) if tokens is None else tokens
-        return _loss_with_stand_ins(m, tokens, targets)
+        return loss_with_stand_ins(m, tokens, targets)
 
     def linked(m, tokens, reals, make=jnp.zeros, run=True) -> list:
-        """``_Link`` stand-ins for ``reals`` put in ``m``, and the calls they record when the
+        """``Link`` stand-ins for ``reals`` put in ``m``, and the calls they record when the
         model's loss runs (``run``: now)."""
         layers, calls = stack_of(m), []
         for i in range(len(layers)):
-            layers[i] = _Link(reals[i], i, calls, make)
+            layers[i] = Link(reals[i], i, calls, make)
         if run:
-            _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
+            loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
         return calls
 
     def sides(m, tokens) -> tuple:
-        return tuple(_marked(linked(m, tokens, list(stack_of(m))))[1])
+        return tuple(marked(linked(m, tokens, list(stack_of(m))))[1])
 
     def check(m, tokens):
         where = f"{name}.{dotted(path)}"
@@ -441,19 +158,19 @@ def list_parts(model) -> PipelineParts | None:
                    for kind, a in (("hidden", c.out), *(("other", o) for o in c.others))]
         # Arguments besides the hidden state: static ones (flags such as deterministic=True,
         # None) are passed again to each unit, arrays as marks of the side inputs.
-        return Checked(_marked(calls)[0], outputs, any(c.sows for c in calls), loss_of_outputs, probed_loss,
+        return Checked(marked(calls)[0], outputs, any(c.sows for c in calls), loss_of_outputs, probed_loss,
                        where, name)
 
     def loss_of_outputs(m, tokens, values):
         feed = list(values)
         linked(m, tokens, list(stack_of(m)), lambda shape, dtype: feed.pop(0), run=False)
-        return _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
+        return loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
 
     def probed_loss(m, tokens, probes):
         layers = stack_of(m)
         for i in range(len(layers)):
-            layers[i] = _Probed(layers[i], probes[i])
-        return _loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
+            layers[i] = Probed(layers[i], probes[i])
+        return loss_with_stand_ins(m, tokens, jnp.zeros_like(tokens))
 
     return PipelineParts(dotted(path), prologue, epilogue, check=check, sides=sides)
 
