@@ -536,6 +536,18 @@ class Chain(nnx.Module):
         return self.out(h)
 
 
+class WholeSequential(nnx.Module):
+    """The whole model one ``nnx.Sequential``: embedding, four like blocks, norm, head."""
+
+    def __init__(self, rngs, vocab=256, d=32):
+        self.net = nnx.Sequential(nnx.Embed(vocab, d, rngs=rngs),
+                                  *[NormLinearBlock(d, rngs, dtype=jnp.float32) for _ in range(4)],
+                                  nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs))
+
+    def __call__(self, tokens):
+        return self.net(tokens)
+
+
 class RematInTheLoop(Chain):
     """Each layer call rematerialised in the loop, as memory-bound NNX code does:
     ``how="nnx"`` with ``nnx.remat(lambda m, x: m(x))(layer, h)``, ``"jax"`` with

@@ -37,6 +37,7 @@ from byom_models import (
     StockGPT2,
     TupleInAnotherDtype,
     TwoStreams,
+    WholeSequential,
     WithBuffers,
 )
 from flax import nnx
@@ -326,6 +327,9 @@ CASES = [
     ("model scanning stacked layers that hold buffers, pipelined", ["parallel.pipe=2", "parallel.data=4"],
      "its layer scan also iterates over values that are not parameters (per-layer inputs such as keys, or "
      "stacked nnx.Variable buffers)", {"model": ScannedWithBuffers}),
+    ("model that is one nnx.Sequential, pipelined", ["parallel.pipe=2", "parallel.data=4"],
+     "WholeSequential.net.layers: its 7 layers (Embed, NormLinearBlock x4, LayerNorm, Linear) do not repeat "
+     "in groups", {"model": WholeSequential}),
     ("model passing a second stream between its layers", ["parallel.pipe=2", "parallel.data=4"],
      "TwoStreams.layers[1] is called with what TwoStreams.layers[0] returned besides the hidden state",
      {"model": TwoStreams}),

@@ -32,6 +32,7 @@ from the inputs) gets them carried in the hidden state (``carry_tokens.py``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -222,6 +223,7 @@ class PipelineModel:
         if isinstance(stack, LAYER_LISTS):
             self.stacks_in_step = True
             self._layer_defs = [nnx.graphdef(x) for x in stack]
+            self._layer_kinds = [type(x).__name__ for x in stack]
             # What a layer holds besides its parameters: constant buffers (rotary
             # frequencies; train/state.is_buffer) that every unit closes over, checked to be
             # the same at every place of a group once the group is known (_check_buffers).
@@ -271,9 +273,13 @@ class PipelineModel:
         static arguments (per layer; they repeat with period k)."""
         depth = len(self._layer_defs)
         if k == depth and depth > 1:
-            raise ConfigError(f"{self.name}.{stack}: its {depth} layers do not repeat in groups (layer i "
-                              f"must have the structure of layer i - k for a k dividing the depth); the "
-                              f"pipeline splits a stack of like units")
+            runs = [(kind, len(list(same))) for kind, same in itertools.groupby(self._layer_kinds)]
+            kinds = ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in runs)
+            raise ConfigError(f"{self.name}.{stack}: its {depth} layers ({kinds}) do not repeat in groups "
+                              f"(layer i must have the structure of layer i - k for a k dividing the "
+                              f"depth); the pipeline splits a stack of like units: keep the repeated layers "
+                              f"in an nnx.List of their own (the embedding and the head outside it), or "
+                              f"train without parallel.pipe")
         self.group, self.num_units, self._unit_calls = k, depth // k, calls[:k]
 
     def _side_values(self, rows: int, tokens=None) -> tuple:
