@@ -38,7 +38,7 @@ class PipelineParts:
     # loss reads the tokens after the layers, what the layers sow), run once abstractly
     # before a run: raises ConfigError where the parts would not compute the model's loss
     # (set for a found nnx.List; its epilogue then takes the tokens as a fourth argument).
-    check: Callable[[Any, jax.Array], list] | None = None
+    check: Callable[[Any, jax.Array], Any] | None = None
     # (model, tokens) -> the arrays ``check``'s SideInput marks stand for (list_parts.py).
     sides: Callable[[Any, jax.Array], tuple] | None = None
 
