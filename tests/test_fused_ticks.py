@@ -244,6 +244,20 @@ def test_lockstep_last_stage_shares_the_branches_and_equals_unpipelined(name, p,
     _lockstep_equals_unpipelined(schedule, remat, seed=p * m + 3, split_backward=split)
 
 
+@pytest.mark.parametrize("name,p,m,remat", [
+    ("1f1b", 2, 4, ("full", "dots")),  # the last stage keeps "dots", every backward inline
+    ("zb-h1", 2, 4, ("none", "dots")),  # its split B inline: "split-dots" stored nowhere
+    ("zb-h1", 4, 8, ("full", "none", "dots", "dots"))])
+def test_lockstep_with_a_remat_per_stage_equals_unpipelined(name, p, m, remat):
+    """In lockstep (tensor > 1 runs so) a stage list such as ``mindpipe plan`` prints
+    crashed tracing when the last stage's policy kept residuals no other stage kept (a
+    merged last stage whose backwards all run in its F's tick stores none, so the F
+    branches disagreed on the buffers they pass on: a pytree error, or a KeyError).
+    Gradients equal plain value_and_grad, NaN in every buffer a bubble leaves unwritten."""
+    schedule = get_schedule(name, p, m)
+    _lockstep_equals_unpipelined(schedule, remat, seed=p * m + 5)
+
+
 def _loop_body_copies(hlo: str) -> list[str]:
     """The shapes copied in the body of the while loop that holds the ring transfers."""
     comps, cur = {}, None

@@ -280,6 +280,13 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
             d = _direction(s, dest, p, "backward")
             send["g"][d][t, s] = True
             recv["g"][d][t, dest] = g_slot_of[dest][(mb, g - 1)]
+    # Every F branch that keeps residuals hands them on in its mode's buffer, also where
+    # no microbatch's stay past the tick (a merged last stage whose backwards all run
+    # inline): a part's branches pass the same buffers through, so the mode gets one
+    # (its spare slot only, depth 0).
+    for kind, pos, mode in keys[PART_OF[Kind.F]]:
+        if pos != LAST and mode not in ("full", "split-full"):
+            res_slots.setdefault(mode, 0)
     parts = tuple(PartPlan(**arrays[i], keys=tuple(keys[i])) for i in range(len(PARTS)))
     used = {w: {d: a for d, a in send[w].items() if a.any()} for w in send}
     return Plan(fused, parts, used, {w: {d: recv[w][d] for d in used[w]} for w in recv},

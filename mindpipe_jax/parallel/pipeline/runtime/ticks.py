@@ -237,7 +237,8 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
 
         # Every slot the three parts read, gathered at once per buffer: reads of one
         # buffer feeding different switches made XLA copy the whole buffer every tick.
-        res_at = [{r: jnp.clip(c["res_slot"], 0, n - 1) for r, n in plan.res_slots.items()} for c in cells]
+        res_at = [{r: jnp.clip(c["res_slot"], 0, max(n - 1, 0)) for r, n in plan.res_slots.items()}
+                  for c in cells]
         xs = _rows(x_buf, [jnp.maximum(c["x_slot"], 0) for c in cells])
         dys = _rows(g_buf, [jnp.maximum(c["g_slot"], 0) for c in cells[1:]])
         kept = {r: [_rows(leaf, [res_at[i][r] for i in res_readers]) for leaf in res_buf[r]] for r in res_buf}
