@@ -5,7 +5,7 @@ comma-separated list of ``det`` (``train.deterministic=true``), ``plain``
 (``train.deterministic=false``), ``det-fsdp`` (deterministic, ``parallel.data=2``
 and ``parallel.fsdp=N/2``: parameters stored in shards), ``det-pipe`` / ``plain-pipe``
 (a 1F1B pipeline of 2 stages, ``parallel.data=N/2``, each virtual shard one
-microbatch, no dropout: the pipeline has none), default ``det``; each mode's
+microbatch, its dropout keys those of the virtual shards), default ``det``; each mode's
 final params are
 stored under ``"<mode>/<keystr path>"``, gathered to the host, and its logged
 losses and gradient norms (float64, one per step) under ``"history/<mode>/loss"`` and
@@ -80,7 +80,7 @@ def main() -> None:
             elif mode.endswith("-pipe"):
                 # Each device's virtual shards are its microbatches: 8 / (N / 2) of them.
                 result = train_tiny(n // 2, mode == "det-pipe", os.path.join(tmp, mode), "parallel.pipe=2",
-                                    f"parallel.microbatches={16 // n}", "model.dropout=0.0")
+                                    f"parallel.microbatches={16 // n}")
                 if result.mesh.shape["pipe"] != 2:
                     raise SystemExit(f"mesh {dict(result.mesh.shape)} does not have pipe=2")
             else:

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import Config
 from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
+from mindpipe_jax.parallel.pipeline.dropout_keys import dropout_rows
 from mindpipe_jax.train.noise_stats import abs_sq, adam_preconditioner, noise_statistics  # noqa: F401 (re-exported)
 from mindpipe_jax.train.state import ModelSpec, lr_schedule
 from mindpipe_jax.train.step_checks import (  # noqa: F401 (re-exported: the step's config checks)
@@ -201,13 +202,19 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
                          split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1),
                          gradient_groups=groups, deterministic=cfg.train.deterministic)
 
-    def grad_fn(params, batch):
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    # The reference GPT's dropout: each unit (one microbatch of one batch device) draws the
+    # masks model.loss draws with the key fold_in(key, unit), as the deterministic path does.
+    dropout = cfg.model.dropout > 0 and builtin
+
+    def grad_fn(params, batch, key=None):
         if cfg.train.deterministic:  # the same units on any number of batch devices
-            micro = unit_microbatches(batch, par.microbatches, mesh.shape["data"] * mesh.shape["fsdp"])
+            micro = unit_microbatches(batch, par.microbatches, n_batch)
         else:
             micro = _split_microbatches(batch, par.microbatches)
         embed_p, stack, head_p = model.split(params)
-        loss, grads = run(embed_p, stack, head_p, micro["inputs"], micro["targets"])
+        rows = dropout_rows(key, model.num_units, par.microbatches, n_batch) if dropout else None
+        loss, grads = run(embed_p, stack, head_p, micro["inputs"], micro["targets"], rows)
         if groups > 1:
             return loss, jax.vmap(lambda e, b, h: model.merge_grads(params, e, b, h))(
                 grads["embed"], grads["blocks"], grads["head"])
@@ -282,7 +289,7 @@ def make_grad_fn(spec: ModelSpec, cfg: Config, mesh, stats: bool = False):
     def grad_fn(params, batch, key):
         params = _to_compute(spec, params)
         if pipelined:
-            loss, grads = pipeline_grad(params, batch)
+            loss, grads = pipeline_grad(params, batch, key)
             if not halves:
                 return loss, grads, None
             # The step's loss and gradient: the mean of its halves (equal microbatch counts).

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.extend.core import Literal
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline import dropout_keys
 from mindpipe_jax.parallel.pipeline.autosplit import TracedSplit, live_inputs, needed_eqns, run_eqns
 from mindpipe_jax.parallel.pipeline.carry_tokens import carrying_tokens
 from mindpipe_jax.parallel.pipeline.list_parts import LAYER_LISTS, calls_period, check_the_loss, list_parts
@@ -250,7 +251,14 @@ class PipelineModel:
                               f"layers; its parameters: {shapes}")
         self.num_units = next(iter(leading.values()))[0]
         gdef = nnx.graphdef(stack)
-        return lambda unit, h: nnx.merge(gdef, unit)(h)
+
+        def layer(unit, h):
+            if dropout_keys.ROWS not in unit:
+                return nnx.merge(gdef, unit)(h)
+            # The reference GPT's blocks under model.dropout: their keys ride with the weights.
+            weights = {k: v for k, v in unit.items() if k != dropout_keys.ROWS}
+            return dropout_keys.call_with_keys(nnx.merge(gdef, weights), h, unit[dropout_keys.ROWS])
+        return layer
 
     def _check_buffers(self, stack: str) -> None:
         """Every unit closes over the constants of the first group's layers: each layer's

@@ -284,7 +284,7 @@ def make_plan(schedule: Schedule, remat=True, fuse_mode: str = "auto", split_bac
     # no microbatch's stay past the tick (a merged last stage whose backwards all run
     # inline): a part's branches pass the same buffers through, so the mode gets one
     # (its spare slot only, depth 0).
-    for kind, pos, mode in keys[PART_OF[Kind.F]]:
+    for _, pos, mode in keys[PART_OF[Kind.F]]:
         if pos != LAST and mode not in ("full", "split-full"):
             res_slots.setdefault(mode, 0)
     parts = tuple(PartPlan(**arrays[i], keys=tuple(keys[i])) for i in range(len(PARTS)))
