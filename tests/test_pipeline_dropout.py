@@ -25,7 +25,7 @@ def _batch(seed=1):
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
-def _grads(*overrides, key=jax.random.key(7)):
+def _grads(*overrides, key=None):
     """Loss and gradients of the train step's own gradient function for the reference GPT."""
     cfg = Config().replace(*MODEL, f"train.global_batch={ROWS}", f"train.seed={SEED}", *overrides)
     mesh = make_mesh(cfg.parallel)
@@ -34,6 +34,7 @@ def _grads(*overrides, key=jax.random.key(7)):
         spec, create = model_spec(lambda rngs: GPT(cfg.model, rngs=rngs), mesh, SEED)
     spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
     params = jax.jit(create, out_shardings=spec.storage)()
+    key = jax.random.key(7) if key is None else key
     loss, grads, _ = jax.jit(make_grad_fn(spec, cfg, mesh))(params, _batch(), key)
     return loss, jax.device_get(grads)
 
