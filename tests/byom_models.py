@@ -1013,3 +1013,34 @@ class MixerSupernet(nnx.Module):
     def active_params(self, subnet):
         kept = int(np.sum(np.asarray(self.stage_conditions(subnet))[:, 0]))
         return 2 * self.vocab * self.d + self.d + kept * (2 * self.d + 2 * self.d * self.f)
+
+
+class KeyedDropoutLayer(nnx.Module):
+    def __init__(self, d, rngs, rate):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+        self.rate = rate
+
+    def __call__(self, h, key=None):
+        y = jnp.tanh(self.lin(h))
+        if key is not None and self.rate:
+            keep = jax.random.bernoulli(key, 1.0 - self.rate, y.shape)
+            y = jnp.where(keep, y / (1.0 - self.rate), 0)
+        return h + y
+
+
+class KeyedDropout(nnx.Module):
+    """Dropout the way a model without ``rngs=`` streams writes it: ``loss(inputs, targets,
+    dropout_key=None)`` splits the key over its layers (``rate=0``: takes the key, draws
+    nothing)."""
+
+    def __init__(self, rngs, rate=0.3, vocab=64, d=32, layers=4):
+        self.emb, self.out = nnx.Embed(vocab, d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.layers = nnx.List([KeyedDropoutLayer(d, rngs, rate) for _ in range(layers)])
+
+    def loss(self, inputs, targets, dropout_key=None):
+        keys = jax.random.split(dropout_key, len(self.layers)) if dropout_key is not None else \
+            [None] * len(self.layers)
+        h = self.emb(inputs)
+        for layer, key in zip(self.layers, keys, strict=True):
+            h = layer(h, key)
+        return optax.softmax_cross_entropy_with_integer_labels(self.out(h), targets).mean()

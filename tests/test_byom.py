@@ -18,6 +18,7 @@ from byom_models import (
     Gemma,
     HalfSupernet,
     HFStyle,
+    KeyedDropout,
     Llama,
     LlamaStyle,
     OtherNames,
@@ -316,6 +317,24 @@ def test_a_linen_module_trains_directly(tmp_path):
                       f"train.out_dir={tmp_path}")
     assert result.step == 2 and np.isfinite(result.history[-1]["loss"])
     assert any("ScanBlock" in k or "blocks" in k for k in result.state["params"])
+
+
+def test_a_loss_drawing_from_its_dropout_key_is_refused_through_a_pipeline():
+    """A loss that splits its dropout_key over its layers trained through a pipeline without
+    dropout, silently (no key reaches the units). Refused in one line, nothing built; a
+    loss that takes the key and draws nothing pipelines with the reference gradients, and
+    the keyed model still trains without a pipeline."""
+    pipe = LAYOUTS["pipe4xdata2"]
+    with pytest.raises(ConfigError, match=re.escape("KeyedDropout.loss draws random numbers from its "
+                                                    "dropout_key (dropout); through a pipeline "
+                                                    "(parallel.pipe=4)")) as err:
+        framework_grads(lambda rngs: KeyedDropout(rngs), *pipe)
+    assert str(err.value).count("\n") == 0
+    no_draws = functools.partial(KeyedDropout, rate=0.0)
+    assert_grads_equal(framework_grads(no_draws, *pipe),
+                       reference_grads(no_draws(nnx.Rngs(SEED)), tokens(1, ROWS)))
+    loss, _ = framework_grads(lambda rngs: KeyedDropout(rngs), *LAYOUTS["data4xtensor2"])
+    assert np.isfinite(loss)
 
 
 def test_a_variable_that_is_not_a_param_is_named_by_its_path():

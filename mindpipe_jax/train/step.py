@@ -40,6 +40,7 @@ from mindpipe_jax.train.state import ModelSpec, lr_schedule
 from mindpipe_jax.train.step_checks import (  # noqa: F401 (re-exported: the step's config checks)
     BATCH_AXES,
     check_deterministic_pipeline,
+    check_loss_key_through_pipeline,
     check_pipeline_depth,
     check_step_config,
 )
@@ -183,6 +184,8 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages,
                             par.split_last)
     builtin = model.name in ("GPT", "MoEGPT") and model.num_units == cfg.model.n_layers
+    if spec.has_loss and spec.loss_takes_key and not builtin:
+        check_loss_key_through_pipeline(spec, cfg.model.seq_len, mesh.shape["pipe"])
     check_pipeline_depth(model.num_units, cfg, schedule.num_global_stages, None if builtin else model.name,
                          model.group)
     layout = StageLayout(tuple(par.stage_layers), schedule.num_stages, schedule.virtual_stages) \

@@ -220,3 +220,28 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
                           f"model.vocab_size={vocab_size} (the data's token ids go up to {vocab_size - 1}); "
                           f"give its output layer vocab_size classes, or set model.vocab_size to the "
                           f"data's vocabulary")
+
+
+def check_loss_key_through_pipeline(spec, seq_len: int, pipe: int) -> None:
+    """Refuse a model whose ``loss(..., dropout_key=)`` draws from its key (dropout) under a
+    pipeline: the runtime runs its layers as units and passes them no key, so it would
+    train without its randomness, silently. (The reference GPT's ``model.dropout`` goes
+    through the pipeline: ``parallel/pipeline/dropout_keys.py``.) Traced once, abstractly:
+    does the loss's value depend on the key?"""
+    from mindpipe_jax.parallel.pipeline.autosplit import live_inputs
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+
+    def loss(params, t, data):
+        return spec.merge(params).loss(t, t, dropout_key=jax.random.wrap_key_data(data))
+
+    with jax.set_mesh(None):
+        closed = jax.make_jaxpr(loss)(abstract, tokens, key_data)
+    if closed.jaxpr.invars[-1] in live_inputs(closed.jaxpr):
+        name = type(nnx.eval_shape(lambda: spec.merge(abstract))).__name__
+        raise ConfigError(f"{name}.loss draws random numbers from its dropout_key (dropout); through a "
+                          f"pipeline (parallel.pipe={pipe}) no key reaches the model's layers, so it would "
+                          f"train without them: train it without parallel.pipe, or without the "
+                          f"randomness (the reference GPT's model.dropout does run through a pipeline)")
