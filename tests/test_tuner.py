@@ -326,3 +326,25 @@ def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, t
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_an_unmeasured_row_predicted_well_ahead_of_the_choice_is_named():
+    """The choice is the best measured row; an unmeasured one predicted more than 10% ahead
+    of it is named (``mindpipe tune`` prints it with the --measure to raise), one within
+    10% or known infeasible is not."""
+    from types import SimpleNamespace
+
+    from mindpipe_jax.tuner.aot import Feasibility
+    from mindpipe_jax.tuner.tune import Row, TuneResult
+
+    def row(batch, predicted_s, measured_s=None, fits=None):
+        cand = Candidate(data=8, global_batch=batch)
+        feasibility = None if fits is None else Feasibility(cand, fits)
+        return Row(cand, SimpleNamespace(step_s=predicted_s), 1.0, feasibility, measured_s)
+
+    chosen = row(32, 0.010, measured_s=0.010)  # 3200 samples/s measured
+    for ahead_s, infeasible, named in ((0.008, False, True), (0.0095, False, False), (0.008, True, False)):
+        other = row(32, ahead_s, fits=False if infeasible else None)
+        result = TuneResult([chosen, other], None, None, None, 32)
+        assert (result.unmeasured_ahead() is other) == named, (ahead_s, infeasible)
+    assert TuneResult([row(32, 0.010), row(32, 0.001)], None, None, None, 32).unmeasured_ahead() is None

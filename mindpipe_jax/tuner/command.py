@@ -226,6 +226,11 @@ def run(args: argparse.Namespace) -> int:
     print(result.table(), flush=True)
     best = result.best
     print(f"best: {best.candidate.label()} -> {' '.join(best.candidate.overrides())}", flush=True)
+    ahead = result.unmeasured_ahead()
+    if ahead is not None:
+        print(f"not measured: {ahead.candidate.label()}, predicted "
+              f"{ahead.predicted_entropyput / best.measured_entropyput:.2f}x the entropyput measured for the "
+              f"best; raise --measure (now {measure}) to try it", flush=True)
     if json_out is not None:
         json_out.write_text(json.dumps({"b_noise": result.b_noise, "b0": result.b0,
                                         "hardware": result.hardware.note,

@@ -80,6 +80,19 @@ class TuneResult:
     def best(self) -> Row:
         return self.rows[0]
 
+    def unmeasured_ahead(self, margin: float = 1.1) -> Row | None:
+        """The best-predicted row not measured (nor known infeasible), if its predicted
+        entropyput beats the chosen row's measured one by more than ``margin``: the choice
+        rests on measurements, so a better prediction is only worth a trial."""
+        best = self.best
+        if best.measured_s is None:
+            return None
+        top = next((r for r in self.rows if r.measured_s is None
+                    and (r.feasibility is None or r.feasibility.fits)), None)
+        if top is None or top.predicted_entropyput <= margin * best.measured_entropyput:
+            return None
+        return top
+
     def table(self, limit: int = 15) -> str:
         """A readable ranked table (MiB, ms, samples/s)."""
         head = (f"{'#':>2}  {'configuration':44s} {'pred ms':>8} {'meas ms':>8} {'MiB/dev':>8} "
