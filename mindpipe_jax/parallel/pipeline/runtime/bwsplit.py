@@ -49,9 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.core import ShapedArray
-from jax.extend.core import jaxpr_as_fun
 
-from mindpipe_jax.parallel.pipeline.runtime.jaxpr_tools import inline_calls, split_jaxpr
+from mindpipe_jax.parallel.pipeline.runtime.jaxpr_tools import inline_calls, replay, split_jaxpr
 from mindpipe_jax.parallel.pipeline.runtime.residuals import ResidualStore
 
 POLICIES = ("none", "full")
@@ -82,7 +81,7 @@ class _Store(ResidualStore):
     """A ``ResidualStore`` whose input may be a tuple ``(h, *aux)``: its leaves enter the jaxpr flat."""
 
     def forward(self, params, x):
-        y, *leaves = jaxpr_as_fun(self._closed)(*jax.tree_util.tree_leaves(params), *x)
+        y, *leaves = replay(self._closed)(*jax.tree_util.tree_leaves(params), *x)
         return y, [r for r, (kind, _) in zip(leaves, self._sources, strict=True) if kind == "buffer"]
 
 
@@ -140,8 +139,8 @@ class PieceSplit:
         self.cut_avals = list(self.b_jaxpr.out_avals[n_dh:])
         reads = set(self._split.w_inputs)
         self.w_reads_kept = tuple(self._n_params + j in reads for j in range(n_k))
-        self._b_fn, self._w_fn = jaxpr_as_fun(self.b_jaxpr), jaxpr_as_fun(self.w_jaxpr)
-        self._fused_fn = jaxpr_as_fun(self.fused_jaxpr)
+        self._b_fn, self._w_fn = replay(self.b_jaxpr), replay(self.w_jaxpr)
+        self._fused_fn = replay(self.fused_jaxpr)
 
     # -- the runtime's three calls ---------------------------------------------------
     def fwd(self, params, h, *aux):

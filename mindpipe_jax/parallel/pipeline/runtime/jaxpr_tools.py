@@ -46,7 +46,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jax._src.core import join_effects
+import jax
+from jax import lax
+from jax._src.core import join_effects, pvary_p
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Var
 
 # primitive name -> the parameter holding the program it calls
@@ -283,3 +285,53 @@ def _ordered_reads(eqns, selected, outvars):
 def count_primitive(closed: ClosedJaxpr, name: str) -> int:
     """How many top-level equations of ``closed`` bind the primitive ``name``."""
     return sum(e.primitive.name == name for e in closed.jaxpr.eqns)
+
+
+def _varying(x):
+    """The manual axes a traced array varies over (None for a non-JAX value: a literal)."""
+    if not isinstance(x, jax.Array | jax.core.Tracer):
+        return None
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _matching_varying(values: list) -> list:
+    """``values`` with the arrays that vary over fewer manual axes than the others cast to
+    varying over all of them (what tracing inserts before an equation's ``bind``)."""
+    axes = [_varying(x) for x in values]
+    union = frozenset().union(*(a for a in axes if a is not None))
+    if all(a is None or a == union for a in axes):
+        return values
+    return [x if a is None or a == union else lax.pcast(x, tuple(sorted(union - a)), to="varying")
+            for x, a in zip(values, axes, strict=True)]
+
+
+def replay(closed: ClosedJaxpr):
+    """``jaxpr_as_fun(closed)`` for arguments that may vary over more ``shard_map`` axes
+    than the examples it was traced with: where an equation's inputs would then disagree
+    (a constant the model closes over, invariant, beside a weight that now varies), the
+    less varying ones are cast first, as tracing with the real arguments would have done.
+    Only equations whose inputs disagree change; the values never do (a cast to varying
+    is the identity on each device)."""
+    jaxpr, consts = closed.jaxpr, closed.consts
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            params = eqn.primitive.get_bind_params(eqn.params)
+            if eqn.primitive is pvary_p:  # a cast the trace needed: only over the axes still missing
+                have = _varying(ins[0]) or frozenset()
+                params = {**params, "axes": tuple(a for a in params["axes"] if a not in have)}
+                if not params["axes"]:
+                    env[eqn.outvars[0]] = ins[0]
+                    continue
+            else:
+                ins = _matching_varying(ins)
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **params)
+            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs], strict=True))
+        return [read(v) for v in jaxpr.outvars]
+    return run

@@ -21,7 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import Literal, jaxpr_as_fun
+from jax.extend.core import Literal
+
+from mindpipe_jax.parallel.pipeline.runtime.jaxpr_tools import replay
 
 
 class ResidualStore:
@@ -56,7 +58,7 @@ class ResidualStore:
 
     def forward(self, params, x):
         """(stage output, this microbatch's residuals to keep): one slot's worth."""
-        y, *leaves = jaxpr_as_fun(self._closed)(*jax.tree_util.tree_leaves(params), x)
+        y, *leaves = replay(self._closed)(*jax.tree_util.tree_leaves(params), x)
         kept = [leaf for leaf, (kind, _) in zip(leaves, self._sources, strict=True) if kind == "buffer"]
         return y, kept
 
