@@ -49,11 +49,6 @@ def check_step_config(cfg: Config, mesh) -> None:
         raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
                           f"between pipeline stages; it needs parallel.pipe > 1")
     if mesh.shape["pipe"] > 1:
-        if cfg.model.dropout > 0 and cfg.parallel.stage_layers:
-            raise ConfigError(f"model.dropout={cfg.model.dropout} with parallel.stage_layers="
-                              f"{list(cfg.parallel.stage_layers)}: through a pipeline the dropout keys "
-                              f"travel with the layers of even stages only; drop parallel.stage_layers "
-                              f"(an even split) or set model.dropout=0")
         if tr.grad_accum != 1:
             raise ConfigError(f"train.grad_accum={tr.grad_accum}: with parallel.pipe>1 the pipeline's "
                               f"parallel.microbatches already accumulate; set train.grad_accum=1")

@@ -215,9 +215,11 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     retype their values inside nested ``shard_map``s in ways a re-evaluated jaxpr does not
     reproduce.
     ``block_context``: per-microbatch inputs of the layers that are not weights (a
-    supernet's subnet rows, ``supernet/pipelined.py``): a dict of leaves ``[L, m, ...]``;
-    a task's layers get ``{**their weights, **the rows of its microbatch}`` (``blocks_p``
-    then a dict with other keys). No gradient is formed for them.
+    supernet's subnet rows, ``supernet/pipelined.py``; the GPT's dropout keys,
+    ``dropout_keys.py``): a dict of leaves ``[L, m, ...]``; a task's layers get
+    ``{**their weights, **the rows of its microbatch}`` (``blocks_p`` then a dict with
+    other keys), on uneven stages too (a padded slot's rows are layer 0's, its layer
+    skipped or its output dropped). No gradient is formed for them.
     ``gradient_groups`` = G > 1: the m microbatches are G consecutive groups (e.g. one
     subnet each) whose gradients and losses are kept apart, not summed: ``loss`` is
     ``[G]`` (each group's mean) and every gradient leaf gets a leading ``[G]`` axis, each
@@ -401,8 +403,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         skips = active_layers is not None and active_layers < num_layers
         counts = None if stage_layout.uniform and not skips else \
             jnp.asarray(stage_layout.counts_array(active_layers if skips else None))
-        if block_context is not None and (not stage_layout.uniform or set(block_context) & set(blocks_p)):
-            raise ValueError("block_context needs even stages and keys other than blocks_p's")
+        if block_context is not None and set(block_context) & set(blocks_p):
+            raise ValueError("block_context needs keys other than blocks_p's")
         context = None if block_context is None else stage_layout.to_stages(block_context)
         rows = P(None, BATCH)
         specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
