@@ -2,6 +2,8 @@
 unit of the batch (one microbatch of one batch device) draws the masks the unpipelined
 model draws for it with the key ``fold_in(step_key, unit)``."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.models.gpt import GPT
+from mindpipe_jax.models.moe import MoEGPT
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.state import model_spec
@@ -24,13 +27,14 @@ def _batch(seed=1):
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
-def _grads(*overrides, key=None):
-    """Loss and gradients of the train step's own gradient function for the reference GPT."""
+def _grads(*overrides, key=None, model=GPT):
+    """Loss and gradients of the train step's own gradient function for the reference GPT
+    (or ``model``, built from the config the same way)."""
     cfg = Config().replace(*MODEL, f"train.global_batch={ROWS}", f"train.seed={SEED}", *overrides)
     mesh = make_mesh(cfg.parallel)
     check_step_config(cfg, mesh)
     with jax.set_mesh(None):
-        spec, create = model_spec(lambda rngs: GPT(cfg.model, rngs=rngs), mesh, SEED)
+        spec, create = model_spec(lambda rngs: model(cfg.model, rngs=rngs), mesh, SEED)
     spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
     params = jax.jit(create, out_shardings=spec.storage)()
     key = jax.random.key(7) if key is None else key
@@ -64,12 +68,12 @@ def test_deterministic_pipeline_draws_the_unpipelined_masks(pipeline):
     assert abs(float(off[0]) - float(got[0])) > 1e-3  # the masks are applied
 
 
-def _reference(dropout, key, devices, m):
-    """Plain value_and_grad of the mean over units of the GPT's own loss: unit (d, j) is
+def _reference(dropout, key, devices, m, *overrides, build=GPT):
+    """Plain value_and_grad of the mean over units of the model's own loss: unit (d, j) is
     microbatch j (rows k*m + j of the batch) of batch device d (its contiguous share of
     those rows), with the key fold_in(key, d*m + j)."""
-    cfg = Config().replace(*MODEL, f"model.dropout={dropout}").model
-    model = GPT(cfg, rngs=nnx.Rngs(SEED))
+    cfg = Config().replace(*MODEL, f"model.dropout={dropout}", *overrides).model
+    model = build(cfg, rngs=nnx.Rngs(SEED))
     gdef, params = nnx.split(model, nnx.Param)
     batch = _batch()
     per = ROWS // (m * devices)
@@ -97,6 +101,18 @@ def test_pipeline_with_tensor_draws_each_units_masks():
                  "parallel.schedule=zb-h1", 'parallel.stage_remat=["full","dots"]', "model.dropout=0.2",
                  key=key)
     _assert_close(got, _reference(0.2, key, devices=2, m=2))
+
+
+def test_moe_blocks_draw_each_units_masks():
+    """The MoE GPT (its blocks return (hidden, aux), the aux carried in the hidden state)
+    on pipe2 x data4, ZB-H1, dropout 0.2: the loss and gradients equal the per-unit
+    reference, its experts routed in one group per unit as the pipeline routes each
+    microbatch on each device."""
+    key, moe = jax.random.key(3), ("model.n_experts=4", "model.top_k=2")
+    got = _grads("parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2",
+                 "parallel.schedule=zb-h1", "model.dropout=0.2", *moe, key=key, model=MoEGPT)
+    one_group = functools.partial(MoEGPT, dispatch_groups=1)
+    _assert_close(got, _reference(0.2, key, 4, 2, *moe, build=one_group))
 
 
 @pytest.mark.parametrize("uneven", [
