@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import GPT
 from mindpipe_jax.models.moe import MoEGPT
 from mindpipe_jax.parallel.mesh import make_mesh
@@ -125,3 +126,20 @@ def test_uneven_stages_draw_the_unpipelined_masks(uneven):
     common = ("train.deterministic=true", "train.virtual_shards=8", "parallel.tensor=1", "model.dropout=0.2")
     got = _grads(*common, "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2", *uneven)
     _assert_close(got, _grads(*common, "parallel.data=8"))
+
+
+class _UsersGPT(GPT):
+    """A user's subclass of the reference GPT: not the built-in model, so its loss is
+    checked for drawing from its key; the key reaches the layers through their scan."""
+
+
+def test_a_subclass_without_dropout_pipelines_and_with_dropout_is_refused():
+    """Its loss splits the key over the scanned layers and, at model.dropout 0, draws
+    nothing: it pipelines with the built-in GPT's gradients (it was refused: the check
+    counted every input of the layer scan as read). At 0.2 the draws inside the scan
+    are seen and refused in one line."""
+    pipe = ("parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=2")
+    _assert_close(_grads(*pipe, model=_UsersGPT), _grads(*pipe), rtol=0, atol=0)
+    with pytest.raises(ConfigError) as err:
+        _grads(*pipe, "model.dropout=0.2", model=_UsersGPT)
+    assert "\n" not in str(err.value) and "_UsersGPT.loss draws random numbers" in str(err.value)
