@@ -47,15 +47,20 @@ def test_candidate_round_trips_through_a_config():
     assert dict(make_mesh(run.parallel).shape) == {**cand.axes}
 
 
-def test_moe_space_holds_pipelines_without_an_expert_axis():
-    """An MoE job's space: pipelines run it now (each stage routing over all its
-    experts), so pipe > 1 with expert = 1 is valid; pipe x expert is refused by name."""
+def test_moe_space_holds_pipelines_with_and_without_an_expert_axis():
+    """An MoE job's space: pipelines run it (each stage routing over all its experts, or
+    over its expert devices' since 2026-12-05), so pipe > 1 is valid with expert 1 or 2;
+    experts that do not divide are refused by name."""
     cfg = TINY.replace("model.n_layers=4", "model.n_experts=4")
     assert check_candidate(cfg, Candidate(data=4, pipe=2, microbatches=2, global_batch=32), 8) is None
-    why = check_candidate(cfg, Candidate(data=2, pipe=2, expert=2, microbatches=2, global_batch=32), 8)
-    assert why and "expert parallelism inside a stage is not built" in why
-    report = enumerate_space(cfg, 8, global_batches=(32,), microbatches=(2,))
+    with_ep = Candidate(data=2, pipe=2, expert=2, microbatches=2, global_batch=32)
+    assert check_candidate(cfg, with_ep, 8) is None
+    why = check_candidate(cfg.replace("model.n_experts=6"), Candidate(pipe=2, expert=4, microbatches=2,
+                                                                      global_batch=32), 8)
+    assert why and "model.n_experts=6 must be divisible by parallel.expert=4" in why
+    report = enumerate_space(cfg, 8, axes=("data", "pipe", "expert"), global_batches=(32,), microbatches=(2,))
     assert any(c.pipe > 1 for c in report.valid)
+    assert any(c.pipe > 1 and c.expert > 1 for c in report.valid)
 
 
 def test_bad_space_choices_are_one_line_errors():

@@ -180,7 +180,11 @@ class MoEFFN(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         axes = _batch_axes(mesh)
         if not axes:
-            return moe_ffn(*weights, x, groups=self.dispatch_groups or 1, **kw)
+            # Inside a region manual over ``expert`` (the pipeline's): this device holds
+            # its experts only, and its rows go to theirs by all_to_all.
+            manual_ep = EXPERT_AXIS in getattr(mesh, "manual_axes", ()) and mesh.shape[EXPERT_AXIS] > 1
+            return moe_ffn(*weights, x, groups=self.dispatch_groups or 1,
+                           expert_axis=EXPERT_AXIS if manual_ep else None, **kw)
         shards = math.prod(mesh.shape[a] for a in axes)
         groups = self.dispatch_groups or shards
         if groups % shards:

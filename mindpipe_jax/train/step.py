@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
 from mindpipe_jax.parallel.pipeline.dropout_keys import dropout_rows
@@ -175,7 +176,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     the microbatches in that many consecutive groups, each group's loss and gradient
     kept apart (a leading ``[groups]`` axis: the noise statistics' halves)."""
     from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.runtime import pipeline_grads
+    from mindpipe_jax.parallel.pipeline.runtime import experts, pipeline_grads
     from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 
     with jax.set_mesh(None):  # traced for its structure: no ambient mesh binds the model's constraints
@@ -198,6 +199,13 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     e_specs, h_specs = model.ends(spec.storage)
     specs = {"embed": e_specs, "blocks": None if model.stacks_in_step else model.split(spec.storage)[1],
              "head": h_specs}
+    if not builtin and specs["blocks"] is not None and mesh.shape["expert"] > 1 and \
+            experts.any_split(experts.dims_of(specs["blocks"], specs["blocks"], dict(mesh.shape))):
+        # Inside a stage such weights arrive as the device's own experts: only layers that
+        # send tokens to them (the built-in MoE block's all_to_all) compute the right thing.
+        raise ConfigError(f"model {model.name}: its layers hold weights split over 'expert', which a "
+                          f"pipeline stage hands each device as its own experts; only the built-in MoE "
+                          f"GPT routes tokens to them there: set parallel.expert=1 or parallel.pipe=1")
     run = pipeline_grads(model.fns, schedule, mesh, remat=par.stage_remat, layout=layout, grad_sync=sync,
                          sync_bucket_bytes=int(par.sync_bucket_mb * 2**20) or None,
                          grad_sync_dtype=par.grad_sync_dtype, param_specs=specs,
@@ -205,7 +213,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
                          split_backward=not (cfg.model.collective_matmul and mesh.shape["tensor"] > 1),
                          gradient_groups=groups, deterministic=cfg.train.deterministic)
 
-    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # the pipeline's batch devices
     # The reference GPT's dropout: each unit (one microbatch of one batch device) draws the
     # masks model.loss draws with the key fold_in(key, unit), as the deterministic path does.
     dropout = cfg.model.dropout > 0 and builtin

@@ -44,6 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.parallel.pipeline.runtime import ringsync
+from mindpipe_jax.parallel.pipeline.runtime.spmd import EXPERT
 
 FSDP = "fsdp"
 PIPE = "pipe"
@@ -108,33 +109,44 @@ def sum_scatter(tree, dims, offset: int = 0):
                         lax.psum_scatter(g, FSDP, scatter_dimension=d + offset, tiled=True), tree, dims)
 
 
-def mean_of_scattered(tree, dims, batch, wire_dtype=jnp.float32, ring_rest: bool = False):
+def _per_expert(one, batch, experts, tree, dims):
+    """``one(g, d, batch)`` over the leaves; a leaf split over ``expert`` (``experts``:
+    its dimension, ``runtime/experts.py``) holds the sum over its expert group's rows
+    already: averaged over the other batch axes and divided by the expert count."""
+    if experts is None:
+        return jax.tree.map(lambda g, d: one(g, d, batch), tree, dims)
+    rest = tuple(a for a in batch if a != EXPERT)
+
+    def leaf(g, d, e):
+        return one(g, d, batch) if e < 0 else one(g, d, rest) / lax.axis_size(EXPERT)
+    return jax.tree.map(leaf, tree, dims, experts)
+
+
+def mean_of_scattered(tree, dims, batch, wire_dtype=jnp.float32, ring_rest: bool = False, experts=None):
     """The mean over the batch axes of what ``sum_scatter`` accumulated: a sharded leaf (a
     shard of the sum over ``fsdp``) divided by the ``fsdp`` size and averaged over the
     other batch axes (``ring_rest``: left for a ring to average), any other leaf averaged
     over all of them."""
-    others = tuple(a for a in batch if a != FSDP)
-
-    def one(g, d):
+    def one(g, d, batch):
         if d < 0:
             return ringsync.mean(g, batch, wire_dtype)
+        others = tuple(a for a in batch if a != FSDP)
         g = g / lax.axis_size(FSDP)
         return g if ring_rest or not others else ringsync.mean(g, others, wire_dtype)
-    return jax.tree.map(one, tree, dims)
+    return _per_expert(one, batch, experts, tree, dims)
 
 
-def mean_scatter(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):
+def mean_scatter(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32, experts=None):
     """The mean over the batch axes, reduce-scattered over ``fsdp`` where a leaf is sharded:
     each device keeps its shard of the mean. ``wire_dtype``: the values' dtype on the
     wire (sums in fp32, ``ringsync.mean``)."""
-    others = tuple(a for a in batch if a != FSDP)
-
-    def one(g, d):
+    def one(g, d, batch):
         if d < 0:
             return ringsync.mean(g, batch, wire_dtype)
+        others = tuple(a for a in batch if a != FSDP)
         g = ringsync.reduce_scatter(g, FSDP, d + offset, wire_dtype) / lax.axis_size(FSDP)
         return ringsync.mean(g, others, wire_dtype) if others else g
-    return jax.tree.map(one, tree, dims)
+    return _per_expert(one, batch, experts, tree, dims)
 
 
 def scatter_first(tree, dims, batch, offset: int = 0, wire_dtype=jnp.float32):

@@ -40,7 +40,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, MANUAL, StageFns, _vary
+from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, EXPERT, MANUAL, StageFns, _vary
 
 ITERATION_INPUT = "iteration_input"
 
@@ -69,6 +69,8 @@ def gpipe_autodiff_grads(fns: StageFns, p: int, m: int, mesh, *, remat: bool,
     ``nan_bubbles``: a test mode that starts every stage's state as NaN, so a bubble
     that leaked into a result would show.
     """
+    if mesh.shape.get(EXPERT, 1) > 1:  # its specs enter every weight whole (no experts.py)
+        raise ValueError(f"the GPipe-autodiff baseline does not split experts: expert={mesh.shape[EXPERT]}")
     iterations = m + p - 1
     run_layers = stage_fn(fns)
     fwd_perm = [(i, (i + 1) % p) for i in range(p)]

@@ -7,7 +7,8 @@ per device and tick). A tick (``ticks.py``) runs each part's branch for this
 device (``stage.py``), adds the weight-gradient contributions under ``cond``s on
 the table, and moves activations and gradients one device along the ring with
 ``ppermute``s that every device executes, outside every branch. With an automatic
-mesh axis > 1 (tensor, expert) the parts run in lockstep (``spmd.needs_lockstep``).
+mesh axis > 1 (tensor) the parts run in lockstep (``spmd.needs_lockstep``); the expert
+axis is a manual batch axis whose devices hold their own experts (``experts.py``).
 
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers as deep as the fused schedule keeps microbatches alive on a
@@ -40,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel import overlap
 from mindpipe_jax.parallel.ordered_sum import ordered_sum
-from mindpipe_jax.parallel.pipeline.runtime import fsdp, ringsync
+from mindpipe_jax.parallel.pipeline.runtime import experts, fsdp, ringsync
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
 from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     AXIS,
@@ -194,7 +195,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``grad_sync_dtype``: the gradients' dtype on the wire of every batch-axis sync
     (``"fp32"``, or ``"bf16"``: half the bytes, sums still in fp32, see ``ringsync``).
     A chunk's ring sends each device's own shards of leaves sharded over an automatic
-    axis (tensor, expert: read from ``param_specs``; ``ringsync.LocalRing``).
+    axis (tensor: read from ``param_specs``; ``ringsync.LocalRing``).
     ``lockstep``: run every tick's work on every device (see ``needs_lockstep``);
     None decides from the mesh. ``merge_first``, ``merge_last``: the first / the last
     stage shares the middle stages' branches (``make_plan``); None: in lockstep (False
@@ -206,6 +207,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
     going in, is gathered once per step inside, and its gradient leaves
     reduce-scattered (``fsdp.py``). None: every weight enters gathered.
+    A weight stored split over ``expert`` (an MoE block's experts) enters split, each
+    device holding its experts (``experts.py``; needs ``param_specs``, ``grad_sync="end"``
+    and no ``deterministic``).
     ``fsdp_gather``: when those weights are gathered: ``"step"``, once per step on each
     stage (the gathered stage stays for the step); ``"chunk"``, for each task's use of
     its chunk, the chunk's gradient reduce-scattered after each task (``fsdp.py``).
@@ -247,6 +251,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     wire = WIRE_DTYPES[grad_sync_dtype]
     auto = {a: n for a, n in mesh.shape.items() if a not in MANUAL}
+    if mesh.shape.get(experts.EXPERT, 1) > 1 and (grad_sync != "end" or deterministic):
+        raise ValueError(f"expert parallelism inside the pipeline (expert={mesh.shape[experts.EXPERT]}) "
+                         f"needs grad_sync='end' (got {grad_sync!r}) and deterministic=False")
 
     def on_shards(fn, tree, specs):
         """A narrow wire's mean reshapes the gradients: on each device's own shards
@@ -305,7 +312,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             first = lambda t: fsdp.mean_of_scattered(t, dims, BATCH, wire, ring_rest=True)  # noqa: E731
         else:
             first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
-        return OwnedShards(lambda g: on_shards(first, g, specs), ring, ("data",))
+        rest = tuple(a for a in BATCH if a != fsdp.FSDP)
+        return OwnedShards(lambda g: on_shards(first, g, specs), ring, rest)
 
     def grouped(splits):
         """Ends' splits of a gradient with a leading group axis."""
@@ -355,8 +363,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             """A chunk's gradient averaged over the batch axes, each device keeping its fsdp
             shard. Gathered per task, it is a shard of the sum over fsdp already."""
             if sharded:
-                return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire)
-            return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire)
+                return fsdp.mean_of_scattered(grads, dims["blocks"], BATCH, wire, experts=dims["experts"])
+            return fsdp.mean_scatter(grads, dims["blocks"], BATCH, offset=1, wire_dtype=wire,
+                                     experts=dims["experts"])
         carry = (acc, x_buf, g_buf, res_buf, stash_buf)
         if deterministic:
             acc = lax.scan(tick, carry, jnp.arange(plan.num_ticks))[0][0]
@@ -371,7 +380,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             out = {name: jax.tree.map(lambda g, x: g.astype(x.dtype), means[name], params)
                    for name, params in (("embed", embed_p), ("head", head_p))}
             # [groups · v, width, *rest]: fsdp (where stored split) at 2 + its dim in rest.
-            blocks = fsdp.mean_scatter(acc["blocks"], dims["blocks"], BATCH, offset=2)
+            blocks = fsdp.mean_scatter(acc["blocks"], dims["blocks"], BATCH, offset=2,
+                                       experts=dims["experts"])
             d_blocks = jax.tree.map(lambda g, x: g.reshape(groups, v, *g.shape[1:]).astype(x.dtype)[None],
                                     blocks, chunks)
             return loss, out["embed"], d_blocks, out["head"]
@@ -409,17 +419,27 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         rows = P(None, BATCH)
         specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
         # A stack leaf [L, *rest] is staged as [p, v, width, *rest]: its dims count in rest.
-        dims = {"blocks": jax.tree.map(lambda d: d - 1 if d >= 0 else d,
-                                       fsdp.dims_of(specs and specs["blocks"], blocks_p))}
-        ends = {name: fsdp.end_splits(param_specs and param_specs[name], tree, dict(mesh.shape))
+        shape = dict(mesh.shape)
+        in_rest = lambda d: d - 1 if d >= 0 else d  # noqa: E731
+        dims = {"blocks": jax.tree.map(in_rest, fsdp.dims_of(specs and specs["blocks"], blocks_p)),
+                "experts": jax.tree.map(in_rest, experts.dims_of(param_specs and param_specs["blocks"],
+                                                                 blocks_p, shape))}
+        for name, tree in (("embed", embed_p), ("head", head_p)):
+            if experts.any_split(experts.dims_of(param_specs and param_specs[name], tree, shape)):
+                raise ValueError(f"the {name} parameters are split over 'expert': only the blocks' may be")
+        ends = {name: fsdp.end_splits(param_specs and param_specs[name], tree, shape)
                 for name, tree in (("embed", embed_p), ("head", head_p))}
         spec_e = jax.tree.map(fsdp.EndSplit.spec, ends["embed"])
         spec_h = jax.tree.map(fsdp.EndSplit.spec, ends["head"])
-        spec_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None)), dims["blocks"])
+
+        def stack_spec(lead):  # [p, (G,) v, width, *rest]: fsdp and expert at their dims in rest
+            return jax.tree.map(lambda d, e: experts.with_expert(fsdp.in_spec(d, lead), e, len(lead)),
+                                dims["blocks"], dims["experts"])
+        spec_b = stack_spec((AXIS, None, None))
         out_e, out_b, out_h = spec_e, spec_b, spec_h
         if groups > 1:  # the gradients have a group axis: [G, ...] ends, [p, G, v, width, ...] blocks
             out_e, out_h = (jax.tree.map(fsdp.EndSplit.spec, grouped(ends[n])) for n in ("embed", "head"))
-            out_b = jax.tree.map(lambda d: fsdp.in_spec(d, (AXIS, None, None, None)), dims["blocks"])
+            out_b = stack_spec((AXIS, None, None, None))
         # Each group's sharding over the automatic axes (tensor, expert), which the
         # gradient syncs need to work on each device's own shards.
         auto_specs = {name: None if param_specs is None else jax.tree.map(

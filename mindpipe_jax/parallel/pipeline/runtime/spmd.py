@@ -16,7 +16,10 @@ AXIS = "pipe"
 # and the gradients are averaged over them once, after the last tick. Leaving them
 # to the compiler instead made XLA 0.10's SPMD partitioner abort on pipe × data ×
 # tensor meshes; manual batch axes are also where AFAPAB's explicit gradient sync lives.
-BATCH = ("data", "fsdp")
+# ``expert`` is a batch axis outside the MoE layers (the rules table's ``batch``): its
+# devices hold their own rows and their own experts (``runtime/experts.py``).
+EXPERT = "expert"
+BATCH = ("data", "fsdp", EXPERT)
 MANUAL = (AXIS, *BATCH)
 
 
@@ -32,8 +35,8 @@ class StageFns:
 def needs_lockstep(mesh) -> bool:
     """Whether stage code may hold collectives that a per-device branch would strand.
 
-    Inside the ``shard_map`` only the pipe and batch axes are manual; any other axis
-    of size > 1 (tensor, expert) is left to XLA, which inserts whatever collectives
+    Inside the ``shard_map`` only the pipe and batch axes (``expert`` among them) are
+    manual; any other axis of size > 1 (tensor) is left to XLA, which inserts whatever collectives
     the model's shardings need, wherever it likes. An all-reduce among one stage's
     tensor group survives a per-device ``lax.switch`` (the group takes the same
     branch), but a resharding collective-permute is one instruction over every
@@ -43,7 +46,9 @@ def needs_lockstep(mesh) -> bool:
     every task kind some stage runs in that tick (``cond`` on a predicate read
     from the table, the same on all devices) and keeps its own task's outputs.
     The price is compute: a tick costs the sum of its task kinds instead of the
-    largest (benchmarks/pipeline_lockstep.py measures it).
+    largest (benchmarks/pipeline_lockstep.py measures it). The MoE layer's
+    ``all_to_all`` over the manual ``expert`` axis is written in the stage code, among
+    the devices of one stage, which take the same branch: no lockstep for it.
     """
     return any(size > 1 for axis, size in mesh.shape.items() if axis not in MANUAL)
 

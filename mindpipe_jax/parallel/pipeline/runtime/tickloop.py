@@ -45,7 +45,8 @@ class OwnedShards:
     the sync point ``prepare`` (``fsdp.scatter_first``) reduce-scatters those leaves over
     ``fsdp`` (one collective, issued there) and averages the leaves no device shards
     (small: biases, norms) over the batch axes at once; the ring then averages only the
-    owned shards (``ring``: a per-leaf mask), over ``data``.
+    owned shards (``ring``: a per-leaf mask), over the other batch axes (``data``; and
+    ``expert``, 1 wherever a ring runs).
     """
 
     prepare: object = None            # chunk tree -> chunk tree, at the sync point

@@ -1,0 +1,85 @@
+"""Expert parallelism inside pipeline stages (``parallel.expert > 1`` with ``parallel.pipe
+> 1``; refused until 2026-12-05): the expert devices are batch shards outside the MoE
+layers, each holds its own experts, and tokens reach them by ``all_to_all``
+(``parallel/pipeline/runtime/experts.py``)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from test_pipeline_dropout import MODEL, _assert_close, _grads, _reference
+
+from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.moe import MoEGPT
+from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
+from mindpipe_jax.train.state import model_spec
+from mindpipe_jax.train.step import make_grad_fn
+
+MOE = ("model.n_experts=4", "model.top_k=2", "model.moe_aux_weight=0.5")
+
+
+@pytest.mark.parametrize("layout,devices", [
+    (("parallel.data=2", "parallel.tensor=1", "parallel.expert=2", "parallel.schedule=1f1b"), 4),
+    # stages in lockstep (tensor), split backward (its B replays the all_to_all's transpose)
+    (("parallel.data=1", "parallel.tensor=2", "parallel.expert=2", "parallel.schedule=zb-h1",
+      'parallel.stage_remat=["full","dots"]'), 2),
+    # fsdp-sharded experts gathered per chunk use, a V schedule, four expert devices
+    (("parallel.fsdp=2", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
+      "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp_gather=chunk"), 4),
+    (("parallel.data=1", "parallel.tensor=1", "parallel.expert=4", "parallel.schedule=dualpipev",
+      "parallel.virtual_stages=2"), 4),
+])
+def test_experts_split_inside_stages_equal_the_per_unit_reference(layout, devices):
+    """pipe2 with the experts split over 2 or 4 devices per stage, dropout 0.2, capacity
+    1.25 (tokens dropped, so routing groups matter) and a large aux weight: the loss and
+    every gradient equal plain value_and_grad of the MoE GPT's own loss averaged over the
+    units (one microbatch of one batch device: data x fsdp x expert), each routed as one
+    group with its own dropout key."""
+    key = jax.random.key(5)
+    got = _grads("parallel.pipe=2", "parallel.microbatches=4", "model.dropout=0.2", *MOE, *layout,
+                 key=key, model=MoEGPT)
+    want = _reference(0.2, key, devices, 4, *MOE, build=functools.partial(MoEGPT, dispatch_groups=1))
+    _assert_close(got, want)
+
+
+def test_a_stage_holds_only_its_experts():
+    """pipe2 x expert2 x data2: each device stores 1 / (pipe x expert) of the expert weights
+    and the compiled step sends tokens by all-to-all."""
+    cfg = Config().replace(*MODEL, "train.global_batch=16", *MOE, "parallel.pipe=2", "parallel.expert=2",
+                           "parallel.data=2", "parallel.tensor=1", "parallel.microbatches=2")
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, create = model_spec(lambda rngs: MoEGPT(cfg.model, rngs=rngs), mesh, 0)
+    spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
+    params = jax.jit(create, out_shardings=spec.storage)()
+    for name in ("w_in", "w_out"):
+        w = params["blocks"]["moe"][name]
+        assert w.addressable_shards[0].data.size * 4 == w.size, (name, w.sharding.spec)
+    tokens = np.zeros((16, 9), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    hlo = jax.jit(make_grad_fn(spec, cfg, mesh)).lower(params, batch, jax.random.key(0)).compile().as_text()
+    assert "all-to-all" in hlo
+
+
+def test_a_chunk_wise_gradient_sync_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        _grads("parallel.pipe=2", "parallel.data=2", "parallel.tensor=1", "parallel.expert=2",
+               "parallel.schedule=afapab", "parallel.microbatches=4", *MOE, model=MoEGPT)
+    msg = str(err.value)
+    assert "\n" not in msg and "parallel.expert=2" in msg and "parallel.grad_sync='end'" in msg, msg
+
+
+class _UsersMoE(MoEGPT):
+    """A user's model with weights split over ``expert``: its layers are not the built-in
+    MoE block the pipeline knows to hand each device its own experts."""
+
+
+def test_a_users_layers_with_expert_split_weights_are_refused_through_a_pipeline():
+    with pytest.raises(ConfigError) as err:
+        _grads("parallel.pipe=2", "parallel.data=2", "parallel.tensor=1", "parallel.expert=2",
+               "parallel.microbatches=2", *MOE, model=_UsersMoE)
+    msg = str(err.value)
+    assert "\n" not in msg and "model _UsersMoE" in msg and "parallel.expert=1" in msg, msg
