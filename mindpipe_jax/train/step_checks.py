@@ -224,10 +224,7 @@ def check_loss_key_through_pipeline(spec, seq_len: int, pipe: int) -> None:
     train without its randomness, silently. (The reference GPT's ``model.dropout`` goes
     through the pipeline: ``parallel/pipeline/dropout_keys.py``.) Traced once, abstractly:
     does the loss's value depend on the key?"""
-    # JAX's own dead-code elimination: it follows values through scan, cond and jit (a
-    # key split by the built-in GPT's layer scan and never drawn from is dead), where a
-    # per-equation walk would count every input of a scan as read.
-    from jax._src.interpreters.partial_eval import dce_jaxpr
+    from mindpipe_jax.parallel.pipeline.autosplit import live_inputs
 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
     tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
@@ -238,7 +235,7 @@ def check_loss_key_through_pipeline(spec, seq_len: int, pipe: int) -> None:
 
     with jax.set_mesh(None):
         closed = jax.make_jaxpr(loss)(abstract, tokens, key_data)
-    if dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[1][-1]:
+    if closed.jaxpr.invars[-1] in live_inputs(closed.jaxpr):
         name = type(nnx.eval_shape(lambda: spec.merge(abstract))).__name__
         raise ConfigError(f"{name}.loss draws random numbers from its dropout_key (dropout); through a "
                           f"pipeline (parallel.pipe={pipe}) no key reaches the model's layers, so it would "

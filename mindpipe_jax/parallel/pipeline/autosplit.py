@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax._src.interpreters.partial_eval import dce_jaxpr
 from jax.extend.core import Literal, Var
 
 from mindpipe_jax.errors import ConfigError
@@ -33,8 +34,12 @@ _ROOT_PARAMS, _ROOT_TOKENS, _ROOT_TARGETS = "params", "tokens", "targets"
 
 
 def live_inputs(jaxpr) -> set:
-    """The input vars a jaxpr's outputs really depend on (dead reads do not count)."""
-    return needed_eqns(jaxpr.eqns, jaxpr.outvars)[1]
+    """The input vars a jaxpr's outputs really depend on (dead reads do not count).
+    JAX's own dead-code elimination: it follows values into scan, cond and jit bodies
+    (a key split over a layer scan and never drawn from is dead), where an
+    equation-level walk counts every input of such an equation as read."""
+    used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1]
+    return {v for v, u in zip(jaxpr.invars, used, strict=True) if u}
 
 
 def needed_eqns(eqns, outputs, stop_eqn=None):
