@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.pipeline.runtime import fsdp
 from mindpipe_jax.parallel.pipeline.runtime.spmd import EXPERT
 
 NOT_SPLIT = -1  # not None: None is an empty subtree to jax.tree.map
@@ -55,3 +56,27 @@ def with_expert(spec: P, dim: int, lead: int) -> P:
         raise ValueError(f"dimension {dim} is split over both {entries[lead + dim]!r} and 'expert'")
     entries[lead + dim] = EXPERT
     return P(*entries)
+
+
+def check_supported(mesh, grad_sync: str, deterministic: bool) -> None:
+    """Expert gradients are averaged after the last tick (no chunk ring) and not in the
+    deterministic mode's ordered sums."""
+    if mesh.shape.get(EXPERT, 1) > 1 and (grad_sync != "end" or deterministic):
+        raise ValueError(f"expert parallelism inside the pipeline (expert={mesh.shape[EXPERT]}) "
+                         f"needs grad_sync='end' (got {grad_sync!r}) and deterministic=False")
+
+
+def stack_dims(param_specs, embed_p, blocks_p, head_p, mesh_shape):
+    """The stack leaves' ``expert`` dimensions (``dims_of``) counted after their layer axis;
+    the embedding and head must have none."""
+    for name, tree in (("embed", embed_p), ("head", head_p)):
+        if any_split(dims_of(param_specs and param_specs[name], tree, mesh_shape)):
+            raise ValueError(f"the {name} parameters are split over 'expert': only the blocks' may be")
+    return jax.tree.map(lambda d: d - 1 if d >= 0 else d,
+                        dims_of(param_specs and param_specs["blocks"], blocks_p, mesh_shape))
+
+
+def stack_specs(fsdp_dims, expert_dims, lead):
+    """The staged stack's ``shard_map`` specs: ``lead``, then ``fsdp`` and ``expert`` at their
+    dimensions (counted after ``lead``)."""
+    return jax.tree.map(lambda d, e: with_expert(fsdp.in_spec(d, lead), e, len(lead)), fsdp_dims, expert_dims)

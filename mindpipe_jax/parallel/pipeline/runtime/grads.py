@@ -207,9 +207,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
     going in, is gathered once per step inside, and its gradient leaves
     reduce-scattered (``fsdp.py``). None: every weight enters gathered.
-    A weight stored split over ``expert`` (an MoE block's experts) enters split, each
-    device holding its experts (``experts.py``; needs ``param_specs``, ``grad_sync="end"``
-    and no ``deterministic``).
+    A stack weight stored split over ``expert`` (MoE experts) enters split (``experts.py``).
     ``fsdp_gather``: when those weights are gathered: ``"step"``, once per step on each
     stage (the gathered stage stays for the step); ``"chunk"``, for each task's use of
     its chunk, the chunk's gradient reduce-scattered after each task (``fsdp.py``).
@@ -251,9 +249,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     wire = WIRE_DTYPES[grad_sync_dtype]
     auto = {a: n for a, n in mesh.shape.items() if a not in MANUAL}
-    if mesh.shape.get(experts.EXPERT, 1) > 1 and (grad_sync != "end" or deterministic):
-        raise ValueError(f"expert parallelism inside the pipeline (expert={mesh.shape[experts.EXPERT]}) "
-                         f"needs grad_sync='end' (got {grad_sync!r}) and deterministic=False")
+    experts.check_supported(mesh, grad_sync, deterministic)
 
     def on_shards(fn, tree, specs):
         """A narrow wire's mean reshapes the gradients: on each device's own shards
@@ -419,22 +415,15 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         rows = P(None, BATCH)
         specs = param_specs if mesh.shape.get(fsdp.FSDP, 1) > 1 else None
         # A stack leaf [L, *rest] is staged as [p, v, width, *rest]: its dims count in rest.
-        shape = dict(mesh.shape)
-        in_rest = lambda d: d - 1 if d >= 0 else d  # noqa: E731
+        shape, in_rest = dict(mesh.shape), lambda d: d - 1 if d >= 0 else d
         dims = {"blocks": jax.tree.map(in_rest, fsdp.dims_of(specs and specs["blocks"], blocks_p)),
-                "experts": jax.tree.map(in_rest, experts.dims_of(param_specs and param_specs["blocks"],
-                                                                 blocks_p, shape))}
-        for name, tree in (("embed", embed_p), ("head", head_p)):
-            if experts.any_split(experts.dims_of(param_specs and param_specs[name], tree, shape)):
-                raise ValueError(f"the {name} parameters are split over 'expert': only the blocks' may be")
+                "experts": experts.stack_dims(param_specs, embed_p, blocks_p, head_p, shape)}
         ends = {name: fsdp.end_splits(param_specs and param_specs[name], tree, shape)
                 for name, tree in (("embed", embed_p), ("head", head_p))}
         spec_e = jax.tree.map(fsdp.EndSplit.spec, ends["embed"])
         spec_h = jax.tree.map(fsdp.EndSplit.spec, ends["head"])
-
-        def stack_spec(lead):  # [p, (G,) v, width, *rest]: fsdp and expert at their dims in rest
-            return jax.tree.map(lambda d, e: experts.with_expert(fsdp.in_spec(d, lead), e, len(lead)),
-                                dims["blocks"], dims["experts"])
+        # [p, (G,) v, width, *rest]: fsdp and expert at their dims in rest
+        stack_spec = partial(experts.stack_specs, dims["blocks"], dims["experts"])
         spec_b = stack_spec((AXIS, None, None))
         out_e, out_b, out_h = spec_e, spec_b, spec_h
         if groups > 1:  # the gradients have a group axis: [G, ...] ends, [p, G, v, width, ...] blocks
