@@ -94,7 +94,7 @@ def add_parsers(sub, fmt) -> None:
         "plan", formatter_class=fmt,
         help="measure layer costs and print the pipeline partition (vPipe plan); draw it with --out",
         description=textwrap.dedent("""\
-            Measure the configured GPT's layer costs on this machine (one block, the
+            Measure the configured GPT's (or MoE GPT's) layer costs on this machine (one block, the
             embedding and the head: forward, input-gradient, weight-gradient and fused
             backward times, FLOPs, activation, residual and parameter bytes; JAX's
             default device, median of --repeats runs) and split the layers over the

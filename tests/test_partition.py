@@ -563,3 +563,21 @@ def test_plan_command_bad_split_last_exits_2(argv, words, tmp_path, capsys, monk
     err = captured.err.strip()
     assert captured.out == "" and "\n" not in err and words in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_configured_moe_model_is_measured_not_the_dense_gpt():
+    """``mindpipe plan`` with model.n_experts > 0 measured the dense GPT's block (its costs
+    and parameter bytes) until 2026-12-05: the MoE block, its experts and router, is what
+    the pipeline runs."""
+    import numpy as np
+    from flax import nnx
+
+    from mindpipe_jax.config import ModelConfig
+    from mindpipe_jax.models.moe import MoEGPT
+
+    cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2)
+    prof = partition_mod.measure_layer_costs(cfg, microbatch=2, repeats=1, dots=False)
+    assert "MoEGPT" in prof.note and "4 experts" in prof.note, prof.note
+    blocks = nnx.to_pure_dict(nnx.state(MoEGPT(cfg, rngs=nnx.Rngs(0)).blocks, nnx.Param))
+    per_block = sum(np.asarray(x).nbytes for x in jax.tree.leaves(blocks)) / cfg.n_layers
+    assert prof.layers[0].param_bytes == per_block

@@ -1,6 +1,6 @@
 """Measured costs of a model's layers, the partitioner's input.
 
-``measure_layer_costs(model_cfg, microbatch=...)`` builds the reference GPT and
+``measure_layer_costs(model_cfg, microbatch=...)`` builds the configured GPT (or MoE GPT) and
 times, on one device, one block's forward (F), its backward split into B (input
 gradient only), W (weight gradient only) and the fused BW, and the same for the
 embedding and the head (+ loss); it reads FLOPs from the compiled programs
@@ -206,7 +206,8 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
 
 def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True,
                         model=None) -> ProfiledModel:
-    """Measure the reference GPT (``GPT(model_cfg, rngs=nnx.Rngs(0))``), or ``model``
+    """Measure the configured built-in model (``models.build_model``: the reference GPT, or
+    the MoE GPT when ``model_cfg.n_experts`` > 0), or ``model``
     (a factory ``rngs -> nnx.Module``: its prologue, one unit of its stack and its
     epilogue, found as the pipeline finds them, ``contract.PipelineModel``), on the
     current default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens
@@ -235,12 +236,13 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     import numpy as np
     from flax import nnx
 
-    from mindpipe_jax.models.gpt import GPT
+    from mindpipe_jax.models import build_model
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
     from mindpipe_jax.parallel.pipeline.parts import merged
 
     with nnx.use_eager_sharding(False):
-        model = factory(nnx.Rngs(0)) if factory is not None else GPT(model_cfg, rngs=nnx.Rngs(0))
+        # The configured built-in model: the GPT, or its MoE variant (model.n_experts > 0).
+        model = factory(nnx.Rngs(0)) if factory is not None else build_model(model_cfg, nnx.Rngs(0))
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_put(nnx.to_pure_dict(state), jax.devices()[0])
     rng = np.random.default_rng(0)
@@ -280,8 +282,10 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     res_layer = residual_bytes(fns.layer, block, hidden)
     device = jax.devices()[0]
     where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
-    what = (f"GPT(d_model={model_cfg.d_model}, heads={model_cfg.n_heads}, seq_len={model_cfg.seq_len}, "
-            f"vocab={model_cfg.vocab_size}, {model_cfg.dtype})" if factory is None
+    experts = f", {model_cfg.n_experts} experts, top-{model_cfg.top_k}" if model_cfg.n_experts else ""
+    what = (f"{type(model).__name__}(d_model={model_cfg.d_model}, heads={model_cfg.n_heads}, "
+            f"seq_len={model_cfg.seq_len}, vocab={model_cfg.vocab_size}, {model_cfg.dtype}{experts})"
+            if factory is None
             else f"{type(model).__name__} (seq_len={model_cfg.seq_len})")
     note = (f"measured on {where}: one unit of {what} at microbatch {microbatch}, median of {repeats}; "
             f"units are identical, so its costs are replicated over {n} units")
