@@ -205,9 +205,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     picks the fastest under ``fuse_cost``, e.g. measured F/B/W/BW times).
     ``param_specs``: ``{"embed", "blocks", "head"}`` trees of the parameters' storage
     ``PartitionSpec``s (or shardings); a weight stored sharded over ``fsdp`` stays so
-    going in, is gathered once per step inside, and its gradient leaves
-    reduce-scattered (``fsdp.py``). None: every weight enters gathered.
-    A stack weight stored split over ``expert`` (MoE experts) enters split (``experts.py``).
+    going in, is gathered once per step inside, and its gradient leaves reduce-scattered
+    (``fsdp.py``); MoE experts stay split over ``expert`` (``experts.py``). None: all whole.
     ``fsdp_gather``: when those weights are gathered: ``"step"``, once per step on each
     stage (the gathered stage stays for the step); ``"chunk"``, for each task's use of
     its chunk, the chunk's gradient reduce-scattered after each task (``fsdp.py``).
