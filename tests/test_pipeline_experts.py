@@ -31,6 +31,10 @@ MOE = ("model.n_experts=4", "model.top_k=2", "model.moe_aux_weight=0.5")
       "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp_gather=chunk"), 4),
     (("parallel.data=1", "parallel.tensor=1", "parallel.expert=4", "parallel.schedule=dualpipev",
       "parallel.virtual_stages=2"), 4),
+    # pipe4: per-device branches hung here on XLA:CPU (the all_to_all against the ring's
+    # ppermute); expert > 1 runs in lockstep
+    (("parallel.pipe=4", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
+      "parallel.schedule=zb-h1"), 2),
 ])
 def test_experts_split_inside_stages_equal_the_per_unit_reference(layout, devices):
     """pipe2 with the experts split over 2 or 4 devices per stage, dropout 0.2, capacity
@@ -43,6 +47,14 @@ def test_experts_split_inside_stages_equal_the_per_unit_reference(layout, device
                  key=key, model=MoEGPT)
     want = _reference(0.2, key, devices, 4, *MOE, build=functools.partial(MoEGPT, dispatch_groups=1))
     _assert_close(got, want)
+
+
+def test_an_expert_axis_runs_the_stages_in_lockstep():
+    from mindpipe_jax.config import ParallelConfig
+    from mindpipe_jax.parallel.pipeline.runtime import needs_lockstep
+
+    assert needs_lockstep(make_mesh(ParallelConfig(pipe=2, data=2, expert=2, tensor=1)))
+    assert not needs_lockstep(make_mesh(ParallelConfig(pipe=2, data=4, expert=1, tensor=1)))
 
 
 def test_a_stage_holds_only_its_experts():

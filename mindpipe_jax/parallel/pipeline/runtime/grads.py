@@ -7,8 +7,8 @@ per device and tick). A tick (``ticks.py``) runs each part's branch for this
 device (``stage.py``), adds the weight-gradient contributions under ``cond``s on
 the table, and moves activations and gradients one device along the ring with
 ``ppermute``s that every device executes, outside every branch. With an automatic
-mesh axis > 1 (tensor) the parts run in lockstep (``spmd.needs_lockstep``); the expert
-axis is a manual batch axis whose devices hold their own experts (``experts.py``).
+mesh axis > 1 (tensor), or expert > 1, the parts run in lockstep (``spmd.needs_lockstep``);
+expert is a manual batch axis whose devices hold their own experts (``experts.py``).
 
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers as deep as the fused schedule keeps microbatches alive on a

@@ -46,11 +46,13 @@ def needs_lockstep(mesh) -> bool:
     every task kind some stage runs in that tick (``cond`` on a predicate read
     from the table, the same on all devices) and keeps its own task's outputs.
     The price is compute: a tick costs the sum of its task kinds instead of the
-    largest (benchmarks/pipeline_lockstep.py measures it). The MoE layer's
-    ``all_to_all`` over the manual ``expert`` axis is written in the stage code, among
-    the devices of one stage, which take the same branch: no lockstep for it.
+    largest (benchmarks/pipeline_lockstep.py measures it). ``expert`` > 1 too: the
+    MoE layer's ``all_to_all`` over it sits inside the stage code, and on XLA:CPU a
+    device that started the tick's ring ``ppermute`` before its branch's all_to_all
+    waited for a peer that did the opposite (a pipe4 x expert2 run hung).
     """
-    return any(size > 1 for axis, size in mesh.shape.items() if axis not in MANUAL)
+    return mesh.shape.get(EXPERT, 1) > 1 or any(size > 1 for axis, size in mesh.shape.items()
+                                                 if axis not in MANUAL)
 
 
 def _vary(tree):
