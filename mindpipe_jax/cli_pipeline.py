@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import textwrap
-import types
 
 from mindpipe_jax.cli_common import (
     ERRORS_HELP,
@@ -218,20 +217,21 @@ def run_plan(args: argparse.Namespace) -> int:
         measure_layer_costs,
         partition,
     )
+    from mindpipe_jax.parallel.pipeline.plan.shares import plan_layout
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
-    profile = measure_layer_costs(cfg.model, microbatch=cfg.train.global_batch // m, repeats=repeats,
-                                  dots="dots" in options)
-    # The runtime's rule on the configured axes (an automatic tensor size counts as 1 here).
-    lockstep = needs_lockstep(types.SimpleNamespace(shape=par.axis_sizes()))
+    mesh, microbatch, share = plan_layout(cfg)
+    profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options)
+    lockstep = needs_lockstep(mesh)  # the runtime's rule on the run's mesh
     if args.split_last == "auto":
         plan = choose_split_last(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
-                                 remat_options=options, lockstep=lockstep)
+                                 remat_options=options, lockstep=lockstep, param_share=share)
     else:
         plan = dataclasses.replace(partition(profile, p=p, v=v, m=m, schedule=schedule,
                                              memory_budget_bytes=budget, remat_options=options,
-                                             lockstep=lockstep), split_last=split_last)
+                                             lockstep=lockstep, param_share=share), split_last=split_last)
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
     return 0
+

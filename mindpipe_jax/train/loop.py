@@ -58,7 +58,7 @@ from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, reba
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state
-from mindpipe_jax.train.step import nonfinite_leaf_names
+from mindpipe_jax.train.step import BATCH_AXES, nonfinite_leaf_names
 
 
 @dataclasses.dataclass
@@ -271,7 +271,7 @@ def _replan(cfg: Config, mesh) -> tuple[int, ...]:
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
     par = cfg.parallel
-    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
     microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
     profile = measure_layer_costs(cfg.model, microbatch=microbatch)
     schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages,

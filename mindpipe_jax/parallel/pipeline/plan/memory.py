@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel
+from mindpipe_jax.parallel.pipeline.plan.shares import CHUNK_GATHERED_COPIES, GATHERED_COPIES, ParamShare
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 
 REMAT_POLICIES = ("none", "dots", "full")
@@ -74,8 +75,9 @@ SLOT_MOVES_TWO_READS = 5
 class StageModel:
     """Prefix sums over the profile, and one stage's figures for a remat policy."""
 
-    def __init__(self, prof: ProfiledModel, G: int, split: bool):
+    def __init__(self, prof: ProfiledModel, G: int, split: bool, share: ParamShare | None = None):
         self.prof, self.G, self.split = prof, G, split
+        self.share = share or ParamShare()
         L = prof.num_layers
         self.L = L
 
@@ -128,9 +130,29 @@ class StageModel:
             recompute = self._sum(self.drec, i, j)
             per_mb, transient = act + kept + first * prof.embed_residual_bytes \
                 + last * prof.head_residual_bytes, one_layer
-        params = self._sum(self.params, i, j) + first * e.param_bytes + last * h.param_bytes
+        params = self.param_fig(self._sum(self.params, i, j), first * e.param_bytes + last * h.param_bytes)
         return {"F": fwd, "back": back, "recompute": recompute, "time": fwd + back + recompute,
-                "params": params, "per_mb": per_mb, "transient": transient}
+                **params, "per_mb": per_mb, "transient": transient}
+
+    def param_fig(self, blocks: float, ends: float) -> dict[str, float]:
+        """A stage's parameter figures for ``blocks`` bytes of layers and ``ends`` of
+        embed / head (whole): what a device stores, and what the step gathers."""
+        share = self.share
+        return {"params": share.blocks_stored * blocks + share.ends_stored * ends,
+                "gathered": share.blocks_used * blocks * share.gathers_blocks(),
+                "gathered_ends": share.ends_used * ends * share.gathers_ends()}
+
+    def param_memory(self, figs: Sequence[dict[str, float]], param_copies: float) -> float:
+        """Bytes one device keeps for the parameters of its stages ``figs``: the stored
+        copies (weights, gradients, Adam's moments) and, where the step gathers what
+        storage splits over ``fsdp``, the gathered weights and an accumulator of their
+        size: for all its stages at once, or its largest chunk in each part of a tick
+        under ``fsdp_gather="chunk"`` (``shares``)."""
+        blocks = [f["gathered"] for f in figs]
+        gathered = (CHUNK_GATHERED_COPIES * max(blocks, default=0.0) if self.share.fsdp_gather == "chunk"
+                    else GATHERED_COPIES * sum(blocks))
+        return param_copies * sum(f["params"] for f in figs) + gathered \
+            + GATHERED_COPIES * sum(f["gathered_ends"] for f in figs)
 
 
 def stages_of(schedule: Schedule, s: int) -> tuple[int, ...]:
@@ -157,13 +179,13 @@ def device_peak(schedule: Schedule, s: int, per_mb_by_chunk: Sequence[float]) ->
     return peak
 
 
-def memory_per_device(sched: Schedule, spans, figs, param_copies: float):
+def memory_per_device(model: StageModel, sched: Schedule, figs, param_copies: float):
     """Per device: (params+optimizer, in-flight activations, transient) bytes."""
     p = sched.num_stages
     params, acts, trans = [], [], []
     for s in range(p):
         gs = stages_of(sched, s)
-        params.append(param_copies * sum(figs[g]["params"] for g in gs))
+        params.append(model.param_memory([figs[g] for g in gs], param_copies))
         acts.append(device_peak(sched, s, [figs[g]["per_mb"] for g in gs]))
         trans.append(max(figs[g]["transient"] for g in gs))
     return tuple(params), tuple(acts), tuple(trans)
@@ -183,7 +205,7 @@ def choose_remat(model: StageModel, sched: Schedule, spans, options, budget, par
         best, best_key, least = None, None, None
         for combo in combos:
             figs = [model.stage(g, spans[g].start, spans[g].stop, o) for g, o in zip(gs, combo, strict=True)]
-            mem = param_copies * sum(f["params"] for f in figs) \
+            mem = model.param_memory(figs, param_copies) \
                 + device_peak(sched, s, [f["per_mb"] for f in figs]) + max(f["transient"] for f in figs)
             if least is None or mem < least[0]:
                 least = (mem, combo)
@@ -250,10 +272,14 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
         stages = [g for g in keeping if chosen[g] == policy] or list(range(G))
         owner[r] = max(stages, key=lambda g: (inflight[device_of(sched, g)], -g))
     act = max(model.act_in)
+    # Every device holds the embedding and head (stored split over pipe, gathered in
+    # the step) beside its own stages' layers: one SPMD program.
     e, h = model.prof.embed, model.prof.head
-    params = max(sum(model._sum(model.params, spans[g].start, spans[g].stop) for g in stages_of(sched, s))
-                 for s in range(p)) + e.param_bytes + h.param_bytes
-    total = param_copies * params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
+    ends = model.param_fig(0.0, e.param_bytes + h.param_bytes)
+    layers = [model.param_fig(model._sum(model.params, r.start, r.stop), 0.0) for r in spans]
+    params = max(model.param_memory([layers[g] for g in stages_of(sched, s)] + [ends], param_copies)
+                 for s in range(p))
+    total = params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
         + max(f["transient"] for f in figs)
     return total, {r: (buffers[r], owner[r]) for r in buffers}
 

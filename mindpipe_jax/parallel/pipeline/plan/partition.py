@@ -58,6 +58,7 @@ from mindpipe_jax.parallel.pipeline.plan.memory import (
 from mindpipe_jax.parallel.pipeline.plan.profile import ProfiledModel, measure_layer_costs
 from mindpipe_jax.parallel.pipeline.plan.result import PipelinePlan
 from mindpipe_jax.parallel.pipeline.plan.search import lex_less, split_dp
+from mindpipe_jax.parallel.pipeline.plan.shares import ParamShare
 from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule, get_schedule, interleaved_placement
 from mindpipe_jax.parallel.pipeline.schedules.fused import FUSE_MODES
 from mindpipe_jax.sim import Link, SimResult, StageCosts, simulate
@@ -77,7 +78,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
               param_copies: float = PARAM_COPIES, link: Link | float | None = None,
               fit_spmd: bool = True,
               measure_memory: Callable[[tuple[str, ...], tuple[int, ...], str], float] | None = None,
-              fuse_modes: Sequence[str] = ("auto", "table"), lockstep: bool = False) -> PipelinePlan:
+              fuse_modes: Sequence[str] = ("auto", "table"), lockstep: bool = False,
+              param_share: ParamShare | None = None) -> PipelinePlan:
     """Assign contiguous layers to the ``p * v`` global stages and a remat policy to
     each stage; see ``memory`` for the cost and memory model.
 
@@ -114,7 +116,10 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     each fit needs) is fastest: under a tight budget one task per tick with light remat
     can beat fused ticks that need "full" (``fuse_ticks``, ``parallel.fuse_ticks``).
     ``lockstep``: the run's stages go in lockstep (tensor or expert > 1), whose buffers
-    differ: the SPMD figure models them (``memory.spmd_memory``).
+    differ: the SPMD figure models them (``memory.spmd_memory``). ``param_share``: the
+    share of the parameters a device holds on the run's mesh (``shares.param_share``:
+    ``fsdp``, ``tensor`` or ``expert`` splits, the gathered buffers); None = the
+    profile's whole bytes, one device per stage.
 
     The SPMD runtime also moves residual slots on every device in every tick, a cost
     no stage's own time shows (``memory.slot_tick_seconds``, zero unless the profile
@@ -161,11 +166,12 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
 
     G, L = p * v, profile.num_layers
     split = any(t is not None and t.kind in (Kind.B, Kind.W) for row in sched.table for t in row)
-    model = StageModel(profile, G, split)
+    model = StageModel(profile, G, split, param_share)
     inflight = sched.peak_in_flight()
 
     def device_memory(g: int, fig: dict[str, float]) -> float:
-        return param_copies * fig["params"] + inflight[device_of(sched, g)] * fig["per_mb"] + fig["transient"]
+        return model.param_memory([fig], param_copies) + inflight[device_of(sched, g)] * fig["per_mb"] \
+            + fig["transient"]
 
     def fastest_fitting(g: int, i: int, j: int) -> tuple[str, dict[str, float]] | None:
         best = None
@@ -226,7 +232,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
                 if measure_memory is not None
                 else spmd_memory(model, sched, spans, chosen, param_copies, fuse_mode, lockstep)[0])
     figs = [model.stage(g, spans[g].start, spans[g].stop, chosen[g]) for g in range(G)]
-    memory = memory_per_device(sched, spans, figs, param_copies)
+    memory = memory_per_device(model, sched, figs, param_copies)
     costs = stage_costs(figs)
     tick_slots = slot_tick_seconds(model, sched, spans, chosen, fuse_mode, lockstep)
     sims = predict(costs, tick_slots)
@@ -244,7 +250,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
-        even_split=even, costs=costs, simulations=sims, note=profile.note, fuse_ticks=fuse_mode,
+        even_split=even, costs=costs, simulations=sims, fuse_ticks=fuse_mode,
+        note=_joined(profile.note, model.share.describe()),
         placement=None if sched.placement == interleaved_placement(p, v) else sched.placement)
 
 
@@ -336,7 +343,8 @@ def _interleaved_split(model: StageModel, sched: Schedule, options, budget, para
         best = math.inf
         for policy in options:
             fig = model.stage(g, i, j, policy)
-            need = param_copies * fig["params"] + per_chunk[s][c] * fig["per_mb"] + fig["transient"]
+            need = model.param_memory([fig], param_copies) + per_chunk[s][c] * fig["per_mb"] \
+                + fig["transient"]
             if budget is None or need <= budget / v:
                 best = min(best, fig["time"])
         return best
@@ -389,9 +397,13 @@ def _even_split(model: StageModel, sched: Schedule, profile: ProfiledModel, G: i
     figs = [model.stage(g, spans[g].start, spans[g].stop, "none") for g in range(G)]
     costs = StageCosts.from_layers(list(profile.layers), stage_of, G, embed=profile.embed, head=profile.head)
     sims = {mode: simulate(sched, costs, link=link, mode=mode) for mode in ("async", "lockstep")}
-    memory = memory_per_device(sched, spans, figs, param_copies)
+    memory = memory_per_device(model, sched, figs, param_copies)
     return {"counts": tuple(counts), "slowest_stage_s": max(f["time"] for f in figs),
             "utilization_async": sims["async"].mean_utilization,
             "utilization_lockstep": sims["lockstep"].mean_utilization,
             "step_time_async_s": sims["async"].step_time, "step_time_lockstep_s": sims["lockstep"].step_time,
             "peak_memory_bytes": max(sum(x) for x in zip(*memory, strict=True))}
+
+
+def _joined(*parts: str) -> str:
+    return "; ".join(x for x in parts if x)
