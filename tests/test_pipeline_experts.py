@@ -31,8 +31,8 @@ MOE = ("model.n_experts=4", "model.top_k=2", "model.moe_aux_weight=0.5")
       "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp_gather=chunk"), 4),
     (("parallel.data=1", "parallel.tensor=1", "parallel.expert=4", "parallel.schedule=dualpipev",
       "parallel.virtual_stages=2"), 4),
-    # pipe4: per-device branches hung here on XLA:CPU (the all_to_all against the ring's
-    # ppermute); expert > 1 runs in lockstep
+    # pipe4: per-device branches hung here on XLA:CPU when a device could start the ring's
+    # ppermute before its branch's all_to_all (now the tick's parts and transfers are chained)
     (("parallel.pipe=4", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
       "parallel.schedule=zb-h1"), 2),
 ])
@@ -49,12 +49,16 @@ def test_experts_split_inside_stages_equal_the_per_unit_reference(layout, device
     _assert_close(got, want)
 
 
-def test_an_expert_axis_runs_the_stages_in_lockstep():
+def test_an_expert_axis_orders_the_tick_instead_of_lockstep():
     from mindpipe_jax.config import ParallelConfig
     from mindpipe_jax.parallel.pipeline.runtime import needs_lockstep
+    from mindpipe_jax.parallel.pipeline.runtime.spmd import branch_collectives
 
-    assert needs_lockstep(make_mesh(ParallelConfig(pipe=2, data=2, expert=2, tensor=1)))
-    assert not needs_lockstep(make_mesh(ParallelConfig(pipe=2, data=4, expert=1, tensor=1)))
+    with_experts = make_mesh(ParallelConfig(pipe=2, data=2, expert=2, tensor=1))
+    assert not needs_lockstep(with_experts) and branch_collectives(with_experts)
+    dense = make_mesh(ParallelConfig(pipe=2, data=4, expert=1, tensor=1))
+    assert not needs_lockstep(dense) and not branch_collectives(dense)
+    assert needs_lockstep(make_mesh(ParallelConfig(pipe=2, data=1, expert=2, tensor=2)))
 
 
 def test_a_stage_holds_only_its_experts():

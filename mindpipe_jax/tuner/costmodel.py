@@ -38,7 +38,7 @@ idle in a bubble free the host's cores for the busy ones; on a GPU the two rates
 agree). ``shared_cores=False`` keeps the model before it (the larger of the
 neighbour replay at solo rates and the devices' mean work at busy rates), which
 ``benchmarks/costmodel.py`` prints beside it. With ``tensor``
-or ``expert`` > 1 the stages run in lockstep instead: each fused tick costs every
+> 1 the stages run in lockstep instead: each fused tick costs every
 active branch's work on every device (``CostModel._lockstep_compute``). Either way
 each fused tick also moves residual slots (``CostModel._slot_traffic``: the runtime
 reads the backward's slot of every residual buffer and writes one back,
@@ -125,7 +125,7 @@ class CostModel:
     ``pipeline_tensor_split``: whether ``tensor`` divides a pipeline stage's work. It
     does: inside the pipeline's ``shard_map`` the stage code's weights stay sharded
     over ``tensor`` (the compiled t2 p4 step's MLP dots are [rows, d_ff / 2]). What
-    costs is that with ``tensor`` (or ``expert``) > 1 the stages run in *lockstep*
+    costs is that with ``tensor`` > 1 the stages run in *lockstep*
     (``runtime.spmd.needs_lockstep``): every device runs every task kind some device
     runs in the tick (``_lockstep_compute``); False models the stage work unsplit
     and per-device branches (the model before lockstep was counted)."""
@@ -288,9 +288,9 @@ class CostModel:
         return total, max(bubble, 0.0), plan.num_ticks
 
     def _lockstep(self, c: Candidate) -> bool:
-        """Whether ``c``'s pipeline runs its stages in lockstep (tensor or expert > 1;
+        """Whether ``c``'s pipeline runs its stages in lockstep (tensor > 1;
         ``runtime.spmd.needs_lockstep``), as this model counts it."""
-        return c.pipe > 1 and self.pipeline_tensor_split and (c.tensor > 1 or c.expert > 1)
+        return c.pipe > 1 and self.pipeline_tensor_split and c.tensor > 1
 
     def _lockstep_plan(self, c: Candidate):
         """The tick plan as the runtime makes it in lockstep (``pipeline_grads``' defaults)."""

@@ -249,7 +249,7 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     the SPMD runtime lays them out: one program, so every buffer is as deep as its
     deepest stage and as wide as its widest; all parameters of a device's stages
     plus embed and head (replicated); the largest transient of any stage.
-    ``lockstep``: the stages run in lockstep (tensor or expert > 1,
+    ``lockstep``: the stages run in lockstep (tensor > 1,
     ``runtime.spmd.needs_lockstep``), where the runtime merges the first and last
     stages' tasks into the middle stages' branches: the last stage's forward then
     keeps its layers' residuals like a middle stage, and the loss's gradient waits in

@@ -115,7 +115,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     the one whose fused-tick replay (the simulator's neighbour mode, with the recompute
     each fit needs) is fastest: under a tight budget one task per tick with light remat
     can beat fused ticks that need "full" (``fuse_ticks``, ``parallel.fuse_ticks``).
-    ``lockstep``: the run's stages go in lockstep (tensor or expert > 1), whose buffers
+    ``lockstep``: the run's stages go in lockstep (tensor > 1), whose buffers
     differ: the SPMD figure models them (``memory.spmd_memory``). ``param_share``: the
     share of the parameters a device holds on the run's mesh (``shares.param_share``:
     ``fsdp``, ``tensor`` or ``expert`` splits, the gathered buffers); None = the

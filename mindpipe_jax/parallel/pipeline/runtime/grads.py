@@ -7,8 +7,9 @@ per device and tick). A tick (``ticks.py``) runs each part's branch for this
 device (``stage.py``), adds the weight-gradient contributions under ``cond``s on
 the table, and moves activations and gradients one device along the ring with
 ``ppermute``s that every device executes, outside every branch. With an automatic
-mesh axis > 1 (tensor), or expert > 1, the parts run in lockstep (``spmd.needs_lockstep``);
-expert is a manual batch axis whose devices hold their own experts (``experts.py``).
+mesh axis > 1 (tensor), the parts run in lockstep (``spmd.needs_lockstep``); expert
+is a manual batch axis whose devices hold their own experts (``experts.py``), and with it
+> 1 a tick's parts and transfers are chained in one order (``spmd.branch_collectives``).
 
 Memory. What a microbatch leaves behind between its forward and its backward is
 kept in slot buffers as deep as the fused schedule keeps microbatches alive on a
@@ -50,6 +51,7 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     StageFns,
     _take,
     _vary,
+    branch_collectives,
     needs_lockstep,
 )
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
@@ -352,7 +354,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         res_buf = _vary(tasks.residual_buffers())
         stash_buf = _vary(tasks.stash_buffers())
         tick = make_tick(plan, tasks, stage_idx, lockstep=lockstep, per_chunk=gather_scatter, groups=groups,
-                         levels=levels, ranks=ranks)
+                         levels=levels, ranks=ranks, ordered=branch_collectives(mesh))
 
         def mean_of_chunk(grads):
             """A chunk's gradient averaged over the batch axes, each device keeping its fsdp

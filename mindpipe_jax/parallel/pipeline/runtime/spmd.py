@@ -46,13 +46,22 @@ def needs_lockstep(mesh) -> bool:
     every task kind some stage runs in that tick (``cond`` on a predicate read
     from the table, the same on all devices) and keeps its own task's outputs.
     The price is compute: a tick costs the sum of its task kinds instead of the
-    largest (benchmarks/pipeline_lockstep.py measures it). ``expert`` > 1 too: the
-    MoE layer's ``all_to_all`` over it sits inside the stage code, and on XLA:CPU a
-    device that started the tick's ring ``ppermute`` before its branch's all_to_all
-    waited for a peer that did the opposite (a pipe4 x expert2 run hung).
+    largest (benchmarks/pipeline_lockstep.py measures it). ``expert`` > 1 does not
+    need it (``branch_collectives``): its collectives are the MoE layer's explicit
+    ``all_to_all`` among one stage's devices, which take the same branch.
     """
-    return mesh.shape.get(EXPERT, 1) > 1 or any(size > 1 for axis, size in mesh.shape.items()
-                                                 if axis not in MANUAL)
+    return any(size > 1 for axis, size in mesh.shape.items() if axis not in MANUAL)
+
+
+def branch_collectives(mesh) -> bool:
+    """Whether a stage's branches hold collectives of their own among the stage's
+    devices (``expert`` > 1: the MoE layer's ``all_to_all``). One stage's devices take
+    the same branches, but XLA:CPU starts independent ops in any order per device: a
+    device that started the tick's ring ``ppermute`` (or another part's branch) before a
+    branch's all_to_all waited for a peer that did the opposite (a pipe4 x expert2 run
+    hung). The tick then chains its parts and issues its transfers after them
+    (``ticks.make_tick(ordered=True)``), the same order on every device."""
+    return mesh.shape.get(EXPERT, 1) > 1
 
 
 def _vary(tree):

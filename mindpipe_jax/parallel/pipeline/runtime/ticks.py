@@ -164,7 +164,7 @@ def arrival_ranks(plan: Plan, groups: int = 1) -> dict | None:
 
 
 def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_chunk=None, groups: int = 1,
-              levels: int = 1, ranks: dict | None = None):
+              levels: int = 1, ranks: dict | None = None, ordered: bool = False):
     """``tick((acc, x_buf, g_buf, res_buf, stash_buf), t) -> (carry, None)`` for ``lax.scan``.
 
     ``groups`` > 1: the m microbatches are that many consecutive groups, each with its own
@@ -186,7 +186,11 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
     stage's cell of the table: the same on every device of the stage's fsdp group, the
     only devices in the collective, so a tick whose task does not run a chunk (or adds
     no weight gradient) moves nothing; a part no task of the schedule uses gathers
-    nothing."""
+    nothing.
+
+    ``ordered``: the branches hold collectives among one stage's devices
+    (``spmd.branch_collectives``): each part starts after the previous part's outputs
+    and the transfers after the last part's, so every device issues them in one order."""
     p = plan.fused.num_stages
     tables = [part.arrays() for part in plan.parts]
     actives = [jnp.asarray(part.active()) for part in plan.parts]
@@ -261,7 +265,7 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
             ops[i]["stash"] = {r: [leaf[i - 1] for leaf in stashed[r]] for r in stashed}
         f_op, b_op, w_op = ops
         res_at, stash_at = res_at[0], stash_at[0]
-        ordered = lockstep or per_chunk is not None  # collectives between the parts
+        chained = ordered or lockstep or per_chunk is not None  # collectives between the parts
         f_out = run_part(0, t, f_op, None)
         if inline:  # a merged last stage's backward in its F's tick reads what that F made
             here = cells[1]["inline"] == 1
@@ -269,8 +273,8 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
                     "res": {r: [jnp.where(here, new, old) for new, old in zip(f_out["res"][r], b_op["res"][r],
                                                                               strict=True)]
                             for r in b_op["res"]}}
-        b_out = run_part(1, t, b_op, f_out if ordered else None)
-        w_out = run_part(2, t, w_op, b_out if ordered else None)
+        b_out = run_part(1, t, b_op, f_out if chained else None)
+        w_out = run_part(2, t, w_op, b_out if chained else None)
         made = {(i, name): (f_out, b_out, w_out)[i]["grads"][name] for (i, name) in gates}
         if per_chunk is not None:  # each part's chunk gradient to this device's shard, in order
             last = w_out
@@ -279,6 +283,8 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
                 made[key] = last = lax.cond(gates[key][t, stage_idx], tagged(scatter, gate_tables[key]),
                                             lambda g, z=shard: z, _after(made[key], last))
             f_out, b_out = _after((f_out, b_out), last)  # the transfers after them
+        elif ordered:  # the transfers after the branches' collectives
+            f_out, b_out = _after((f_out, b_out), w_out)
 
         acc = dict(acc)
         for (i, name), gate in gates.items():
