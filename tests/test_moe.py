@@ -192,10 +192,11 @@ def test_expert_axis_refusals():
     odd = _cfg("model.n_experts=6", "parallel.expert=4", "parallel.data=2", "parallel.tensor=1")
     with pytest.raises(ConfigError, match="model.n_experts=6 must be divisible by parallel.expert=4"):
         check_step_config(odd, make_mesh(odd.parallel))
-    piped = _cfg("model.n_experts=4", "parallel.pipe=2", "parallel.expert=2", "parallel.data=2",
-                 "parallel.tensor=1", "parallel.schedule=afapab", "parallel.microbatches=4")
-    with pytest.raises(ConfigError, match="parallel.expert=2 inside a pipeline.*parallel.grad_sync='end'"):
-        check_step_config(piped, make_mesh(piped.parallel))
+    exact = _cfg("model.n_experts=4", "parallel.pipe=2", "parallel.expert=2", "parallel.data=2",
+                 "parallel.tensor=1", "parallel.microbatches=4", "train.deterministic=true")
+    with pytest.raises(ConfigError, match="deterministic mode splits only the batch.*expert=2") as err:
+        check_step_config(exact, make_mesh(exact.parallel))
+    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.top_k=5 must be >= 1 and <= model.n_experts=4"):
         _cfg("model.n_experts=4", "model.top_k=5")
     with pytest.raises(ConfigError, match="model.capacity_factor=0.0 must be > 0"):

@@ -200,7 +200,7 @@ def _pipeline_grad_fn(spec: ModelSpec, cfg: Config, mesh, groups: int = 1):
     specs = {"embed": e_specs, "blocks": None if model.stacks_in_step else model.split(spec.storage)[1],
              "head": h_specs}
     if not builtin and specs["blocks"] is not None and mesh.shape["expert"] > 1 and \
-            experts.any_split(experts.dims_of(specs["blocks"], specs["blocks"], dict(mesh.shape))):
+            any(experts.expert_dim(s) >= 0 for s in jax.tree.leaves(specs["blocks"])):
         # Inside a stage such weights arrive as the device's own experts: only layers that
         # send tokens to them (the built-in MoE block's all_to_all) compute the right thing.
         raise ConfigError(f"model {model.name}: its layers hold weights split over 'expert', which a "

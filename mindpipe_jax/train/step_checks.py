@@ -99,8 +99,7 @@ def check_deterministic_pipeline(par, virtual_shards: int, n_batch: int, fsdp: i
 
 def _check_moe(cfg: Config, mesh) -> None:
     """The expert axis needs an MoE model whose experts it divides; in a pipeline each
-    stage's experts split over its expert devices (``runtime/experts.py``), whose
-    gradients are averaged after the last tick."""
+    stage's experts split over its expert devices (``runtime/experts.py``)."""
     experts, ep = cfg.model.n_experts, mesh.shape["expert"]
     if ep > 1 and experts == 0:
         raise ConfigError(f"parallel.expert={ep} splits the experts of a Mixture-of-Experts model, but "
@@ -108,10 +107,6 @@ def _check_moe(cfg: Config, mesh) -> None:
                           f"or parallel.expert=1")
     if experts and experts % ep:
         raise ConfigError(f"model.n_experts={experts} must be divisible by parallel.expert={ep}")
-    if experts and mesh.shape["pipe"] > 1 and ep > 1 and cfg.parallel.grad_sync_mode != "end":
-        raise ConfigError(f"parallel.expert={ep} inside a pipeline averages the gradients after the last "
-                          f"tick; got parallel.grad_sync={cfg.parallel.grad_sync!r} (schedule "
-                          f"{cfg.parallel.schedule!r}): set parallel.grad_sync='end'")
     if experts and cfg.model.collective_matmul and mesh.shape["tensor"] > 1:
         raise ConfigError(f"model.collective_matmul=true is not built for MoE blocks "
                           f"(model.n_experts={experts}); set model.collective_matmul=false")

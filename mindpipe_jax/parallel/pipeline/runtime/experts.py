@@ -58,12 +58,13 @@ def with_expert(spec: P, dim: int, lead: int) -> P:
     return P(*entries)
 
 
-def check_supported(mesh, grad_sync: str, deterministic: bool) -> None:
-    """Expert gradients are averaged after the last tick (no chunk ring) and not in the
-    deterministic mode's ordered sums."""
-    if mesh.shape.get(EXPERT, 1) > 1 and (grad_sync != "end" or deterministic):
+def check_supported(mesh, deterministic: bool) -> None:
+    """Expert gradients are not in the deterministic mode's ordered sums. (With
+    ``grad_sync="chunk"`` they are averaged at their chunk's sync point, beside the ring
+    that averages the rest: ``grads.owned_shards``.)"""
+    if mesh.shape.get(EXPERT, 1) > 1 and deterministic:
         raise ValueError(f"expert parallelism inside the pipeline (expert={mesh.shape[EXPERT]}) "
-                         f"needs grad_sync='end' (got {grad_sync!r}) and deterministic=False")
+                         f"needs deterministic=False")
 
 
 def stack_dims(param_specs, embed_p, blocks_p, head_p, mesh_shape):

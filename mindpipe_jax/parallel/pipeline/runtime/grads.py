@@ -250,7 +250,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     wire = WIRE_DTYPES[grad_sync_dtype]
     auto = {a: n for a, n in mesh.shape.items() if a not in MANUAL}
-    experts.check_supported(mesh, grad_sync, deterministic)
+    experts.check_supported(mesh, deterministic)
 
     def on_shards(fn, tree, specs):
         """A narrow wire's mean reshapes the gradients: on each device's own shards
@@ -300,17 +300,35 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         return fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1 and \
             any(d >= 0 for d in jax.tree.leaves(dims))
 
-    def owned_shards(dims, specs):
-        """What the chunk ring carries: with weights sharded over fsdp, their shards only."""
-        ring = tuple(d >= 0 for d in jax.tree.leaves(dims))
-        if mesh.shape[fsdp.FSDP] == 1 or not any(ring):
+    def owned_shards(dims, expert_dims, specs):
+        """What the chunk ring carries: with weights sharded over fsdp, their shards only;
+        never a leaf split over expert (its devices hold different experts: averaged at
+        the sync point over the other batch axes, ``fsdp.mean_scatter(experts=)``)."""
+        split = [e >= 0 for e in jax.tree.leaves(expert_dims)]
+        sharded = [d >= 0 and mesh.shape[fsdp.FSDP] > 1 for d in jax.tree.leaves(dims)]
+        if not any(sharded) and not any(split):
             return None
-        if per_chunk(dims):  # the sharded leaves summed over fsdp already (fsdp.sum_scatter)
-            first = lambda t: fsdp.mean_of_scattered(t, dims, BATCH, wire, ring_rest=True)  # noqa: E731
+        chunked = per_chunk(dims)
+
+        def first_leaf(g, d, e):
+            if e >= 0:  # the whole mean now, as the end-of-step sync would take it
+                if chunked:
+                    return fsdp.mean_of_scattered(g, d, BATCH, wire, experts=e)
+                return fsdp.mean_scatter(g, d, BATCH, offset=1, wire_dtype=wire, experts=e)
+            if not any(sharded):  # the ring averages it over every batch axis
+                return g
+            if chunked:  # the sharded leaves summed over fsdp already (fsdp.sum_scatter)
+                return fsdp.mean_of_scattered(g, d, BATCH, wire, ring_rest=True)
+            return fsdp.scatter_first(g, d, BATCH, offset=1, wire_dtype=wire)
+
+        def first(tree):
+            return jax.tree.map(first_leaf, tree, dims, expert_dims)
+        if any(sharded):
+            ring = tuple(s and not e for s, e in zip(sharded, split, strict=True))
+            axes = tuple(a for a in BATCH if a != fsdp.FSDP)
         else:
-            first = lambda t: fsdp.scatter_first(t, dims, BATCH, offset=1, wire_dtype=wire)  # noqa: E731
-        rest = tuple(a for a in BATCH if a != fsdp.FSDP)
-        return OwnedShards(lambda g: on_shards(first, g, specs), ring, rest)
+            ring, axes = tuple(not e for e in split), BATCH
+        return OwnedShards(lambda g: on_shards(first, g, specs), ring, axes)
 
     def grouped(splits):
         """Ends' splits of a gradient with a leading group axis."""
@@ -387,7 +405,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
             serialize_ring=serialize_ring, specs=auto_specs["blocks"], auto=auto, wire_dtype=wire,
             mean=lambda g: on_shards(mean_of_chunk, g, auto_specs["blocks"]),
-            owned=owned_shards(dims["blocks"], auto_specs["blocks"]), ring=grad_sync != "overlap")
+            owned=owned_shards(dims["blocks"], dims["experts"], auto_specs["blocks"]),
+            ring=grad_sync != "overlap")
         # Embed/head gradients live on their owners only (zeros elsewhere): summed over
         # pipe once (reduce-scattered where they are stored split over it). Shards hold
         # equal row counts, so the global mean over the batch axes is the mean of the
