@@ -114,9 +114,11 @@ class PipelinePlan:
         if self.v > 1:
             out.append("(device s.c = chunk c of device s; in flight and memory are the device's)")
         ms = 1e3
+        share = " of the share above, + what the step gathers" if "parameters per device" in self.note else ""
         out += ["",
                 f"slowest stage {ms * self.slowest_stage_s:.3f} ms; memory = params+grads+Adam "
-                f"({PARAM_COPIES:g} copies) + in-flight microbatches + one rebuilt microbatch under remat",
+                f"({PARAM_COPIES:g} copies{share}) + in-flight microbatches + one rebuilt microbatch "
+                f"under remat",
                 f"predicted step: async {ms * self.step_time_s['async']:.3f} ms (utilization "
                 f"{self.utilization['async']:.3f}), lockstep {ms * self.step_time_s['lockstep']:.3f} ms "
                 f"(utilization {self.utilization['lockstep']:.3f})"]
