@@ -105,10 +105,16 @@ def add_parsers(sub, fmt) -> None:
             predicted time, memory and remat policy, and the predicted utilization
             (event simulation of the schedule with these costs).
 
-            The microbatch size is train.global_batch / parallel.microbatches: the
-            whole global batch goes through one pipeline (no data-parallel split).
-            Memory counts parameters with gradients and Adam state (4 copies), the
-            microbatches in flight and, under remat, one microbatch rebuilt.
+            It plans for the mesh the config trains on (an axis left to fill, -1 or
+            tensor 0, is filled from this machine's devices; with every axis given, a
+            bigger machine can be planned): a microbatch is what one batch device runs,
+            train.global_batch / (parallel.microbatches x data x fsdp x expert).
+            Memory counts a device's share of the parameters with gradients and Adam
+            state (4 copies; split over fsdp, tensor and expert as stored, plus what
+            the step gathers over fsdp), the microbatches in flight and, under remat,
+            one microbatch rebuilt (activations counted whole over tensor: an upper
+            bound). --compiled replaces the SPMD runtime's modelled figure by the
+            compiled train step's own (this machine's devices must match the layout).
 
             A zero-bubble schedule that splits backwards into B and W (zb-h1, zbv) plans
             the table parallel.split_last gives; with --split-last auto the plan is
@@ -139,6 +145,10 @@ def add_parsers(sub, fmt) -> None:
                         help="zero-bubble schedules: split only the last K microbatches' backwards "
                              "(-1: all), or 'auto' to plan each of a few K and keep the fastest as run "
                              "(default: parallel.split_last)")
+    p_plan.add_argument("--compiled", action="store_true",
+                        help="judge the budget and report the SPMD runtime's memory by compiling the train "
+                             "step for each remat tried (ahead of time, nothing allocated) on this "
+                             "machine's devices, instead of the memory model: exact, a compile each")
     p_plan.add_argument("--out", metavar="FILE", default=None,
                         help="also draw per-stage time and per-device memory bars to FILE "
                              "(.png, .svg or .pdf); its directory must exist")
@@ -221,17 +231,45 @@ def run_plan(args: argparse.Namespace) -> int:
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
 
     mesh, microbatch, share = plan_layout(cfg)
+    measure = _compiled_memory(cfg, mesh) if args.compiled else None
     profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options)
     lockstep = needs_lockstep(mesh)  # the runtime's rule on the run's mesh
+    common = dict(memory_budget_bytes=budget, remat_options=options, lockstep=lockstep, param_share=share,
+                  measure_memory=measure)
     if args.split_last == "auto":
-        plan = choose_split_last(profile, p=p, v=v, m=m, schedule=par.schedule, memory_budget_bytes=budget,
-                                 remat_options=options, lockstep=lockstep, param_share=share)
+        plan = choose_split_last(profile, p=p, v=v, m=m, schedule=par.schedule, **common)
     else:
-        plan = dataclasses.replace(partition(profile, p=p, v=v, m=m, schedule=schedule,
-                                             memory_budget_bytes=budget, remat_options=options,
-                                             lockstep=lockstep, param_share=share), split_last=split_last)
+        plan = dataclasses.replace(partition(profile, p=p, v=v, m=m, schedule=schedule, **common),
+                                   split_last=split_last)
     print(plan.table(), flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_plan(plan, args.out)}", flush=True)
     return 0
 
+
+def _compiled_memory(cfg, mesh):
+    """``measure(remat, counts, fuse_mode)``: the peak bytes per device of ``cfg``'s train
+    step compiled ahead of time with that split, remat and tick mode (the tuner's
+    feasibility check, ``tuner.aot``), once per distinct plan."""
+    import json
+    import math
+
+    import jax
+
+    from mindpipe_jax.errors import ConfigError
+    from mindpipe_jax.tuner.aot import build_step, peak_bytes
+
+    need, have = math.prod(mesh.shape.values()), jax.device_count()
+    if need != have:
+        raise ConfigError(f"--compiled compiles the step on this machine's devices: the layout needs {need}, "
+                          f"this machine has {have}; drop --compiled to plan for another machine")
+    seen: dict = {}
+
+    def measure(remat, counts, fuse_mode) -> float:
+        key = (tuple(remat), tuple(counts), fuse_mode)
+        if key not in seen:
+            run = cfg.replace(f"parallel.stage_layers={list(counts)}", f"parallel.fuse_ticks={fuse_mode}",
+                              f"parallel.stage_remat={json.dumps(list(remat))}")
+            seen[key] = peak_bytes(build_step(run).lower().compile().memory_analysis())
+        return seen[key]
+    return measure

@@ -77,3 +77,28 @@ def test_planned_memory_follows_the_compiled_step_across_layouts():
             shrink_planned, shrink_compiled = planned / base[0], compiled / base[1]
             assert shrink_planned < 0.8 and abs(shrink_planned / shrink_compiled - 1) < 0.2, \
                 (extra, shrink_planned, shrink_compiled)
+
+
+def test_plan_compiled_reports_the_compiled_steps_memory(capsys):
+    """``mindpipe plan --compiled``: the budget is judged, and the SPMD figure reported, by
+    the train step compiled ahead of time with the plan's split and remat: the figure it
+    prints is that step's peak; a layout this machine cannot hold is refused in one line."""
+    import re
+
+    from mindpipe_jax.cli import main
+    from mindpipe_jax.tuner.aot import peak_bytes
+
+    layout = [*SMALL, "parallel.data=4"]
+    assert main(["plan", *layout, "--repeats", "1", "--compiled", "--remat", "full"]) == 0
+    text = capsys.readouterr().out
+    line, = (x for x in text.splitlines() if x.startswith("SPMD runtime"))
+    assert "(compiled:" in line, line
+    printed = float(re.search(r"SPMD runtime: ([0-9.]+) MB", line).group(1))
+    run = load_config(None, [*layout, "parallel.stage_layers=[2, 2]", 'parallel.stage_remat=["full","full"]'])
+    assert "parallel.stage_layers=[2, 2]" in text
+    want = peak_bytes(build_step(run).lower().compile().memory_analysis()) / 2**20
+    assert printed == pytest.approx(want, abs=0.05)
+    assert main(["plan", *SMALL, "parallel.data=8", "train.global_batch=32", "--repeats", "1",
+                 "--compiled"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mindpipe: error: --compiled") and "the layout needs 16, this machine has 8" in err

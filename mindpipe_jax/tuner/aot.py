@@ -116,6 +116,12 @@ class Feasibility:
         return cls(**{**d, "candidate": Candidate(**d["candidate"])})
 
 
+def peak_bytes(stats) -> float:
+    """A compiled step's peak bytes per device from its ``memory_analysis()``, the state
+    donated: arguments + temporaries + outputs - aliases."""
+    return _peak(stats)[0]
+
+
 def _peak(stats) -> tuple[float, float, float, float, float]:
     arg, out = float(stats.argument_size_in_bytes), float(stats.output_size_in_bytes)
     temp, alias = float(stats.temp_size_in_bytes), float(stats.alias_size_in_bytes)

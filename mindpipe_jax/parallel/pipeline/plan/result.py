@@ -56,6 +56,7 @@ class PipelinePlan:
     # Which global stages each device holds, by chunk, where not Megatron's c*p + s (a V)
     placement: tuple[tuple[int, ...], ...] | None = None
     split_last: int = -1  # parallel.split_last of the table planned (-1: as generated)
+    spmd_memory_compiled: bool = False  # spmd_memory_bytes measured (partition's measure_memory)
     # choose_split_last: each split_last tried -> its step as run (seconds)
     split_last_tried: dict[int, float] = field(default_factory=dict)
     tick_slot_s: float = 0.0
@@ -139,8 +140,12 @@ class PipelinePlan:
                    f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
                    f"{even['utilization_async']:.3f}, lockstep {even['utilization_lockstep']:.3f}; "
                    f"peak memory {even['peak_memory_bytes'] / MB:.1f} MB")
-        out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (every device holds "
-                   f"each remat policy's buffer as deep as its deepest stage needs, and embed + head)")
+        if self.spmd_memory_compiled:
+            out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (compiled: the train "
+                       f"step's peak, arguments + temporaries + outputs - donated, XLA's memory analysis)")
+        else:
+            out.append(f"SPMD runtime: {self.spmd_memory_bytes / MB:.1f} MB per device (every device holds "
+                       f"each remat policy's buffer as deep as its deepest stage needs, and embed + head)")
         remat = "[" + ", ".join(f'"{r}"' for r in self.remat) + "]"
         fuse = "" if self.fuse_ticks == "auto" else f", fuse_mode={self.fuse_ticks!r}"
         fuse_key = "" if self.fuse_ticks == "auto" else f" parallel.fuse_ticks={self.fuse_ticks}"
