@@ -55,7 +55,7 @@ from mindpipe_jax.parallel.pipeline.runtime.spmd import (
     needs_lockstep,
 )
 from mindpipe_jax.parallel.pipeline.runtime.stage import StageTasks
-from mindpipe_jax.parallel.pipeline.runtime.tickloop import OwnedShards, run_ticks_with_sync
+from mindpipe_jax.parallel.pipeline.runtime.tickloop import owned_shards, run_ticks_with_sync
 from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 from mindpipe_jax.parallel.pipeline.runtime.ticks import arrival_ranks, make_tick
 from mindpipe_jax.parallel.pipeline.schedules import Schedule
@@ -300,36 +300,6 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
         return fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1 and \
             any(d >= 0 for d in jax.tree.leaves(dims))
 
-    def owned_shards(dims, expert_dims, specs):
-        """What the chunk ring carries: with weights sharded over fsdp, their shards only;
-        never a leaf split over expert (its devices hold different experts: averaged at
-        the sync point over the other batch axes, ``fsdp.mean_scatter(experts=)``)."""
-        split = [e >= 0 for e in jax.tree.leaves(expert_dims)]
-        sharded = [d >= 0 and mesh.shape[fsdp.FSDP] > 1 for d in jax.tree.leaves(dims)]
-        if not any(sharded) and not any(split):
-            return None
-        chunked = per_chunk(dims)
-
-        def first_leaf(g, d, e):
-            if e >= 0:  # the whole mean now, as the end-of-step sync would take it
-                if chunked:
-                    return fsdp.mean_of_scattered(g, d, BATCH, wire, experts=e)
-                return fsdp.mean_scatter(g, d, BATCH, offset=1, wire_dtype=wire, experts=e)
-            if not any(sharded):  # the ring averages it over every batch axis
-                return g
-            if chunked:  # the sharded leaves summed over fsdp already (fsdp.sum_scatter)
-                return fsdp.mean_of_scattered(g, d, BATCH, wire, ring_rest=True)
-            return fsdp.scatter_first(g, d, BATCH, offset=1, wire_dtype=wire)
-
-        def first(tree):
-            return jax.tree.map(first_leaf, tree, dims, expert_dims)
-        if any(sharded):
-            ring = tuple(s and not e for s, e in zip(sharded, split, strict=True))
-            axes = tuple(a for a in BATCH if a != fsdp.FSDP)
-        else:
-            ring, axes = tuple(not e for e in split), BATCH
-        return OwnedShards(lambda g: on_shards(first, g, specs), ring, axes)
-
     def grouped(splits):
         """Ends' splits of a gradient with a leading group axis."""
         return jax.tree.map(lambda e: fsdp.EndSplit(e.dim + 1, e.axes) if e.axes else e, splits)
@@ -405,7 +375,9 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             tick, carry, plan.num_ticks, points, n_batch=n_batch, bucket_bytes=sync_bucket_bytes,
             serialize_ring=serialize_ring, specs=auto_specs["blocks"], auto=auto, wire_dtype=wire,
             mean=lambda g: on_shards(mean_of_chunk, g, auto_specs["blocks"]),
-            owned=owned_shards(dims["blocks"], dims["experts"], auto_specs["blocks"]),
+            owned=owned_shards(dims["blocks"], dims["experts"], fsdp_size=mesh.shape[fsdp.FSDP],
+                               chunked=per_chunk(dims["blocks"]), wire_dtype=wire,
+                               local=lambda fn, g: on_shards(fn, g, auto_specs["blocks"])),
             ring=grad_sync != "overlap")
         # Embed/head gradients live on their owners only (zeros elsewhere): summed over
         # pipe once (reduce-scattered where they are stored split over it). Shards hold

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.parallel.collectives import runs_tag
+from mindpipe_jax.parallel.pipeline.runtime import fsdp
 from mindpipe_jax.parallel.pipeline.runtime.fsdp import FSDP
 from mindpipe_jax.parallel.pipeline.runtime.ringsync import LocalRing
 from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, _take, _vary
@@ -82,6 +83,41 @@ class OwnedShards:
     def __post_init__(self):
         if self.prepare is None:
             object.__setattr__(self, "prepare", lambda tree: tree)
+
+
+def owned_shards(dims, expert_dims, *, fsdp_size: int, chunked: bool, wire_dtype,
+                 local) -> OwnedShards | None:
+    """What a chunk's ring carries (None: every leaf, over every batch axis). With weights
+    sharded over fsdp (``dims``), their shards only; never a leaf split over expert
+    (``expert_dims``: its devices hold different experts), which is averaged at the sync
+    point over the other batch axes as the end-of-step sync would (``fsdp.mean_scatter``
+    with ``experts``). ``chunked``: the sharded leaves were summed over fsdp per task
+    already (``fsdp_gather="chunk"``); ``local(fn, tree)`` runs ``fn`` on each device's
+    own shards (``ringsync.on_shards``)."""
+    split = [e >= 0 for e in jax.tree.leaves(expert_dims)]
+    sharded = [d >= 0 and fsdp_size > 1 for d in jax.tree.leaves(dims)]
+    if not any(sharded) and not any(split):
+        return None
+
+    def first_leaf(g, d, e):
+        if e >= 0:  # the whole mean now
+            if chunked:
+                return fsdp.mean_of_scattered(g, d, BATCH, wire_dtype, experts=e)
+            return fsdp.mean_scatter(g, d, BATCH, offset=1, wire_dtype=wire_dtype, experts=e)
+        if not any(sharded):  # the ring averages it over every batch axis
+            return g
+        if chunked:
+            return fsdp.mean_of_scattered(g, d, BATCH, wire_dtype, ring_rest=True)
+        return fsdp.scatter_first(g, d, BATCH, offset=1, wire_dtype=wire_dtype)
+
+    def first(tree):
+        return jax.tree.map(first_leaf, tree, dims, expert_dims)
+    if any(sharded):
+        ring = tuple(s and not e for s, e in zip(sharded, split, strict=True))
+        axes = tuple(a for a in BATCH if a != FSDP)
+    else:
+        ring, axes = tuple(not e for e in split), BATCH
+    return OwnedShards(lambda g: local(first, g), ring, axes)
 
 
 def _is_spec(x) -> bool:
