@@ -292,9 +292,10 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     if layout is not None:  # the layers follow the schedule's placement (e.g. a V)
         layout = dataclasses.replace(layout, placement=schedule.placement)
     # XLA:CPU starts independent ops in any order per device: with collectives inside
-    # the ticks (lockstep), a ring step beside them could pair up wrongly. GPUs run one
-    # fixed order, so there the ring stays free to overlap the tick.
-    serialize_ring = lockstep and mesh.devices.flat[0].platform == "cpu"
+    # the ticks (lockstep, or an expert axis's all_to_all), a ring step beside them could
+    # pair up wrongly. GPUs run one fixed order, so there the ring stays free to overlap
+    # the tick.
+    serialize_ring = (lockstep or branch_collectives(mesh)) and mesh.devices.flat[0].platform == "cpu"
 
     def per_chunk(dims) -> bool:  # the weights gathered per task (fsdp_gather="chunk")
         return fsdp_gather == "chunk" and mesh.shape[fsdp.FSDP] > 1 and \
