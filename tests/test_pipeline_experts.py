@@ -95,3 +95,61 @@ def test_a_users_layers_with_expert_split_weights_are_refused_through_a_pipeline
                "parallel.microbatches=2", *MOE, model=_UsersMoE)
     msg = str(err.value)
     assert "\n" not in msg and "model _UsersMoE" in msg and "parallel.expert=1" in msg, msg
+
+
+def _sub_jaxprs(eqn):
+    """The jaxprs nested in one equation (a scan's body, a cond's branches, a shard_map's)."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                yield item
+
+
+def _holds(eqn, name) -> bool:
+    return any(e.primitive.name == name or _holds(e, name) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
+def _tick_bodies(jaxpr):
+    """Every scan body that runs a tick: it has the ring's ppermutes at its top level."""
+    for eqn in jaxpr.eqns:
+        for sub in _sub_jaxprs(eqn):
+            if eqn.primitive.name == "scan" and any(e.primitive.name == "ppermute" for e in sub.eqns):
+                yield sub
+            yield from _tick_bodies(sub)
+
+
+def test_a_ticks_transfers_wait_for_every_branch_with_an_all_to_all():
+    """The property that keeps pipe x expert from hanging on XLA:CPU: in the tick loop's
+    body every ``ppermute`` (the ring's transfers) depends on the output of every part's
+    branch that holds the MoE layer's ``all_to_all``, and those branches on each other,
+    so every device issues them in one order (before the ordering, the forward's
+    transfer depended on the forward's branch alone)."""
+    cfg = Config().replace("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+                           "model.vocab_size=64", "train.global_batch=8", *MOE, "parallel.pipe=2",
+                           "parallel.data=2", "parallel.tensor=1", "parallel.expert=2",
+                           "parallel.microbatches=2", "parallel.schedule=1f1b")
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, _ = model_spec(lambda rngs: MoEGPT(cfg.model, rngs=rngs), mesh, 0)
+    spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
+    batch = {k: jax.ShapeDtypeStruct((8, 16), np.int32) for k in ("inputs", "targets")}
+    closed = jax.make_jaxpr(make_grad_fn(spec, cfg, mesh))(spec.abstract_params, batch, jax.random.key(0))
+    bodies = list(_tick_bodies(closed.jaxpr))
+    assert bodies
+    for body in bodies:
+        after: dict = {}  # var -> indices of the branch equations it depends on
+        branches = []
+        for i, eqn in enumerate(body.eqns):
+            deps = set().union(*(after.get(v, set()) for v in eqn.invars
+                                 if isinstance(v, jax.extend.core.Var)))
+            if eqn.primitive.name == "cond" and _holds(eqn, "all_to_all"):
+                assert set(branches) <= deps, "a part's branch does not wait for the previous one"
+                branches.append(i)
+                deps = deps | {i}
+            if eqn.primitive.name == "ppermute":
+                assert set(branches) <= deps and branches, "a transfer does not wait for the branches"
+            for v in eqn.outvars:
+                after[v] = deps
+        assert len(branches) >= 2  # the forward's and the backward's parts

@@ -233,6 +233,8 @@ def make_tick(plan: Plan, tasks: StageTasks, stage_idx, *, lockstep: bool, per_c
             operand = {**operand, "params": params}
         if lockstep:
             return _lockstep(branch_fns[i], task["branch"], actives[i][t], operand, after)
+        if ordered:  # this part's branch (its collectives) after the previous part's
+            operand = _after(operand, after)
         return lax.switch(task["branch"], branch_fns[i], operand)
 
     def tick(carry, t):
