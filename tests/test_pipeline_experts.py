@@ -26,15 +26,14 @@ MOE = ("model.n_experts=4", "model.top_k=2", "model.moe_aux_weight=0.5")
     # stages in lockstep (tensor), split backward (its B replays the all_to_all's transpose)
     (("parallel.data=1", "parallel.tensor=2", "parallel.expert=2", "parallel.schedule=zb-h1",
       'parallel.stage_remat=["full","dots"]'), 2),
-    # fsdp-sharded experts gathered per chunk use, a V schedule, four expert devices
+    # fsdp-sharded experts gathered per chunk use, a V schedule, and AFAPAB's chunk-wise
+    # sync: the ring averages the fsdp shards of the other weights over data x expert while
+    # each chunk's expert weights are averaged at its sync point
     (("parallel.fsdp=2", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
-      "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp_gather=chunk"), 4),
+      "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.fsdp_gather=chunk",
+      "parallel.grad_sync=chunk"), 4),
     (("parallel.data=1", "parallel.tensor=1", "parallel.expert=4", "parallel.schedule=dualpipev",
       "parallel.virtual_stages=2"), 4),
-    # AFAPAB's chunk-wise sync: the ring averages the fsdp shards of the other weights
-    # over data x expert while each chunk's expert weights are averaged at its sync point
-    (("parallel.fsdp=2", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
-      "parallel.schedule=afapab", "parallel.virtual_stages=2"), 4),
     # pipe4: per-device branches hung here on XLA:CPU when a device could start the ring's
     # ppermute before its branch's all_to_all (now the tick's parts and transfers are chained)
     (("parallel.pipe=4", "parallel.data=1", "parallel.tensor=1", "parallel.expert=2",
