@@ -352,7 +352,8 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     assert main(["plan", *TINY, "--repeats", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     for words in ("vPipe plan: 1f1b  p=2 v=1 m=4, 4 layers", "stage", "layers", "time ms", "memory MB",
-                  "remat", "predicted step", "utilization", f"wrote {out}"):
+                  "remat", "predicted step", "utilization", f"wrote {out}",
+                  "runs its stages in lockstep, tensor > 1"):  # TINY trains on tensor 2 here
         assert words in text, words
     assert out.read_bytes()[:8] == PNG_MAGIC
 

@@ -248,7 +248,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
         memory_params_bytes=memory[0], memory_activations_bytes=memory[1], memory_transient_bytes=memory[2],
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
-        spmd_memory_compiled=measure_memory is not None,
+        spmd_memory_compiled=measure_memory is not None, lockstep=lockstep,
         step_time_s={k: s.step_time for k, s in sims.items()},
         utilization={k: s.mean_utilization for k, s in sims.items()},
         even_split=even, costs=costs, simulations=sims, fuse_ticks=fuse_mode,
