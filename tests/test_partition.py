@@ -353,7 +353,7 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     for words in ("vPipe plan: 1f1b  p=2 v=1 m=4, 4 layers", "stage", "layers", "time ms", "memory MB",
                   "remat", "predicted step", "utilization", f"wrote {out}",
-                  "runs its stages in lockstep, tensor > 1"):  # TINY trains on tensor 2 here
+                  "in lockstep, as this layout runs (tensor > 1"):  # TINY trains on tensor 2 here
         assert words in text, words
     assert out.read_bytes()[:8] == PNG_MAGIC
 
@@ -452,7 +452,7 @@ def test_a_tight_budget_trades_fused_ticks_for_lighter_remat():
 
 
 def test_lockstep_buffers_are_those_of_the_merged_plan():
-    """In lockstep (tensor or expert > 1) the runtime merges the last stage's tasks into
+    """In lockstep (tensor > 1) the runtime merges the last stage's tasks into
     the middle stages' branches (``make_plan(merge_first, merge_last)``): its forward
     keeps what a middle stage keeps, its split backward stashes what a middle stage's
     does, and the loss's gradient waits in a g slot. The SPMD figure follows that plan:
@@ -490,6 +490,31 @@ def test_lockstep_buffers_are_those_of_the_merged_plan():
     fitted = partition(prof, p=4, m=8, schedule="zb-h1", remat_options=opts, memory_budget_bytes=budget,
                        fuse_modes=("auto",), lockstep=True)
     assert fitted.spmd_memory_bytes <= budget
+
+
+def test_a_lockstep_plan_prices_every_branch_of_a_tick():
+    """In lockstep every device runs every branch some device takes in a fused tick
+    (``plan/lockstep.py``, which the tuner's cost model uses too): the plan reports that
+    step beside the per-device replay. Fused 1F1B loses little to it (a steady tick is
+    F + BW on every device either way: 82.5 against 81 here); ZB-H1, whose ticks mix F,
+    B and W parts across stages, more than doubles (155 against 67.5). A layout not in
+    lockstep reports none."""
+    from mindpipe_jax.parallel.pipeline.plan.lockstep import lockstep_ticks_seconds
+    from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+    prof = ProfiledModel(layers=[LayerCost(1.0, 1.0, 1.0, activation_bytes=1e6, param_bytes=1e6)] * 8,
+                         embed=LayerCost(0.5, 0.0, 0.5), head=LayerCost(0.5, 0.5, 0.5), residual_bytes=8e6)
+    for name, ratio in (("1f1b", 1.0), ("zb-h1", 2.0)):
+        plan = partition(prof, p=4, m=8, schedule=name, fuse_modes=("auto",), lockstep=True)
+        ticks = make_plan(get_schedule(name, 4, 8), plan.remat, plan.fuse_ticks, merge_first=True,
+                          merge_last=True)
+        assert plan.step_time_s["lockstep run"] == pytest.approx(
+            lockstep_ticks_seconds(ticks, plan.costs) + ticks.num_ticks * plan.tick_slot_s)
+        assert plan.step_time_s["lockstep run"] > ratio * plan.step_time_s["as run"], name
+        assert 0 < plan.utilization["lockstep run"] < plan.utilization["as run"]
+        assert "in lockstep, as this layout runs" in plan.table()
+    apart = partition(prof, p=4, m=8, schedule="1f1b", fuse_modes=("auto",))
+    assert "lockstep run" not in apart.step_time_s and "in lockstep" not in apart.table()
 
 
 # --- which backwards to split (parallel.split_last) ---------------------------------------------

@@ -253,36 +253,14 @@ class CostModel:
         return total
 
     def _lockstep_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
-        """A pipeline in lockstep: in each fused tick every device runs every branch some
-        device takes (a branch is a task kind at a stage position: first, middle or
-        last; ``PartPlan.active``), each on its own stage's weights, so a tick costs the
-        sum of its active branches on every device, at the all-busy rates (no device
-        idles, so none frees a core). The runtime merges every stage's tasks of a kind
-        into one branch (``make_plan(merge_first, merge_last)``: the last stage's forward
-        runs its layers and the loss), which costs the dearest of the stages sharing it
-        (the widest middle stage's work for a middle position)."""
-        from mindpipe_jax.parallel.pipeline.runtime.tickplan import EITHER, FIRST, LAST, MID
-        from mindpipe_jax.parallel.pipeline.schedules import Kind
+        """A pipeline in lockstep: every device runs every branch some device takes in a
+        fused tick (``plan.lockstep``), at the all-busy rates (no device idles, so none
+        frees a core)."""
+        from mindpipe_jax.parallel.pipeline.plan.lockstep import lockstep_ticks_seconds
 
         plan = self._lockstep_plan(c)
         sc = self._stage_costs(c, rows_mb, solo=False)
-        last = len(sc.F) - 1
-        middle = max(range(1, last), key=lambda g: sc.BW[g]) if last > 1 else 0  # the widest
-        stage_at = {FIRST: 0, LAST: last}
-
-        inside = not plan.merge_last  # the last stage's forward runs inside its backward
-
-        def cost(kind, pos) -> float:
-            if pos == EITHER:  # the stages sharing the branch: the dearest of them
-                return max(cost(kind, q) for q in ((FIRST, MID) if inside else (FIRST, MID, LAST)))
-            g = stage_at.get(pos, middle)
-            if kind is Kind.F:
-                return 0.0 if pos == LAST and inside else sc.F[g]
-            work = {Kind.B: sc.B[g], Kind.W: sc.W[g], Kind.BW: sc.BW[g]}[kind]
-            return work + (sc.F[g] if pos == LAST and inside and kind is not Kind.W else 0.0)
-
-        total = sum(float((part.active() @ np.array([cost(kind, pos) for kind, pos, _ in part.keys])).sum())
-                    for part in plan.parts if part.keys)
+        total = lockstep_ticks_seconds(plan, sc)
         useful = c.microbatches * (sum(sc.F) + sum(sc.BW)) / c.pipe  # a device's mean share
         bubble = 1.0 - useful / total if total > 0 else 0.0
         return total, max(bubble, 0.0), plan.num_ticks

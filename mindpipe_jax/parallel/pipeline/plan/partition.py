@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.pipeline.plan.lockstep import lockstep_ticks_seconds
 from mindpipe_jax.parallel.pipeline.plan.memory import (
     MB,
     PARAM_COPIES,
@@ -238,6 +239,15 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     sims = predict(costs, tick_slots)
     # As the SPMD runtime runs it: the table re-timed into the chosen fused ticks.
     sims["as run"] = as_run(chosen, fuse_mode)
+    step_times = {k: sim.step_time for k, sim in sims.items()}
+    utilization = {k: sim.mean_utilization for k, sim in sims.items()}
+    if lockstep:  # every device runs every branch of a tick (plan/lockstep.py)
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+        ticks = make_plan(sched, tuple(chosen), fuse_mode, merge_first=True, merge_last=True)
+        step_times["lockstep run"] = lockstep_ticks_seconds(ticks, costs) + ticks.num_ticks * tick_slots
+        busy = sum(sims["as run"].busy) / p
+        utilization["lockstep run"] = busy / step_times["lockstep run"] if step_times["lockstep run"] else 0.0
     even = _even_split(model, sched, profile, G, param_copies, link)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
@@ -248,9 +258,8 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         memory_bytes=tuple(sum(x) for x in zip(*memory, strict=True)),
         memory_params_bytes=memory[0], memory_activations_bytes=memory[1], memory_transient_bytes=memory[2],
         in_flight=tuple(inflight), memory_budget_bytes=budget, spmd_memory_bytes=spmd,
-        spmd_memory_compiled=measure_memory is not None, lockstep=lockstep,
-        step_time_s={k: s.step_time for k, s in sims.items()},
-        utilization={k: s.mean_utilization for k, s in sims.items()},
+        spmd_memory_compiled=measure_memory is not None,
+        step_time_s=step_times, utilization=utilization,
         even_split=even, costs=costs, simulations=sims, fuse_ticks=fuse_mode,
         note=_joined(profile.note, model.share.describe()),
         placement=None if sched.placement == interleaved_placement(p, v) else sched.placement)

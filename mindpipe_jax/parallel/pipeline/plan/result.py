@@ -57,7 +57,6 @@ class PipelinePlan:
     placement: tuple[tuple[int, ...], ...] | None = None
     split_last: int = -1  # parallel.split_last of the table planned (-1: as generated)
     spmd_memory_compiled: bool = False  # spmd_memory_bytes measured (partition's measure_memory)
-    lockstep: bool = False  # the run's stages go in lockstep (partition's lockstep)
     # choose_split_last: each split_last tried -> its step as run (seconds)
     split_last_tried: dict[int, float] = field(default_factory=dict)
     tick_slot_s: float = 0.0
@@ -130,10 +129,12 @@ class PipelinePlan:
             out.append(f"as the SPMD runtime runs it (fused ticks, {self.fuse_ticks}; neighbour "
                        f"replay{slots}): {ms * self.step_time_s['as run']:.3f} ms (utilization "
                        f"{self.utilization['as run']:.3f})")
-            if self.lockstep:
-                out.append("(this layout runs its stages in lockstep, tensor > 1: every device runs every "
-                           "task kind of a tick, a cost the replays above do not count: they are per-device "
-                           "branches' figures)")
+            if "lockstep run" in self.step_time_s:
+                out.append(f"in lockstep, as this layout runs (tensor > 1: every device runs every branch "
+                           f"of a fused tick, plan/lockstep.py): "
+                           f"{ms * self.step_time_s['lockstep run']:.3f} ms "
+                           f"(utilization {self.utilization['lockstep run']:.3f}); the split and remat "
+                           f"were chosen on the per-device replay above")
         if self.split_last_tried:
             order = sorted(self.split_last_tried, key=lambda k: (k == -1, k))  # "all" last
             tried = ", ".join(f"{'all' if k == -1 else k} {ms * self.split_last_tried[k]:.3f} ms"
