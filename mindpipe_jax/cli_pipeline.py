@@ -227,8 +227,8 @@ def run_plan(args: argparse.Namespace) -> int:
         measure_layer_costs,
         partition,
     )
-    from mindpipe_jax.parallel.pipeline.plan.shares import plan_layout
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
+    from mindpipe_jax.train.plan_layout import plan_layout
 
     mesh, microbatch, share = plan_layout(cfg)
     measure = _compiled_memory(cfg, mesh) if args.compiled else None

@@ -12,8 +12,9 @@ from mindpipe_jax.config import load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
-from mindpipe_jax.parallel.pipeline.plan.shares import ParamShare, plan_layout
+from mindpipe_jax.parallel.pipeline.plan.shares import ParamShare
 from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
+from mindpipe_jax.train.plan_layout import plan_layout
 from mindpipe_jax.tuner.aot import build_step
 
 SMALL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64",
