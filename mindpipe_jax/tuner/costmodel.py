@@ -254,7 +254,7 @@ class CostModel:
 
     def _lockstep_compute(self, c: Candidate, rows_mb: float) -> tuple[float, float, int]:
         """A pipeline in lockstep: every device runs every branch some device takes in a
-        fused tick (``plan.lockstep``), at the all-busy rates (no device idles, so none
+        fused tick (``parallel/pipeline/plan/lockstep.py``), at the all-busy rates (no device idles, so none
         frees a core)."""
         from mindpipe_jax.parallel.pipeline.plan.lockstep import lockstep_ticks_seconds
 

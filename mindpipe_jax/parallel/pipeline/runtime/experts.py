@@ -61,7 +61,7 @@ def with_expert(spec: P, dim: int, lead: int) -> P:
 def check_supported(mesh, deterministic: bool) -> None:
     """Expert gradients are not in the deterministic mode's ordered sums. (With
     ``grad_sync="chunk"`` they are averaged at their chunk's sync point, beside the ring
-    that averages the rest: ``grads.owned_shards``.)"""
+    that averages the rest: ``tickloop.owned_shards``.)"""
     if mesh.shape.get(EXPERT, 1) > 1 and deterministic:
         raise ValueError(f"expert parallelism inside the pipeline (expert={mesh.shape[EXPERT]}) "
                          f"needs deterministic=False")
