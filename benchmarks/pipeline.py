@@ -294,7 +294,7 @@ def vpipe_plan(cfg, budget_bytes, fns, mesh, step_args):
         tried.append((remat, counts, fuse_mode, temp))
         return temp
 
-    profile = measure_layer_costs(cfg, microbatch=ROWS, dots=True)
+    profile = measure_layer_costs(cfg, microbatch=ROWS, dots=True, model=lambda rngs: GPT(cfg, rngs=rngs))
     plan = partition(profile, p=P, m=M, schedule="1f1b", memory_budget_bytes=float(budget_bytes),
                      remat_options=("none", "dots", "full"), param_copies=1.0, measure_memory=compiled_temp)
     return plan, tried

@@ -138,7 +138,7 @@ def planner_view(cfg, p: int, m: int, rows: int, times) -> None:
 
     from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
 
-    prof = measure_layer_costs(cfg, microbatch=rows)
+    prof = measure_layer_costs(cfg, microbatch=rows, model=lambda rngs: GPT(cfg, rngs=rngs))
     free = dataclasses.replace(prof, slot_move_s_per_byte=0.0)
     print(f"\npartitioner, from one block measured on one device alone at {rows} rows per microbatch; "
           f"slot moves at {1e-9 / prof.slot_move_s_per_byte:.1f} GB/s per device (all {len(jax.devices())} "

@@ -130,6 +130,7 @@ def add_parsers(sub, fmt) -> None:
                   --split-last auto
               mindpipe plan --config my.toml parallel.pipe=2 parallel.schedule=interleaved \\
                   parallel.virtual_stages=2 parallel.microbatches=8
+              mindpipe plan --model my_models.py:make_llama parallel.pipe=2 parallel.microbatches=8
 
             pictures need matplotlib: pip install 'mindpipe-jax[plots]'.
             """) + "\n" + OVERRIDES_HELP + "\n" + ERRORS_HELP)
@@ -149,6 +150,10 @@ def add_parsers(sub, fmt) -> None:
                         help="judge the budget and report the SPMD runtime's memory by compiling the train "
                              "step for each remat tried (ahead of time, nothing allocated) on this "
                              "machine's devices, instead of the memory model: exact, a compile each")
+    p_plan.add_argument("--model", metavar="MODULE:NAME", default=None,
+                        help="plan your own model instead of the reference GPT (as mindpipe train "
+                             "--model takes it: a factory rngs -> nnx.Module, an nnx.Module or a Linen "
+                             "module); its stack's units are what the stages split")
     p_plan.add_argument("--out", metavar="FILE", default=None,
                         help="also draw per-stage time and per-device memory bars to FILE "
                              "(.png, .svg or .pdf); its directory must exist")
@@ -229,10 +234,21 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
     from mindpipe_jax.train.plan_layout import plan_layout
+    from mindpipe_jax.train.state import probe_factory
 
-    mesh, microbatch, share = plan_layout(cfg)
-    measure = _compiled_memory(cfg, mesh) if args.compiled else None
-    profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options)
+    model = None
+    if args.model:  # imported after setup_runtime: the module may touch JAX at import
+        import numpy as np
+
+        from mindpipe_jax.models.bridge import from_linen, is_linen
+        from mindpipe_jax.models.loading import load_model_ref
+        model = load_model_ref(args.model)
+        if is_linen(model):  # initialised once here, on a batch of the data's shape, as train does
+            model = from_linen(model, np.zeros((1, cfg.model.seq_len), np.int32))
+    mesh, microbatch, share, spec = plan_layout(cfg, model)
+    measure = _compiled_memory(cfg, mesh, model) if args.compiled else None
+    profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options,
+                                  model=probe_factory(spec))
     lockstep = needs_lockstep(mesh)  # the runtime's rule on the run's mesh
     common = dict(memory_budget_bytes=budget, remat_options=options, lockstep=lockstep, param_share=share,
                   measure_memory=measure)
@@ -247,7 +263,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compiled_memory(cfg, mesh):
+def _compiled_memory(cfg, mesh, model=None):
     """``measure(remat, counts, fuse_mode)``: the peak bytes per device of ``cfg``'s train
     step compiled ahead of time with that split, remat and tick mode (the tuner's
     feasibility check, ``tuner.aot``), once per distinct plan."""
@@ -270,6 +286,6 @@ def _compiled_memory(cfg, mesh):
         if key not in seen:
             run = cfg.replace(f"parallel.stage_layers={list(counts)}", f"parallel.fuse_ticks={fuse_mode}",
                               f"parallel.stage_remat={json.dumps(list(remat))}")
-            seen[key] = peak_bytes(build_step(run).lower().compile().memory_analysis())
+            seen[key] = peak_bytes(build_step(run, model).lower().compile().memory_analysis())
         return seen[key]
     return measure

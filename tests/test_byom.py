@@ -459,6 +459,30 @@ def test_cli_trains_a_model_named_module_colon_factory(tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
+def test_repartition_and_plan_measure_the_users_model(tmp_path, capsys):
+    """The online repartition and ``mindpipe plan --model`` measure the model being
+    trained, its stack's units, not the configured GPT. Before: a 6-layer Llama run with
+    ``model.n_layers=4`` reported its split as [2, 2] and re-planned the GPT's 4 layers."""
+    from mindpipe_jax.cli import main
+
+    common = ["model.vocab_size=64", "model.seq_len=8", "model.n_layers=4", "data.source=synthetic",
+              "train.global_batch=16", "train.eval_every=0", "train.tensorboard=false",
+              "train.progress=false", "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
+              "parallel.microbatches=2"]
+    run = mp.train(lambda rngs: Llama(layers=6, rngs=rngs), None, None, *common, "train.steps=3",
+                   "parallel.stage_layers=[1, 5]", "parallel.repartition_after=2", f"train.out_dir={tmp_path}/r")
+    (event,) = [h["repartition"] for h in run.history if "repartition" in h]
+    assert event["before"] == [1, 5] and sum(event["after"]) == 6 and min(event["after"]) >= 2, event
+    assert run.step == 3 and np.isfinite(run.history[-1]["loss"])
+
+    capsys.readouterr()
+    ref = str(ROOT / "tests" / "byom_models.py") + ":make_llama"
+    assert main(["plan", "--model", ref, *common, "--repeats", "1", "--remat", "full", "--compiled"]) == 0
+    out = capsys.readouterr().out
+    assert "one unit of Llama (seq_len=8)" in out and "parallel.stage_layers=[" in out, out
+    assert "compiled" in out, out
+
+
 def test_a_supernet_missing_members_is_named_in_one_error():
     with pytest.raises(ConfigError, match=r"HalfSupernet is not a supernet: it lacks unit_grid, "
                                           r"units\(subnet\), active_params\(subnet\)"):

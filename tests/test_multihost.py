@@ -235,12 +235,18 @@ def test_ctrl_c_in_the_terminal_stops_both_processes_after_the_same_step(tmp_pat
 
 @pytest.mark.slow
 def test_pipeline_across_two_processes_with_slurm_variables(tmp_path, cache):
+    """Also the online repartition: process 0 measures and decides, both take its split
+    (each measuring its own, timings apart, could run two programs and hang)."""
     out = tmp_path / "cluster"
-    outputs = _finish(_launch([*MH, *PIPELINE, f"train.out_dir={out}"], "slurm", cache=cache, cwd=tmp_path))
+    layout = [*PIPELINE, "model.n_layers=4", "parallel.stage_layers=[1, 3]", "parallel.repartition_after=2"]
+    outputs = _finish(_launch([*MH, *layout, f"train.out_dir={out}"], "slurm", cache=cache, cwd=tmp_path))
     assert "'pipe': 2" in outputs[0]
     _check_one_writer(outputs, out)
-    single = _single_process(tmp_path, PIPELINE)
-    _compare(_state(single, PIPELINE), _state(out, PIPELINE), bitwise=False)
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r["repartition"] for r in records if "repartition" in r]
+    assert event["before"] == [1, 3] and sum(event["after"]) == 4, event
+    single = _single_process(tmp_path, layout)
+    _compare(_state(single, layout), _state(out, layout), bitwise=False)
 
 
 @pytest.mark.slow

@@ -605,7 +605,8 @@ def test_the_configured_moe_model_is_measured_not_the_dense_gpt():
     from mindpipe_jax.models.moe import MoEGPT
 
     cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2)
-    prof = partition_mod.measure_layer_costs(cfg, microbatch=2, repeats=1, dots=False)
+    prof = partition_mod.measure_layer_costs(cfg, microbatch=2, repeats=1, dots=False,
+                                            model=lambda rngs: MoEGPT(cfg, rngs=rngs))
     assert "MoEGPT" in prof.note and "4 experts" in prof.note, prof.note
     blocks = nnx.to_pure_dict(nnx.state(MoEGPT(cfg, rngs=nnx.Rngs(0)).blocks, nnx.Param))
     per_block = sum(np.asarray(x).nbytes for x in jax.tree.leaves(blocks)) / cfg.n_layers

@@ -10,6 +10,7 @@ import pytest
 
 from mindpipe_jax.config import load_config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models import build_model
 from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
 from mindpipe_jax.parallel.pipeline.plan.shares import ParamShare
@@ -23,7 +24,7 @@ SMALL = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_
 
 
 def test_a_device_share_follows_the_storage_and_compute_shardings():
-    _, micro, share = plan_layout(load_config(None, [*SMALL, "parallel.fsdp=4", "parallel.data=1"]))
+    _, micro, share, _ = plan_layout(load_config(None, [*SMALL, "parallel.fsdp=4", "parallel.data=1"]))
     assert micro == 1   # 16 sequences / (4 microbatches x 4 fsdp devices)
     # Every weight matrix split over fsdp (the norm scales are not: a little above 1/4),
     # gathered whole inside the step; embed and head split over fsdp x pipe.
@@ -31,7 +32,7 @@ def test_a_device_share_follows_the_storage_and_compute_shardings():
     assert 0.125 <= share.ends_stored < 0.13 and share.ends_used == 1
     assert "pipe=2 x fsdp=4" in share.describe()
     # Experts split over 'expert' stay split inside the stage: nothing is gathered.
-    _, micro, moe = plan_layout(load_config(None, [*SMALL, "model.n_experts=4", "parallel.expert=4",
+    _, micro, moe, _ = plan_layout(load_config(None, [*SMALL, "model.n_experts=4", "parallel.expert=4",
                                                    "parallel.data=1"]))
     assert micro == 1 and moe.blocks_stored < 0.5 and moe.blocks_used == moe.blocks_stored
     assert not moe.gathers_blocks()
@@ -48,8 +49,9 @@ def test_plan_layout_refuses_what_train_refuses():
 def _planned_and_compiled(extra):
     cfg = load_config(None, [*SMALL, *extra])
     par = cfg.parallel
-    mesh, micro, share = plan_layout(cfg)
-    prof = measure_layer_costs(cfg.model, microbatch=micro, repeats=1, dots=False)
+    mesh, micro, share, _ = plan_layout(cfg)
+    prof = measure_layer_costs(cfg.model, microbatch=micro, repeats=1, dots=False,
+                               model=lambda rngs: build_model(cfg.model, rngs))
     plan = partition(prof, p=par.pipe, m=par.microbatches, fuse_modes=(par.fuse_ticks,),
                      schedule=get_schedule(par.schedule, par.pipe, par.microbatches),
                      lockstep=needs_lockstep(mesh), param_share=share)

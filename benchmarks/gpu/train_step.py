@@ -353,7 +353,8 @@ def run_section(cfg: ModelConfig, args, log: Log, given_batch: int, fit: bool = 
 
 def layer_costs(cfg: ModelConfig, batch: int, step_s: float, args, log: Log) -> None:
     t1 = time.perf_counter()
-    prof = measure_layer_costs(cfg, microbatch=batch, repeats=args.layer_repeats, dots=False)
+    prof = measure_layer_costs(cfg, microbatch=batch, repeats=args.layer_repeats, dots=False,
+                               model=lambda rngs: GPT(cfg, rngs=rngs))
     log(f"per-layer costs (measure_layer_costs, attention={cfg.attention}, microbatch {batch}, "
         f"median of {args.layer_repeats}; {time.perf_counter() - t1:.1f} s):")
     parts = [("embed", prof.embed), ("layer", prof.layers[0]), ("head", prof.head)]

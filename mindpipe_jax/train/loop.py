@@ -55,10 +55,11 @@ from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
+from mindpipe_jax.train.repartition import replan
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state
-from mindpipe_jax.train.step import BATCH_AXES, nonfinite_leaf_names
+from mindpipe_jax.train.step import nonfinite_leaf_names
 
 
 @dataclasses.dataclass
@@ -264,24 +265,6 @@ def _evaluate(eval_fn, params, feed, mesh) -> float:
     return float(np.mean(_host(losses)))
 
 
-def _replan(cfg: Config, mesh) -> tuple[int, ...]:
-    """Measure the model's layer costs now and return the balanced stage split."""
-    from mindpipe_jax.parallel.pipeline import get_schedule
-    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
-    from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
-
-    par = cfg.parallel
-    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
-    microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
-    profile = measure_layer_costs(cfg.model, microbatch=microbatch)
-    schedule = get_schedule(par.schedule, mesh.shape["pipe"], par.microbatches, par.virtual_stages,
-                            par.split_last)  # the table the runtime runs
-    plan = partition(profile, p=mesh.shape["pipe"], v=par.virtual_stages, m=par.microbatches,
-                     schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
-                     lockstep=needs_lockstep(mesh))
-    return tuple(plan.counts)
-
-
 class _Run:
     """The loop's state between steps: history, skipped-step count, stop reason."""
 
@@ -415,13 +398,10 @@ class _Run:
                     # The stage split lives only inside the step (storage keeps the [layers]
                     # axis), so moving layers between stages changes no parameter bit.
                     with aside(since_log, since_fetch):
-                        mesh, cfg = layout.mesh, layout.cfg
-                        stages = mesh.shape["pipe"] * par.virtual_stages
-                        before = tuple(par.stage_layers) or (cfg.model.n_layers // stages,) * stages
-                        counts = _replan(cfg, mesh)
+                        before, counts = replan(layout)  # the run's own model, decided on process 0
                         if counts != before:
                             layout = self.layout = dataclasses.replace(
-                                layout, cfg=cfg.replace(f"parallel.stage_layers={list(counts)}"))
+                                layout, cfg=layout.cfg.replace(f"parallel.stage_layers={list(counts)}"))
                             step_fn, _ = layout.compile()
                     record["repartition"] = {"before": list(before), "after": list(counts)}
                     say(f"step {done} | repartition {list(before)} -> {list(counts)}")

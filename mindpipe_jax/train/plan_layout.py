@@ -11,6 +11,7 @@ import types
 from typing import Literal
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from mindpipe_jax.models import build_model
@@ -66,10 +67,12 @@ def param_share(spec, mesh, seq_len: int, fsdp_gather: Literal["step", "chunk"] 
         fsdp_gather=fsdp_gather, layout=layout)
 
 
-def plan_layout(cfg):
+def plan_layout(cfg, model=None):
     """The mesh shape a run of ``cfg`` trains on, the microbatch one of its batch devices
-    runs (``global_batch / (microbatches x data x fsdp x expert)``) and the share of
-    the parameters a device holds there (``param_share``). Axes all given: that mesh,
+    runs (``global_batch / (microbatches x data x fsdp x expert)``), the share of
+    the parameters a device holds there (``param_share``) and the model's spec
+    (``train.state.ModelSpec``). ``model``: a user's (as ``train`` takes it: a factory,
+    an ``nnx.Module`` or a Linen module); None: the configured GPT. Axes all given: that mesh,
     whatever this machine has (a plan for a bigger one); an axis left to fill (-1, or
     tensor 0): filled from this machine's devices, as ``train`` would. What ``train``
     refuses on that mesh is refused here, in its words."""
@@ -80,7 +83,9 @@ def plan_layout(cfg):
     check_step_config(cfg, types.SimpleNamespace(shape=sizes))
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_ORDER), MESH_ORDER,
                         axis_types=(AxisType.Auto,) * len(MESH_ORDER))
-    spec, _ = model_spec(lambda rngs: build_model(cfg.model, rngs), mesh, cfg.train.seed)
+    example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
+    spec, _ = model_spec(model if model is not None else (lambda rngs: build_model(cfg.model, rngs)), mesh,
+                         cfg.train.seed, example)
     share = param_share(spec, mesh, cfg.model.seq_len, par.fsdp_gather)
     n_batch = math.prod(sizes[a] for a in BATCH_AXES)
-    return mesh, cfg.train.global_batch // (par.microbatches * n_batch), share
+    return mesh, cfg.train.global_batch // (par.microbatches * n_batch), share, spec

@@ -61,6 +61,22 @@ class ModelSpec:
         return {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in flat}
 
 
+def probe_factory(spec: ModelSpec) -> Callable[[Any], Any]:
+    """A factory ``rngs -> nnx.Module`` rebuilding ``spec``'s model (a user's factory,
+    module or Linen model alike) on one host's values of its parameter shapes: what
+    measuring a layer's costs needs (``measure_layer_costs``); the values do not change
+    what a layer costs, and a run's trained ones may live on other processes' devices."""
+    rng = np.random.default_rng(0)
+
+    def leaf(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return (rng.standard_normal(a.shape) * 0.02).astype(a.dtype)
+        return np.zeros(a.shape, a.dtype)
+
+    values = jax.tree.map(leaf, spec.abstract_params)
+    return lambda rngs: spec.merge(values)
+
+
 def _pure(tree):
     return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 

@@ -1,7 +1,8 @@
 """Measured costs of a model's layers, the partitioner's input.
 
-``measure_layer_costs(model_cfg, microbatch=...)`` builds the configured GPT (or MoE GPT) and
-times, on one device, one block's forward (F), its backward split into B (input
+``measure_layer_costs(model_cfg, microbatch=..., model=factory)`` builds the model (the
+configured GPT, or a user's: the caller passes its factory, so ``parallel/`` never imports
+``models/``) and times, on one device, one block's forward (F), its backward split into B (input
 gradient only), W (weight gradient only) and the fused BW, and the same for the
 embedding and the head (+ loss); it reads FLOPs from the compiled programs
 (``cost_analysis``) and sizes the hidden state, the residuals a forward keeps for
@@ -204,14 +205,13 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
     return out
 
 
-def measure_layer_costs(model_cfg, *, microbatch: int, repeats: int = 5, dots: bool = True,
-                        model=None) -> ProfiledModel:
-    """Measure the configured built-in model (``models.build_model``: the reference GPT, or
-    the MoE GPT when ``model_cfg.n_experts`` > 0), or ``model``
-    (a factory ``rngs -> nnx.Module``: its prologue, one unit of its stack and its
-    epilogue, found as the pipeline finds them, ``contract.PipelineModel``), on the
-    current default device at ``microbatch`` sequences of ``model_cfg.seq_len`` tokens
-    (ids below ``model_cfg.vocab_size``).
+def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
+                        dots: bool = True) -> ProfiledModel:
+    """Measure ``model`` (a factory ``rngs -> nnx.Module``, e.g. ``lambda rngs:
+    models.build_model(model_cfg, rngs)`` for the configured GPT or MoE GPT): its
+    prologue, one unit of its stack and its epilogue, found as the pipeline finds them
+    (``contract.PipelineModel``), on the current default device at ``microbatch``
+    sequences of ``model_cfg.seq_len`` tokens (ids below ``model_cfg.vocab_size``).
 
     Every time is the median of ``repeats`` samples after a warm-up run, each
     program ``jax.jit``-compiled and waited for with ``block_until_ready``. One
@@ -236,13 +236,11 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     import numpy as np
     from flax import nnx
 
-    from mindpipe_jax.models import build_model
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
     from mindpipe_jax.parallel.pipeline.parts import merged
 
     with nnx.use_eager_sharding(False):
-        # The configured built-in model: the GPT, or its MoE variant (model.n_experts > 0).
-        model = factory(nnx.Rngs(0)) if factory is not None else build_model(model_cfg, nnx.Rngs(0))
+        model = factory(nnx.Rngs(0))
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_put(nnx.to_pure_dict(state), jax.devices()[0])
     rng = np.random.default_rng(0)
@@ -285,7 +283,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     experts = f", {model_cfg.n_experts} experts, top-{model_cfg.top_k}" if model_cfg.n_experts else ""
     what = (f"{type(model).__name__}(d_model={model_cfg.d_model}, heads={model_cfg.n_heads}, "
             f"seq_len={model_cfg.seq_len}, vocab={model_cfg.vocab_size}, {model_cfg.dtype}{experts})"
-            if factory is None
+            if type(model).__name__ in ("GPT", "MoEGPT") and split.num_units == model_cfg.n_layers
             else f"{type(model).__name__} (seq_len={model_cfg.seq_len})")
     note = (f"measured on {where}: one unit of {what} at microbatch {microbatch}, median of {repeats}; "
             f"units are identical, so its costs are replicated over {n} units")

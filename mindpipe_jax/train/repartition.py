@@ -1,0 +1,56 @@
+"""Online repartition (``parallel.repartition_after``): measure the layers of the model
+this run trains and re-balance its stage split.
+
+The model measured is the run's own (its ``ModelSpec``: a user's factory, module or
+Linen model as well as the built-in GPT), on parameters of the run's shapes; the units
+counted are its stack's (groups of layers where the model alternates layer kinds). Timings
+differ between processes, so process 0 decides and every process takes its split: two
+processes running different stage splits would run different programs and hang.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from mindpipe_jax.config import Config
+from mindpipe_jax.train.state import probe_factory
+from mindpipe_jax.train.step_checks import BATCH_AXES
+
+
+def current_split(cfg: Config, units: int, stages: int) -> tuple[int, ...]:
+    """The units per global stage the step runs: ``parallel.stage_layers``, or even."""
+    return tuple(cfg.parallel.stage_layers) or (units // stages,) * stages
+
+
+def replan(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the split the step runs now, the balanced split measured now) for ``layout``'s
+    model, mesh and schedule, the same on every process."""
+    from mindpipe_jax.parallel.pipeline import get_schedule
+    from mindpipe_jax.parallel.pipeline.plan.partition import measure_layer_costs, partition
+    from mindpipe_jax.parallel.pipeline.runtime.spmd import needs_lockstep
+
+    cfg, mesh, spec = layout.cfg, layout.mesh, layout.spec
+    par = cfg.parallel
+    p = mesh.shape["pipe"]
+    schedule = get_schedule(par.schedule, p, par.microbatches, par.virtual_stages,
+                            par.split_last)  # the table the runtime runs
+    counts = None
+    if jax.process_index() == 0:
+        n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
+        microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
+        profile = measure_layer_costs(cfg.model, microbatch=microbatch, model=probe_factory(spec))
+        plan = partition(profile, p=p, v=par.virtual_stages, m=par.microbatches,
+                         schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
+                         lockstep=needs_lockstep(mesh))
+        counts = np.asarray(plan.counts, np.int32)
+        units = profile.num_layers
+    else:
+        counts = np.zeros(schedule.num_global_stages, np.int32)
+        units = 0
+    if jax.process_count() > 1:
+        counts, units = multihost_utils.broadcast_one_to_all((counts, np.int32(units)))
+    return current_split(cfg, int(units), schedule.num_global_stages), tuple(int(c) for c in counts)
