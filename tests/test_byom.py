@@ -470,7 +470,8 @@ def test_repartition_and_plan_measure_the_users_model(tmp_path, capsys):
               "train.progress=false", "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
               "parallel.microbatches=2"]
     run = mp.train(lambda rngs: Llama(layers=6, rngs=rngs), None, None, *common, "train.steps=3",
-                   "parallel.stage_layers=[1, 5]", "parallel.repartition_after=2", f"train.out_dir={tmp_path}/r")
+                   "parallel.stage_layers=[1, 5]", "parallel.repartition_after=2",
+                   f"train.out_dir={tmp_path}/r")
     (event,) = [h["repartition"] for h in run.history if "repartition" in h]
     assert event["before"] == [1, 5] and sum(event["after"]) == 6 and min(event["after"]) >= 2, event
     assert run.step == 3 and np.isfinite(run.history[-1]["loss"])
