@@ -42,6 +42,20 @@ def test_stdlib_training_reduces_loss_and_writes_metrics(tmp_path):
     assert (result.checkpoint_dir / "40").is_dir()
 
 
+def test_a_value_not_measured_this_step_is_null_and_left_out_of_tensorboard(tmp_path, caplog):
+    """NaN marks a metric a step did not measure (the noise statistics between their
+    steps); TensorBoard warned once per NaN written, every log line of a tuned run."""
+    from mindpipe_jax.train.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, tensorboard=True, enabled=True)
+    with caplog.at_level("WARNING"):
+        writer.write(1, {"loss": 2.5, "b_noise": float("nan"), "grad_norm": np.float32(0.5), "note": "x"})
+    writer.close()
+    assert not [r for r in caplog.records if "NaN" in r.getMessage()], caplog.text
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record == {"step": 1, "loss": 2.5, "b_noise": None, "grad_norm": 0.5, "note": "x"}
+
+
 def test_resume_is_bitwise_identical(tmp_path):
     common = ("train.steps=6", "train.checkpoint_every=3", "train.eval_every=3", "train.log_every=3",
               "model.dropout=0.1", "parallel.data=4", "parallel.tensor=2")

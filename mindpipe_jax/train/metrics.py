@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import jax
+import numpy as np
 
 # Dense peak FLOP/s per device by device kind (bf16 for accelerators). The CPU
 # has no meaningful published peak; set train.peak_tflops to get an MFU there.
@@ -39,6 +40,10 @@ def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float
     return tokens_per_s * flops_per_token / (n_devices * peak)
 
 
+def _number(value) -> bool:
+    return isinstance(value, int | float | np.number)
+
+
 class MetricsWriter:
     def __init__(self, out_dir: Path, *, tensorboard: bool, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
@@ -61,12 +66,14 @@ class MetricsWriter:
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in values.items()}
+        # A value not measured this step (NaN: e.g. the noise statistics on a step that
+        # skips them) is null in JSONL and left out of TensorBoard, which warns per NaN.
+        clean = {k: (None if _number(v) and not math.isfinite(v) else v.item() if isinstance(v, np.number)
+                     else v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and value is not None:
+            for key, value in clean.items():
+                if _number(value):
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
