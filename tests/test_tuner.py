@@ -199,7 +199,7 @@ def _tune_on_a_synthetic_machine(monkeypatch, truth, fits=lambda c: True, checke
         def __init__(self, path=None):
             pass
 
-        def check(self, cfg, cand, budget_bytes, model=None, devices=None):
+        def check(self, cfg, cand, budget_bytes, model=None, devices=None, facts=None):
             if checked is not None:
                 checked.append(cand)
             if fits(cand):

@@ -132,15 +132,17 @@ class OnlineTuning(Protocol):
     does not import ``tuner/`` (imports point from tuner to train): ``mindpipe_jax.train``
     plugs it in."""
 
-    def resume(self, cfg: Config, saved: dict) -> tuple[Config, dict]:
+    def resume(self, cfg: Config, saved: dict, model=None) -> tuple[Config, dict]:
         """``cfg`` as the tuned run was when ``saved`` (a checkpoint's tuner state) was
-        written, and that state; on another device count both re-planned for it."""
+        written, and that state; on another device count both re-planned for it (and for
+        ``model``, a user's as ``train`` takes it; None: ``cfg.model``'s)."""
 
     def initial_gain(self, cfg: Config) -> float:
         """The learning-rate gain a fresh tuned run starts with."""
 
-    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model):
-        """The tuner object the loop feeds and asks (``tuner.epara.OnlineTuner``)."""
+    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model, model=None):
+        """The tuner object the loop feeds and asks (``tuner.epara.OnlineTuner``), judging
+        layouts for ``model`` (a user's; None: ``cfg.model``'s)."""
 
 
 def train(model=None, data=None, config: Config | None = None, *overrides: str,
@@ -174,7 +176,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
                           "mindpipe_jax.train, which plugs it in, not mindpipe_jax.train.loop.train")
     if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had,
         # re-planned when it now has another number of devices (elastic)
-        cfg, tuned = tuning.resume(cfg, tuned)
+        cfg, tuned = tuning.resume(cfg, tuned, model)
     if tuned or cfg.tuner.enabled:
         gain = tuned["lr_gain"] if tuned else tuning.initial_gain(cfg)
     else:
@@ -228,7 +230,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
-    tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model) if cfg.tuner.enabled else None
+    tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model, model) if cfg.tuner.enabled else None
     ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
     # candidates compiled ahead in the background (tuner.prepare)
     preparer = Preparer(factory_for) if tuner is not None and cfg.tuner.prepare else None

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.tuner.facts import ModelFacts
 from mindpipe_jax.tuner.space import Candidate, check_candidate
 
 
@@ -129,10 +130,11 @@ def _peak(stats) -> tuple[float, float, float, float, float]:
 
 
 def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=None,
-                      devices=None) -> Feasibility:
-    """Compile ``cand``'s step on abstract shapes and judge it against the budget."""
+                      devices=None, facts: ModelFacts | None = None) -> Feasibility:
+    """Compile ``cand``'s step on abstract shapes and judge it against the budget
+    (``facts``: ``model``'s, for the checks before compiling; ``tuner.facts``)."""
     devices = list(jax.devices() if devices is None else devices)
-    why = check_candidate(cfg, cand, len(devices))
+    why = check_candidate(cfg, cand, len(devices), facts)
     if why is not None:
         return Feasibility(cand, False, reason=why)
     t0 = time.perf_counter()
@@ -189,7 +191,7 @@ class FeasibilityCache:
         self.misses = 0
 
     def check(self, cfg: Config, cand: Candidate, budget_bytes: float, model=None,
-              devices=None) -> Feasibility:
+              devices=None, facts: ModelFacts | None = None) -> Feasibility:
         devices = list(jax.devices() if devices is None else devices)
         key = f"{_model_key(cfg, devices, model)}:{json.dumps(cand.to_dict(), sort_keys=True)}"
         if key in self._entries:
@@ -197,7 +199,7 @@ class FeasibilityCache:
             found = Feasibility.from_dict(self._entries[key])
         else:
             self.misses += 1
-            found = compile_candidate(cfg, cand, float("inf"), model, devices)
+            found = compile_candidate(cfg, cand, float("inf"), model, devices, facts)
             self._entries[key] = found.to_dict()
             self._save()
         if found.fits and found.peak_bytes > budget_bytes:

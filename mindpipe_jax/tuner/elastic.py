@@ -33,6 +33,7 @@ import math
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.tuner.facts import ModelFacts
 from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate, check_candidate
 
@@ -67,10 +68,11 @@ def fit_layout(cand: Candidate, devices: int) -> Candidate:
     return dataclasses.replace(cand, data=devices // math.prod(kept.values()), **kept)
 
 
-def replan(cfg: Config, saved: dict, devices: int) -> Replan:
+def replan(cfg: Config, saved: dict, devices: int, facts: ModelFacts | None = None) -> Replan:
     """The candidate and learning-rate gain a tuned run (``saved``: the tuner's state in
-    its checkpoint) continues with on ``devices`` devices. ConfigError, one line, when
-    no layout of the saved run fits them."""
+    its checkpoint) continues with on ``devices`` devices (``facts``: the user's model it
+    trains; None: ``cfg.model``'s). ConfigError, one line, when no layout of the saved run
+    fits them."""
     from mindpipe_jax.tuner.epara import MeasuredThroughput
 
     before = Candidate(**saved["candidate"])
@@ -80,7 +82,7 @@ def replan(cfg: Config, saved: dict, devices: int) -> Replan:
         "kept the rows per device": dataclasses.replace(
             fitted, global_batch=before.per_device_batch * fitted.batch_shards),
     }
-    reasons = {policy: check_candidate(cfg, c, devices) for policy, c in options.items()}
+    reasons = {policy: check_candidate(cfg, c, devices, facts) for policy, c in options.items()}
     valid = {policy: c for policy, c in options.items() if reasons[policy] is None}
     if not valid:
         raise ConfigError(f"resuming the tuned run ({before.label()} on {before.devices} devices) on "

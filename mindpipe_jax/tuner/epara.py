@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from mindpipe_jax.config import Config
+from mindpipe_jax.tuner.facts import ModelFacts, facts_of
 from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
 
@@ -172,8 +173,10 @@ class OnlineTuner:
 
     def __init__(self, cfg: Config, current: Candidate, num_devices: int, *,
                  step_model: StepModel | None = None, b0: int = 0, initial_batch: int = 0,
-                 lr_gain: float = 1.0, noise: NoiseScale | None = None, decisions: int = 0):
+                 lr_gain: float = 1.0, noise: NoiseScale | None = None, decisions: int = 0,
+                 facts: ModelFacts | None = None):
         self.cfg, self.current, self.num_devices = cfg, current, num_devices
+        self.facts = facts  # a user's model: candidates judged on it, not on cfg.model
         self.model = step_model if step_model is not None else MeasuredThroughput()
         self.initial_batch = initial_batch or current.global_batch
         self.b0 = b0 or cfg.tuner.base_batch or self.initial_batch
@@ -207,10 +210,12 @@ class OnlineTuner:
             micro = sorted({x for x in (m // 2, m, 2 * m, 4 * m) if x >= 1}) if cur.pipe > 1 else (m,)
             found = enumerate_space(self.cfg, self.num_devices, axes=axes, global_batches=batches,
                                     microbatches=micro, schedules=(cur.schedule,),
-                                    virtual_stages=(cur.virtual_stages,), remats=(cur.remat,)).valid
+                                    virtual_stages=(cur.virtual_stages,), remats=(cur.remat,),
+                                    facts=self.facts).valid
         else:
-            found = [c for b in batches if check_candidate(
-                self.cfg, c := dataclasses.replace(cur, global_batch=b), self.num_devices) is None]
+            found = [c for b in batches
+                     if check_candidate(self.cfg, c := dataclasses.replace(cur, global_batch=b),
+                                        self.num_devices, self.facts) is None]
         return sorted(set(found) | {cur})
 
     def _noise_note(self) -> str | None:
@@ -375,37 +380,42 @@ class OnlineTuner:
 
     @classmethod
     def from_state(cls, cfg: Config, current: Candidate, num_devices: int, saved: dict | None, *,
-                   lr_gain: float = 1.0, step_model: StepModel | None = None) -> OnlineTuner:
+                   lr_gain: float = 1.0, step_model: StepModel | None = None,
+                   facts: ModelFacts | None = None) -> OnlineTuner:
         """A tuner for a fresh run (``saved`` empty) or one continuing ``saved``
-        (``state_dict`` of a checkpoint); ``lr_gain`` is the gain the run trains with."""
+        (``state_dict`` of a checkpoint); ``lr_gain`` is the gain the run trains with;
+        ``facts``: the user's model the run trains (None: ``cfg.model``'s)."""
         saved = saved or {}
         noise = NoiseScale.from_dict({**saved["noise"], "ema": cfg.tuner.ema}) if "noise" in saved else None
         if step_model is None and cfg.tuner.meshes:
-            step_model = cost_model_for(cfg)
+            step_model = cost_model_for(cfg, facts)
         return cls(cfg, current, num_devices, step_model=step_model, b0=saved.get("b0", 0),
                    initial_batch=saved.get("initial_batch", 0), lr_gain=lr_gain, noise=noise,
-                   decisions=saved.get("decisions", 0))
+                   decisions=saved.get("decisions", 0), facts=facts)
 
 
-def cost_model_for(cfg: Config):
-    """The cost model (tuner/costmodel.py) of ``cfg``'s model on this machine: what
-    ``tuner.meshes`` needs, since a mesh the run has not measured can only be
-    predicted from FLOPs, links and the schedule. Calibrating takes a few seconds."""
+def cost_model_for(cfg: Config, facts: ModelFacts | None = None):
+    """The cost model (tuner/costmodel.py) of the run's model (``facts``: a user's;
+    None: ``cfg.model``'s) on this machine: what ``tuner.meshes`` needs, since a mesh
+    the run has not measured can only be predicted from FLOPs, links and the schedule.
+    Calibrating takes a few seconds."""
     from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts
 
-    return CostModel(ModelCosts.measure(cfg), Hardware.calibrate(), cfg.model.seq_len)
+    costs = ModelCosts.measure(cfg, model=None if facts is None else facts.factory())
+    return CostModel(costs, Hardware.calibrate(), cfg.model.seq_len)
 
 
 class EParaTuning:
     """EPara's online tuner as the training loop takes it (``train.loop.OnlineTuning``)."""
 
-    def resume(self, cfg: Config, saved: dict) -> tuple[Config, dict]:
-        """The run as it was tuned; on another device count, re-planned (tuner/elastic.py)."""
+    def resume(self, cfg: Config, saved: dict, model=None) -> tuple[Config, dict]:
+        """The run as it was tuned; on another device count, re-planned (tuner/elastic.py)
+        for ``model`` (a user's, as ``train`` takes it; None: ``cfg.model``'s)."""
         from mindpipe_jax.tuner.elastic import replan
 
         candidate, devices = Candidate(**saved["candidate"]), len(jax.devices())
         if candidate.devices != devices:
-            plan = replan(cfg, saved, devices)
+            plan = replan(cfg, saved, devices, facts_of(model, cfg))
             if jax.process_index() == 0:
                 print(plan.line(), flush=True)
             candidate = plan.after
@@ -415,7 +425,7 @@ class EParaTuning:
     def initial_gain(self, cfg: Config) -> float:
         return initial_lr_gain(cfg)
 
-    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model) -> OnlineTuner:
+    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model, model=None) -> OnlineTuner:
         return OnlineTuner.from_state(cfg, candidate_of(cfg, mesh), len(jax.devices()), saved,
-                                      lr_gain=lr_gain, step_model=step_model)
+                                      lr_gain=lr_gain, step_model=step_model, facts=facts_of(model, cfg))
 

@@ -20,9 +20,13 @@ import itertools
 import math
 import types
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from mindpipe_jax.config import MESH_AXES, Config
 from mindpipe_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mindpipe_jax.tuner.facts import ModelFacts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "afapab", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per device in a V, always
@@ -125,8 +129,11 @@ def _model_limits(cfg: Config, cand: Candidate) -> str | None:
     return None
 
 
-def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None) -> str | None:
-    """None if ``cand`` is a valid run of ``cfg``'s model, else the one-line reason."""
+def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None,
+                    facts: ModelFacts | None = None) -> str | None:
+    """None if ``cand`` is a valid run of ``cfg``'s model, else the one-line reason.
+    ``facts``: a user's model (``tuner.facts``), judged on its own parameters and depth
+    instead of ``cfg.model``'s sizes."""
     from mindpipe_jax.train.step import check_step_config
 
     if num_devices is not None and cand.devices != num_devices:
@@ -142,7 +149,8 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         from mindpipe_jax.parallel.pipeline import ScheduleError, get_schedule
         from mindpipe_jax.train.step import check_pipeline_depth
         try:
-            check_pipeline_depth(run.model.n_layers, run, cand.pipe * cand.virtual_stages)
+            depth = (run.model.n_layers, None, 1) if facts is None else facts.depth
+            check_pipeline_depth(depth[0], run, cand.pipe * cand.virtual_stages, depth[1], depth[2])
         except ConfigError as err:
             return str(err)
         try:
@@ -150,7 +158,7 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         except (ScheduleError, ValueError) as err:
             return (f"schedule {cand.schedule} p={cand.pipe} m={cand.microbatches} "
                     f"v={cand.virtual_stages}: {err}")
-    return _model_limits(run, cand)
+    return _model_limits(run, cand) if facts is None else facts.unshardable(cand.axes)
 
 
 def _divisors(n: int) -> list[int]:
@@ -188,7 +196,8 @@ def enumerate_space(cfg: Config, num_devices: int, *,
                     microbatches: Sequence[int] = (1, 2, 4, 8),
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     virtual_stages: Sequence[int] = (1, 2),
-                    remats: Sequence[str] = ("none", "full")) -> SpaceReport:
+                    remats: Sequence[str] = ("none", "full"),
+                    facts: ModelFacts | None = None) -> SpaceReport:
     """Every candidate over the given choices, split into valid and rejected.
 
     Axes not listed stay 1. Without a pipeline, schedule and virtual chunks do not
@@ -226,7 +235,7 @@ def enumerate_space(cfg: Config, num_devices: int, *,
             if cand in seen:
                 continue
             seen.add(cand)
-            why = check_candidate(cfg, cand)
+            why = check_candidate(cfg, cand, facts=facts)
             if why is None:
                 valid.append(cand)
             else:

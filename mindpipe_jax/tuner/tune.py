@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
-from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
+from mindpipe_jax.tuner.facts import facts_of
 from mindpipe_jax.tuner.noise import efficiency
 from mindpipe_jax.tuner.space import REMATS, Candidate, SpaceReport, enumerate_space
 from mindpipe_jax.tuner.trial import Trial
@@ -146,14 +146,6 @@ def lighter_twins(row: Row, rows: Sequence[Row]) -> list[Row]:
     return [t for t in twins if t is not None]
 
 
-def _factory(model):
-    """A user's model as a factory for the cost measurement (None: cfg.model's GPT)."""
-    if model is None or not isinstance(model, nnx.Module):
-        return model
-    graphdef, state = nnx.split(model)
-    return lambda rngs: nnx.merge(graphdef, state)
-
-
 def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = math.inf,
          global_batches: Sequence[int] | None = None,
          axes: Sequence[str] | None = None,
@@ -182,8 +174,9 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     if b_noise is None and set(batches) != {b0}:
         raise ConfigError(f"tune: comparing global batches {list(batches)} needs the gradient noise scale "
                           f"(b_noise=...; tuner.probe.estimate_b_noise measures it)")
+    facts = facts_of(model, cfg)  # a user's model: layouts judged on it, not on cfg.model
     space = enumerate_space(cfg, n, axes=axes, global_batches=batches, microbatches=microbatches,
-                            schedules=schedules, virtual_stages=virtual_stages, remats=remats)
+                            schedules=schedules, virtual_stages=virtual_stages, remats=remats, facts=facts)
     if not space.valid:
         reasons = "; ".join(list(space.reasons())[:3])
         raise ConfigError(f"tune: no valid configuration of this model on {n} devices ({reasons})")
@@ -192,7 +185,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     # cache when there is one (a run directory), else in ~/.cache/mindpipe_jax.
     hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes,
                                               cache_dir=Path(cache_path).parent if cache_path else None)
-    costs = costs or ModelCosts.measure(cfg, model=_factory(model))
+    costs = costs or ModelCosts.measure(cfg, model=None if facts is None else facts.factory())
     if costs.unsplit is not None:  # a model the pipeline cannot cut: its pipeline layouts are not runs
         cut = [c for c in space.valid if c.pipe > 1]
         space.valid = [c for c in space.valid if c.pipe == 1]
@@ -231,7 +224,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
             if compiled >= max_compile:
                 return None
             compiled += 1
-            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
+            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices, facts)
             if row.feasibility.fits:
                 return row
             log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
@@ -269,7 +262,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
             break
         if row.feasibility is None:
             compiled += 1
-            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices)
+            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices, facts)
     # Predictions after the trials (the model has seen them), for every row.
     for row in rows:
         row.predicted = model_cost.breakdown(row.candidate)
