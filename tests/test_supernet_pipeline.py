@@ -194,6 +194,18 @@ def test_what_does_not_run_through_the_pipeline_is_refused_in_one_line(layout, k
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_user_supernet_is_split_by_its_own_depth_not_model_n_layers():
+    """A user's supernet (2 blocks) through pipe=2 with ``model.n_layers=3`` left as it was:
+    the GPT's depth does not divide the stages, the model's does. Before: refused, naming
+    model.n_layers=3, before the model was built."""
+    result = train_supernet(make_tiny, None, mp.Config().replace(
+        "model.n_layers=3", f"model.seq_len={CFG.seq_len}", "data.source=synthetic", "train.steps=1",
+        "train.global_batch=16", "train.progress=false", "parallel.pipe=2", "parallel.data=4",
+        "parallel.tensor=1", "parallel.microbatches=2", "supernet.subnets_per_step=2",
+        "supernet.semantics=sync"), search=False, log=lambda *_: None)
+    assert result.history[-1]["step"] == 1 and np.isfinite(result.history[-1]["loss"])
+
+
 @pytest.mark.slow
 def test_mindpipe_supernet_through_the_pipeline_resumed_then_searched(tmp_path):
     """The user's path: ``mindpipe supernet`` on pipe=2 x data=4 (sequential, 1F1B),

@@ -126,9 +126,11 @@ def stage_fns(spec: SupernetSpec) -> StageFns:
 
 
 def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, semantics: str,
-                    subnets_per_step: int, vmap_width: int, global_batch: int, n_layers: int,
+                    subnets_per_step: int, vmap_width: int, global_batch: int, n_layers: int | None,
                     deterministic: bool = False, virtual_shards: int = 0) -> None:
-    """What SPara through a pipeline supports; a ConfigError naming the value otherwise."""
+    """What SPara through a pipeline supports; a ConfigError naming the value otherwise.
+    ``n_layers``: the supernet's blocks (None: not known yet, a user's supernet before
+    it is built; checked again with its spec)."""
     check_axes(mesh, "supernet training through a pipeline", pipe_ok=True)
     check_semantics(semantics)
     pipe, groups = mesh.shape["pipe"], mesh.shape["subnet"]
@@ -153,7 +155,7 @@ def check_pipelined(spec: SupernetSpec | None, mesh, par: ParallelConfig, *, sem
                           f"kept apart for its own clipping and synced after the last tick in fp32; set "
                           f"parallel.grad_sync='end' and grad_sync_dtype='fp32'")
     stages = pipe * par.virtual_stages
-    if n_layers % stages:
+    if n_layers is not None and n_layers % stages:
         raise ConfigError(f"model.n_layers={n_layers} must be divisible by parallel.pipe x "
                           f"parallel.virtual_stages = {pipe} x {par.virtual_stages} = {stages}")
     rows = par.microbatches * data_devices(mesh)

@@ -150,7 +150,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     if mesh.shape["pipe"] > 1:
         check_pipelined(None, mesh, cfg.parallel, semantics=sn.semantics,
                         subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
-                        global_batch=tr.global_batch, n_layers=cfg.model.n_layers,
+                        global_batch=tr.global_batch,  # a user's supernet has its own depth
+                        n_layers=cfg.model.n_layers if model is None else None,
                         deterministic=tr.deterministic, virtual_shards=tr.virtual_shards)
     else:
         check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
