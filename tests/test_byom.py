@@ -459,6 +459,23 @@ def test_cli_trains_a_model_named_module_colon_factory(tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
+def test_an_auto_tensor_split_the_model_cannot_take_says_how_to_avoid_it(tmp_path):
+    """parallel.tensor=0 (the default) splits over tensor=2 on simulated CPU devices; a
+    model whose MLP width is odd cannot take it, and the user never asked for it."""
+    with pytest.raises(ConfigError, match=re.escape("(mlp=37) is not divisible by mesh axes tensor=2; choose "
+                                                    "sizes so that mlp divides evenly; parallel.tensor=0 "
+                                                    "(auto) chose tensor=2 on these devices: set "
+                                                    "parallel.tensor=1")):
+        mp.train(lambda rngs: Llama(ff=37, rngs=rngs), None, None, "model.vocab_size=64", "model.seq_len=8",
+                 "data.source=synthetic", "train.steps=1", "train.global_batch=16",
+                 f"train.out_dir={tmp_path}/run")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    run = mp.train(lambda rngs: Llama(ff=37, rngs=rngs), None, None, "model.vocab_size=64", "model.seq_len=8",
+                   "data.source=synthetic", "train.steps=1", "train.global_batch=16", "parallel.tensor=1",
+                   "train.progress=false", "train.tensorboard=false", f"train.out_dir={tmp_path}/ok")
+    assert run.step == 1
+
+
 def test_repartition_and_plan_measure_the_users_model(tmp_path, capsys):
     """The online repartition and ``mindpipe plan --model`` measure the model being
     trained, its stack's units, not the configured GPT. Before: a 6-layer Llama run with

@@ -216,7 +216,15 @@ def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: flo
     check_step_config(cfg, mesh)
     with jax.set_mesh(None):  # abstract shapes keep logical names; an ambient mesh would bind them
         example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
-        spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed, example)
+        try:
+            spec, create = model_spec(factory_for(cfg), mesh, cfg.train.seed, example)
+        except ConfigError as err:
+            auto_tensor = cfg.parallel.tensor == 0 and mesh.shape["tensor"] > 1
+            if auto_tensor and "not divisible by mesh axes" in str(err):
+                # The user asked for no tensor split: say where it came from and how to avoid it.
+                raise ConfigError(f"{err}; parallel.tensor=0 (auto) chose tensor={mesh.shape['tensor']} on "
+                                  f"these devices: set parallel.tensor=1 to keep the model whole") from None
+            raise
         spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
         check_model_outputs(spec, cfg.model.seq_len, cfg.model.vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
