@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mindpipe_jax.config import Config
+from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.state import probe_factory
 from mindpipe_jax.train.step_checks import BATCH_AXES
 
@@ -38,19 +39,25 @@ def replan(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     p = mesh.shape["pipe"]
     schedule = get_schedule(par.schedule, p, par.microbatches, par.virtual_stages,
                             par.split_last)  # the table the runtime runs
-    counts = None
+    stages = schedule.num_global_stages
+    counts, failure = np.full(stages, -1, np.int32), None  # -1s: process 0 could not plan
     if jax.process_index() == 0:
-        n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
-        microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
-        profile = measure_layer_costs(cfg.model, microbatch=microbatch, model=probe_factory(spec))
-        plan = partition(profile, p=p, v=par.virtual_stages, m=par.microbatches,
-                         schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
-                         lockstep=needs_lockstep(mesh))
-        counts = np.asarray(plan.counts, np.int32)
-        units = profile.num_layers
-    else:
-        counts = np.zeros(schedule.num_global_stages, np.int32)
-        units = 0
+        try:
+            n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
+            microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
+            profile = measure_layer_costs(cfg.model, microbatch=microbatch, model=probe_factory(spec))
+            plan = partition(profile, p=p, v=par.virtual_stages, m=par.microbatches,
+                             schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
+                             lockstep=needs_lockstep(mesh))
+            counts = np.asarray(plan.counts, np.int32)
+        except Exception as err:  # the others wait for its answer: they must hear of it, not hang
+            failure = err
     if jax.process_count() > 1:
-        counts, units = multihost_utils.broadcast_one_to_all((counts, np.int32(units)))
-    return current_split(cfg, int(units), schedule.num_global_stages), tuple(int(c) for c in counts)
+        counts = np.asarray(multihost_utils.broadcast_one_to_all(counts))
+    if failure is not None:
+        raise failure
+    if (counts < 0).any():
+        raise ConfigError(f"parallel.repartition_after={par.repartition_after}: process 0 could not measure "
+                          f"and re-plan the stages (its log says why)")
+    after = tuple(int(c) for c in counts)
+    return current_split(cfg, sum(after), stages), after
