@@ -230,14 +230,17 @@ def test_pipe_tensor_resharding_heads_no_collective_stranded_in_a_branch(schedul
 @pytest.mark.xla_default_emitters  # bitwise across programs: as users compile them
 @pytest.mark.parametrize("family,schedule", [("llama-tied", "1f1b"), ("gemma", "zb-h1")])
 def test_deterministic_pipeline_gradients_are_the_same_bits_on_any_data_count(family, schedule):
-    """Deterministic mode through a pipeline of 2 stages on data = 1, 2, 4 and fsdp = 4 (each
+    """Deterministic mode through a pipeline of 2 stages on data = 1, (2,) 4 and fsdp = 4 (each
     device's 8 / (data x fsdp) virtual shards its microbatches; with fsdp the weights enter
     the pipeline sharded and the gradients leave it so): the gradients equal the
     independent reference to fp32 tolerance and each other bit for bit (tied embeddings
     summed from two stages; Gemma's stack of unlike layer groups under ZB-H1's split
     backward)."""
     runs = {}
-    for data, fsdp in ((1, 1), (2, 1), (4, 1), (1, 4)):
+    # Gemma (the slower family to compile) skips data=2: data=1 against data=4 and fsdp=4
+    # already spans one shard per device to four; Llama keeps it.
+    layouts = ((1, 1), (2, 1), (4, 1), (1, 4)) if family == "llama-tied" else ((1, 1), (4, 1), (1, 4))
+    for data, fsdp in layouts:
         runs[data, fsdp] = framework_grads(
             FAMILIES[family], "train.deterministic=true", "train.virtual_shards=8", "parallel.pipe=2",
             f"parallel.data={data}", f"parallel.fsdp={fsdp}", "parallel.tensor=1",
@@ -245,7 +248,7 @@ def test_deterministic_pipeline_gradients_are_the_same_bits_on_any_data_count(fa
             devices=jax.devices()[:2 * data * fsdp])
         assert_grads_equal(runs[data, fsdp], reference(family))
     want = [np.asarray(x).tobytes() for x in jax.tree.leaves(runs[1, 1])]
-    for layout in ((2, 1), (4, 1), (1, 4)):  # (data, fsdp): fsdp keeps the weights and gradients sharded
+    for layout in layouts[1:]:  # (data, fsdp): fsdp keeps the weights and gradients sharded
         got = [np.asarray(x).tobytes() for x in jax.tree.leaves(runs[layout])]
         differ = sum(g != w for g, w in zip(got, want, strict=True))
         assert not differ, f"(data, fsdp)={layout}: {differ} leaves differ from data=1"
