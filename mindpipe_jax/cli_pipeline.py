@@ -238,13 +238,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     model = None
     if args.model:  # imported after setup_runtime: the module may touch JAX at import
-        import numpy as np
-
-        from mindpipe_jax.models.bridge import from_linen, is_linen
+        from mindpipe_jax.models.bridge import nnx_model
         from mindpipe_jax.models.loading import load_model_ref
-        model = load_model_ref(args.model)
-        if is_linen(model):  # initialised once here, on a batch of the data's shape, as train does
-            model = from_linen(model, np.zeros((1, cfg.model.seq_len), np.int32))
+        model = nnx_model(load_model_ref(args.model), cfg.model.seq_len)  # a Linen one: its factory
     mesh, microbatch, share, spec = plan_layout(cfg, model)
     measure = _compiled_memory(cfg, mesh, model) if args.compiled else None
     profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options,

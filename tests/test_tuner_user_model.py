@@ -65,3 +65,20 @@ def test_the_online_tuner_never_switches_to_a_layout_the_model_cannot_take(tmp_p
                    f"train.out_dir={tmp_path}", step_model=PreferTensor4())
     assert run.step == 6 and np.isfinite(run.history[-1]["loss"])
     assert not [h["tuner"] for h in run.history if "tuner" in h and h["tuner"]["candidate"]["tensor"] == 4]
+
+
+def test_a_linen_model_is_tuned_as_train_builds_it():
+    """``tune(model=<a Linen module>)`` (and ``mindpipe tune --model``) crashed with Flax's
+    CallCompactUnboundModuleError: the module was called as a factory. Now it goes through
+    the bridge as ``train`` takes it, its layouts judged on its own shapes."""
+    from byom_models import linen_transformer
+
+    from mindpipe_jax.tuner.tune import tune
+
+    cfg = CFG.replace("data.source=synthetic")
+    result = tune(cfg, axes=("data", "tensor"), microbatches=(1,), remats=("none",), max_compile=1, measure=1,
+                  trial_steps=2, rounds=1, model=linen_transformer(), log=lambda _: None)
+    assert result.best.measured_s is not None
+    # Its 2 heads split over tensor=2 only (the GPT config's 4 heads would have let tensor=4 in).
+    assert {r.candidate.tensor for r in result.rows} == {1, 2}
+    assert {c.tensor for c, why in result.space.rejected if "(heads=2) is not divisible" in why} == {4, 8}

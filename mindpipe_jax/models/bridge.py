@@ -9,6 +9,17 @@ def is_linen(model) -> bool:
     return isinstance(model, linen.Module)
 
 
+def nnx_model(model, seq_len: int):
+    """``model`` as the NNX side takes it: a Linen module becomes its ``from_linen``
+    factory, initialised on a [1, ``seq_len``] batch of token ids (what ``train`` does);
+    anything else is returned as it is."""
+    if not is_linen(model):
+        return model
+    import numpy as np
+
+    return from_linen(model, np.zeros((1, seq_len), np.int32))
+
+
 def from_linen(module: linen.Module, example_input):
     """A factory ``rngs -> nnx.Module`` for a Linen module: ``nnx.bridge.ToNNX``
     initialised on ``example_input`` (a batch of the model's inputs; only its shape

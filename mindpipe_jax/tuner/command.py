@@ -198,11 +198,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model:  # imported after setup_runtime: the module may touch JAX at import
         from flax import nnx
 
-        from mindpipe_jax.models.bridge import is_linen
+        from mindpipe_jax.models.bridge import nnx_model
         from mindpipe_jax.models.loading import load_model_ref
         from mindpipe_jax.train.state import abstract_model
-        model = load_model_ref(args.model)
-        if callable(model) and not isinstance(model, nnx.Module) and not is_linen(model):
+        model = nnx_model(load_model_ref(args.model), cfg.model.seq_len)  # a Linen one: its factory
+        if callable(model) and not isinstance(model, nnx.Module):
             abstract_model(model)  # a factory that raises is refused before any measurement
     from mindpipe_jax.tuner.tune import tune
 

@@ -51,14 +51,23 @@ class ModelFacts:
         return cls(spec, params, cfg.model.seq_len)
 
     @functools.cached_property
-    def depth(self) -> tuple[int, str, int]:
-        """(units of its layer stack, the model's name, layers per unit), as the pipeline
-        splits it; ConfigError when the model cannot be pipelined."""
+    def _depth(self) -> tuple[int, str, int] | ConfigError:
         from mindpipe_jax.train.step import pipeline_model
 
-        with jax.set_mesh(None):
-            model = pipeline_model(self.spec, self.seq_len)
+        try:
+            with jax.set_mesh(None):
+                model = pipeline_model(self.spec, self.seq_len)
+        except ConfigError as err:  # kept: every pipeline candidate gets the same answer
+            return err
         return model.num_units, model.name, model.group
+
+    @property
+    def depth(self) -> tuple[int, str, int]:
+        """(units of its layer stack, the model's name, layers per unit), as the pipeline
+        splits it; ConfigError (the contract's reason) when the model cannot be pipelined."""
+        if isinstance(self._depth, ConfigError):
+            raise self._depth
+        return self._depth
 
     def unshardable(self, axes: dict[str, int]) -> str | None:
         """Why the model's parameters cannot be laid out on a mesh of ``axes`` (the rules

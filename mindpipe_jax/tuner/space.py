@@ -150,6 +150,9 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         from mindpipe_jax.train.step import check_pipeline_depth
         try:
             depth = (run.model.n_layers, None, 1) if facts is None else facts.depth
+        except ConfigError as err:
+            return f"the model cannot be pipelined: {err}"
+        try:
             check_pipeline_depth(depth[0], run, cand.pipe * cand.virtual_stages, depth[1], depth[2])
         except ConfigError as err:
             return str(err)

@@ -28,6 +28,7 @@ import jax
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models.bridge import nnx_model
 from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
 from mindpipe_jax.tuner.facts import facts_of
@@ -167,6 +168,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     if not 0 <= explore <= 1:
         raise ConfigError(f"tune: explore={explore} must be between 0 and 1")
     devices = devices[:n]
+    model = nnx_model(model, cfg.model.seq_len)  # a Linen module: its factory, as train builds it
     if axes is None:
         axes = ("data", "fsdp", "tensor", "pipe") + (("expert",) if cfg.model.n_experts else ())
     batches = tuple(global_batches or (cfg.train.global_batch,))
