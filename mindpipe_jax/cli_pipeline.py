@@ -244,7 +244,7 @@ def run_plan(args: argparse.Namespace) -> int:
     mesh, microbatch, share, spec = plan_layout(cfg, model)
     measure = _compiled_memory(cfg, mesh, model) if args.compiled else None
     profile = measure_layer_costs(cfg.model, microbatch=microbatch, repeats=repeats, dots="dots" in options,
-                                  model=probe_factory(spec))
+                                  model=probe_factory(spec), tensor=mesh.shape["tensor"])
     lockstep = needs_lockstep(mesh)  # the runtime's rule on the run's mesh
     common = dict(memory_budget_bytes=budget, remat_options=options, lockstep=lockstep, param_share=share,
                   measure_memory=measure)

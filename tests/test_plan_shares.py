@@ -51,7 +51,7 @@ def _planned_and_compiled(extra):
     par = cfg.parallel
     mesh, micro, share, _ = plan_layout(cfg)
     prof = measure_layer_costs(cfg.model, microbatch=micro, repeats=1, dots=False,
-                               model=lambda rngs: build_model(cfg.model, rngs))
+                               model=lambda rngs: build_model(cfg.model, rngs), tensor=mesh.shape["tensor"])
     plan = partition(prof, p=par.pipe, m=par.microbatches, fuse_modes=(par.fuse_ticks,),
                      schedule=get_schedule(par.schedule, par.pipe, par.microbatches),
                      lockstep=needs_lockstep(mesh), param_share=share)
@@ -69,10 +69,13 @@ def test_planned_memory_follows_the_compiled_step_across_layouts():
     (its own stage split and remat) on layouts of 2 to 8 devices: the
     model stays within a third of XLA's count (it does not model XLA's own temporaries,
     about 10-20% here), and moving from pipe2 alone to pipe2 x data4 / pipe2 x fsdp4 /
-    an MoE's pipe2 x data2 x expert2 shrinks it as the compiled step shrinks. Before
-    the layout entered the plan, every layout got pipe2's figure (1.4-2x too much)."""
+    pipe2 x data2 x tensor2 / an MoE's pipe2 x data2 x expert2 shrinks it as the compiled
+    step shrinks. Before the layout entered the plan, every layout got pipe2's figure
+    (1.4-2x too much); before the residuals were read per device over tensor, tensor2's
+    was 1.8x the compiled step's."""
     base = _planned_and_compiled(["parallel.data=1"])
     for extra in (["parallel.data=4"], ["parallel.fsdp=4", "parallel.data=1"],
+                  ["parallel.data=2", "parallel.tensor=2"],
                   ["model.n_experts=4", "parallel.expert=2", "parallel.data=2"]):
         planned, compiled = _planned_and_compiled(extra)
         assert 0.65 < planned / compiled < 1.35, (extra, planned, compiled)

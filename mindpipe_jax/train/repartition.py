@@ -45,7 +45,8 @@ def replan(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
         try:
             n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)  # expert devices run their own rows too
             microbatch = cfg.train.global_batch // (n_batch * par.microbatches)
-            profile = measure_layer_costs(cfg.model, microbatch=microbatch, model=probe_factory(spec))
+            profile = measure_layer_costs(cfg.model, microbatch=microbatch, model=probe_factory(spec),
+                                          tensor=mesh.shape["tensor"])
             plan = partition(profile, p=p, v=par.virtual_stages, m=par.microbatches,
                              schedule=schedule, fuse_modes=(par.fuse_ticks,),  # the runtime keeps its mode
                              lockstep=needs_lockstep(mesh))

@@ -206,7 +206,7 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
 
 
 def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
-                        dots: bool = True) -> ProfiledModel:
+                        dots: bool = True, tensor: int = 1) -> ProfiledModel:
     """Measure ``model`` (a factory ``rngs -> nnx.Module``, e.g. ``lambda rngs:
     models.build_model(model_cfg, rngs)`` for the configured GPT or MoE GPT): its
     prologue, one unit of its stack and its epilogue, found as the pipeline finds them
@@ -218,6 +218,9 @@ def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
     block is measured and replicated over ``n_layers`` (the GPT's blocks are
     identical). ``dots=True`` also measures remat "dots" (residual bytes under
     ``dots_with_no_batch_dims_saveable`` and the recompute it adds to the backward).
+    ``tensor`` > 1: the residuals are what one device keeps when ``tensor`` devices split
+    each layer, read from the compiled layout (``residual_share.residual_sizer``); the
+    times stay the whole layer's on one device.
     """
     import jax
 
@@ -227,10 +230,10 @@ def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
     # One device whatever the caller's context: under an ambient mesh (e.g. train's
     # repartition) the model's sharding constraints would compile a sharded program.
     with jax.set_mesh(None):
-        return _measure(model_cfg, microbatch, repeats, dots, model)
+        return _measure(model_cfg, microbatch, repeats, dots, model, tensor)
 
 
-def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> ProfiledModel:
+def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory, tensor: int) -> ProfiledModel:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -238,6 +241,7 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
 
     from mindpipe_jax.parallel.pipeline.contract import PipelineModel
     from mindpipe_jax.parallel.pipeline.parts import merged
+    from mindpipe_jax.parallel.pipeline.plan.residual_share import residual_sizer
 
     with nnx.use_eager_sharding(False):
         model = factory(nnx.Rngs(0))
@@ -273,11 +277,12 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
     flops = {f"{part}_{k[6:]}": v for part, d in (("layer", lay), ("embed", emb), ("head", hd))
              for k, v in d.items() if k.startswith("flops_")}
     extra: dict[str, Any] = {}
+    size, per_device = residual_sizer(split, state, tensor)
     if dots:
-        extra = {"dots_residual_bytes": residual_bytes(saved, block, hidden),
+        extra = {"dots_residual_bytes": size(saved, block, hidden, "blocks"),
                  "dots_recompute_s": max(0.0, lay["BW_dots"] - lay["BW"])}
     n = split.num_units
-    res_layer = residual_bytes(fns.layer, block, hidden)
+    res_layer = size(fns.layer, block, hidden, "blocks")
     device = jax.devices()[0]
     where = device.platform + ("" if device.device_kind == device.platform else f" ({device.device_kind})")
     experts = f", {model_cfg.n_experts} experts, top-{model_cfg.top_k}" if model_cfg.n_experts else ""
@@ -287,11 +292,15 @@ def _measure(model_cfg, microbatch: int, repeats: int, dots: bool, factory) -> P
             else f"{type(model).__name__} (seq_len={model_cfg.seq_len})")
     note = (f"measured on {where}: one unit of {what} at microbatch {microbatch}, median of {repeats}; "
             f"units are identical, so its costs are replicated over {n} units")
+    if tensor > 1:
+        note += (f"; residuals per device over tensor={tensor} (the compiled layout), times the whole "
+                 f"layer's" if per_device else
+                 f"; residuals and times the whole layer's (an upper bound over tensor={tensor})")
     return ProfiledModel(
         layers=(layer,) * n, embed=embed, head=head_cost,
         residual_bytes=res_layer, slot_move_s_per_byte=slot_move_seconds_per_byte(res_layer, repeats=repeats),
-        embed_residual_bytes=residual_bytes(fns.embed, params["embed"], tokens),
-        head_residual_bytes=residual_bytes(head, params["head"], hidden),
+        embed_residual_bytes=size(fns.embed, params["embed"], tokens, "embed"),
+        head_residual_bytes=size(head, params["head"], hidden, "head"),
         flops=flops, microbatch=microbatch, note=note, **extra)
 
 

@@ -19,8 +19,8 @@ per device (``runtime/fsdp.py``, ``train/pipeline_storage.py``):
 ``ParamShare`` holds these fractions of the whole bytes; ``train.plan_layout`` reads
 them from the model's storage and compute shardings on a config's mesh, as
 ``mindpipe_jax.train`` builds them (what ``mindpipe plan`` plans for). Activations
-are not divided over ``tensor`` here: the profile's residuals are a tensor-1 figure,
-an upper bound on a tensor-split stage's.
+are not this module's: over ``tensor`` the profile's residuals are measured per device
+(``measure_layer_costs(..., tensor=)``, ``residual_share.py``).
 """
 
 from __future__ import annotations
