@@ -215,6 +215,19 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         return simulate(sched, stage_costs(fig_list), link=link, mode="neighbour", fuse=mode,
                         tick_overhead=slot_tick_seconds(model, sched, spans, policies, mode, lockstep))
 
+    def run_seconds(policies, mode: str) -> float:
+        """The step as this layout runs: the per-device replay, or in lockstep every device
+        running every branch of each tick (plan/lockstep.py): what tick mode and remat are
+        chosen on."""
+        if not lockstep:
+            return as_run(policies, mode).step_time
+        from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
+
+        fig_list = [model.stage(g, spans[g].start, spans[g].stop, policies[g]) for g in range(G)]
+        ticks = make_plan(sched, tuple(policies), mode, merge_first=True, merge_last=True)
+        return lockstep_ticks_seconds(ticks, stage_costs(fig_list)) \
+            + ticks.num_ticks * slot_tick_seconds(model, sched, spans, policies, mode, lockstep)
+
     fits = []
     for mode in dict.fromkeys(fuse_modes):
         try:
@@ -224,9 +237,9 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
             if mode == fuse_modes[-1] and not fits:
                 raise
             continue
-        fits.append((as_run(fit[0], mode).step_time, len(fits), mode, fit))
+        fits.append((run_seconds(fit[0], mode), len(fits), mode, fit))
     _, _, fuse_mode, (chosen, spmd) = min(fits)
-    lighter = _lighten(chosen, options, lambda policies: as_run(policies, fuse_mode).step_time,
+    lighter = _lighten(chosen, options, lambda policies: run_seconds(policies, fuse_mode),
                        keeping=range(G if lockstep else G - 1))
     if lighter != chosen:  # leaner policies keep less: the budget still holds; re-size the figure
         chosen = lighter
@@ -243,10 +256,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     step_times = {k: sim.step_time for k, sim in sims.items()}
     utilization = {k: sim.mean_utilization for k, sim in sims.items()}
     if lockstep:  # every device runs every branch of a tick (plan/lockstep.py)
-        from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
-
-        ticks = make_plan(sched, tuple(chosen), fuse_mode, merge_first=True, merge_last=True)
-        step_times["lockstep run"] = lockstep_ticks_seconds(ticks, costs) + ticks.num_ticks * tick_slots
+        step_times["lockstep run"] = run_seconds(chosen, fuse_mode)
         busy = sum(sims["as run"].busy) / p
         utilization["lockstep run"] = busy / step_times["lockstep run"] if step_times["lockstep run"] else 0.0
     even = _even_split(model, sched, profile, G, param_copies, link)
@@ -299,7 +309,8 @@ def choose_split_last(profile: ProfiledModel, *, p: int, v: int | None = None, m
                       candidates: Sequence[int] | None = None, **kwargs) -> PipelinePlan:
     """``partition`` under each ``split_last`` of ``candidates`` (default
     ``split_last_candidates(p, m)``) and the plan that runs fastest as the SPMD runtime
-    runs it (the fused ticks' neighbour replay, ``step_time_s["as run"]``), with every
+    runs it (the fused ticks' neighbour replay, ``step_time_s["as run"]``; in lockstep,
+    ``step_time_s["lockstep run"]``), with every
     candidate's replay in ``split_last_tried``; ties go to the earlier candidate (fewer
     splits). A zero-bubble schedule splits every backward so that W's can wait, but only
     the drain's W's fill a bubble: where B + W cost more than the fused backward (the
@@ -330,7 +341,8 @@ def choose_split_last(profile: ProfiledModel, *, p: int, v: int | None = None, m
             failure = failure or e
     if not plans:
         raise failure
-    tried = {k: plan.step_time_s["as run"] for k, plan in plans.items()}
+    # In lockstep (tensor > 1) the step is the lockstep run's, not the per-device replay's.
+    tried = {k: plan.step_time_s.get("lockstep run", plan.step_time_s["as run"]) for k, plan in plans.items()}
     best = min(tried, key=lambda k: (tried[k], ks.index(k)))
     return dataclasses.replace(plans[best], split_last=best, split_last_tried=tried)
 

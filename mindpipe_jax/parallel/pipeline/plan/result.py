@@ -133,8 +133,8 @@ class PipelinePlan:
                 out.append(f"in lockstep, as this layout runs (tensor > 1: every device runs every branch "
                            f"of a fused tick, plan/lockstep.py): "
                            f"{ms * self.step_time_s['lockstep run']:.3f} ms "
-                           f"(utilization {self.utilization['lockstep run']:.3f}); the split and remat "
-                           f"were chosen on the per-device replay above")
+                           f"(utilization {self.utilization['lockstep run']:.3f}); the tick mode and remat "
+                           f"were chosen on it, the split on the slowest stage")
         if self.split_last_tried:
             order = sorted(self.split_last_tried, key=lambda k: (k == -1, k))  # "all" last
             tried = ", ".join(f"{'all' if k == -1 else k} {ms * self.split_last_tried[k]:.3f} ms"
