@@ -36,10 +36,13 @@ def residual_sizer(split, state, tensor: int) -> tuple[Callable, bool]:
     def whole(fn, params, x, part):
         return residual_bytes(fn, params, x)
 
-    if tensor <= 1 or len(jax.devices()) < tensor or split.stacks_in_step:
+    # This process's devices only: another process's would make the compile a collective
+    # one (the online repartition measures on process 0 alone).
+    devices = jax.local_devices()
+    if tensor <= 1 or len(devices) < tensor or split.stacks_in_step:
         return whole, False
     shape = tuple(tensor if a == "tensor" else 1 for a in MESH_ORDER)
-    mesh = Mesh(np.asarray(jax.devices()[:tensor]).reshape(shape), MESH_ORDER,
+    mesh = Mesh(np.asarray(devices[:tensor]).reshape(shape), MESH_ORDER,
                 axis_types=(AxisType.Auto,) * len(MESH_ORDER))
     embed, stack, head = split.split(nnx.to_pure_dict(state_shardings(state, mesh, "compute")))
     # One unit: its shardings without the stack's leading layer axis.
