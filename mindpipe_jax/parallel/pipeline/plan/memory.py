@@ -285,15 +285,15 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
 
 
 def gathered_stack(model: StageModel, sched: Schedule, spans) -> float:
-    """Bytes a device holds when the stages are uneven: the runtime takes each stage's
-    layers from the stacked layer axis by index (``runtime.layout.StageLayout.to_stages``),
-    which XLA does on the whole stack gathered to every device, and scatters the gradients
-    back the same way: the whole stack's weights and a gradient of their size, at the
-    compute share (fsdp gathered, tensor still split). Measured on pipe2 x data4 and
-    x fsdp4 (d_model 128, 4 layers): [1, 3] instead of [2, 2] adds 6-7 MB of
-    temporaries, two copies of the 3.15 MB stack. (An even V placement, also taken by
-    index, showed no such copy beyond what the plan counts: zbv plans 1.0-1.5x its
-    compiled step already.)"""
+    """What uneven stages cost a device beyond the even split's figures, measured: about
+    the whole layer stack twice (weights and a gradient of their size, at the compute
+    share: fsdp gathered, tensor still split). On pipe2 x data4 and x fsdp4 (d_model 128,
+    4 layers) [1, 3] instead of [2, 2] adds 6-7 MB of temporaries, the 3.15 MB stack twice.
+    Where it comes from is not pinned down: taking the stages by index
+    (``runtime.layout.StageLayout.to_stages``) gathers the stack, but moving only the
+    layers that change device (a ``ppermute`` per distance) left the peak as it was, so it
+    is the uneven body's (its padded slots under ``lax.cond``). An even V placement, also
+    taken by index, shows no such cost (zbv plans 1.1-1.5x its compiled step without it)."""
     if len({len(r) for r in spans}) <= 1:
         return 0.0
     return GATHERED_COPIES * model.share.blocks_used * model._sum(model.params, 0, model.L)
