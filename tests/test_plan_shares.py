@@ -93,7 +93,7 @@ def test_planned_memory_follows_the_compiled_step_across_layouts():
 
 def test_an_uneven_split_counts_what_it_costs_beyond_its_stages():
     """Uneven stages cost a device about the whole layer stack twice beyond what its
-    stages hold (``memory.gathered_stack``, measured). The plan of pipe2 x fsdp4 with
+    stages hold (``memory.uneven_split_overhead``, measured). The plan of pipe2 x fsdp4 with
     the first stage in full remat and the last stage's residuals kept: 0.64 of the compiled step's peak
     on [3, 1] (the split a loaded machine's timings chose in the suite) while the plan
     left the gathered stack out; now within the bounds the even split meets."""
