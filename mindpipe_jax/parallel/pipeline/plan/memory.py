@@ -280,11 +280,11 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
     params = max(model.param_memory([layers[g] for g in stages_of(sched, s)] + [ends], param_copies)
                  for s in range(p))
     total = params + (plan.x_slots + plan.g_slots) * act + sum(buffers.values()) \
-        + max(f["transient"] for f in figs) + uneven_split_overhead(model, sched, spans)
+        + max(f["transient"] for f in figs) + uneven_split_overhead(model, spans)
     return total, {r: (buffers[r], owner[r]) for r in buffers}
 
 
-def uneven_split_overhead(model: StageModel, sched: Schedule, spans) -> float:
+def uneven_split_overhead(model: StageModel, spans) -> float:
     """What uneven stages cost a device beyond the even split's figures, measured: about
     the whole layer stack twice (weights and a gradient of their size, at the compute
     share: fsdp gathered, tensor still split). On pipe2 x data4 and x fsdp4 (d_model 128,
