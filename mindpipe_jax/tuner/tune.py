@@ -188,7 +188,9 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     hardware = hardware or Hardware.calibrate(devices, memory_bytes=budget_bytes,
                                               cache_dir=Path(cache_path).parent if cache_path else None)
     costs = costs or ModelCosts.measure(cfg, model=None if facts is None else facts.factory())
-    if costs.unsplit is not None:  # a model the pipeline cannot cut: its pipeline layouts are not runs
+    # A model the pipeline cannot cut: with the model given, the space already rejected its
+    # pipeline layouts (tuner/facts.py); this guards costs passed in without the model.
+    if costs.unsplit is not None:
         cut = [c for c in space.valid if c.pipe > 1]
         space.valid = [c for c in space.valid if c.pipe == 1]
         space.rejected += [(c, f"the model cannot be pipelined: {costs.unsplit}") for c in cut]

@@ -292,7 +292,8 @@ def uneven_split_overhead(model: StageModel, spans) -> float:
     Where it comes from is not pinned down: taking the stages by index
     (``runtime.layout.StageLayout.to_stages``) gathers the stack, but moving only the
     layers that change device (a ``ppermute`` per distance) left the peak as it was, so it
-    is the uneven body's (its padded slots under ``lax.cond``). An even V placement, also
+    is presumably the uneven body's (its padded slots under ``lax.cond``; not examined).
+    An even V placement, also
     taken by index, shows no such cost (zbv plans 1.1-1.5x its compiled step without it)."""
     if len({len(r) for r in spans}) <= 1:
         return 0.0
