@@ -286,15 +286,18 @@ def spmd_memory(model: StageModel, sched: Schedule, spans, chosen, param_copies:
 
 def uneven_split_overhead(model: StageModel, spans) -> float:
     """What uneven stages cost a device beyond the even split's figures, measured: about
-    the whole layer stack twice (weights and a gradient of their size, at the compute
-    share: fsdp gathered, tensor still split). On pipe2 x data4 and x fsdp4 (d_model 128,
-    4 layers) [1, 3] instead of [2, 2] adds 6-7 MB of temporaries, the 3.15 MB stack twice.
-    Where it comes from is not pinned down: taking the stages by index
-    (``runtime.layout.StageLayout.to_stages``) gathers the stack, but moving only the
-    layers that change device (a ``ppermute`` per distance) left the peak as it was, so it
-    is presumably the uneven body's (its padded slots under ``lax.cond``; not examined).
-    An even V placement, also
-    taken by index, shows no such cost (zbv plans 1.1-1.5x its compiled step without it)."""
+    the whole layer stack twice (at the compute share: fsdp gathered, tensor still split).
+    On pipe2 x data4 and x fsdp4 (d_model 128, 4 layers) [1, 3] instead of [2, 2] adds
+    6-8 MB of temporaries to the 3.15 MB stack. Most of it is the padded staging: an even
+    split's ``[p, v, width, ...]`` stack is a reshape of the stored ``[L, ...]`` one (a view
+    of the step's argument, and its gradient of the output), an uneven one is taken by index
+    (``runtime.layout.StageLayout.to_stages`` / ``from_stages``), so the weights and their
+    gradients each get a staged copy of ``width`` layers per device: 1.5 stacks for [1, 3]
+    with nothing else in the program (4.3 MB for a 2.9 MB stack). The padded accumulator
+    adds a layer, the rest is XLA's. Moving only the layers that change device (a
+    ``ppermute`` per distance) kept the staged copies and did not lower the peak.
+    An even V placement, also taken by index, shows no such cost (zbv plans 1.1-1.5x its
+    compiled step without it)."""
     if len({len(r) for r in spans}) <= 1:
         return 0.0
     return GATHERED_COPIES * model.share.blocks_used * model._sum(model.params, 0, model.L)
