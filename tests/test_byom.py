@@ -462,6 +462,17 @@ def test_cli_trains_a_model_named_module_colon_factory(tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
+def test_a_vocabulary_smaller_than_the_datas_is_refused_before_the_nan(tmp_path):
+    """A model with its own loss shows no logits to count: its 64-row embedding against
+    the byte data's 256 ids gave a NaN loss at step 1 and the advice to lower the learning
+    rate. Its 'vocab'-named axis is counted instead, in one line, before anything runs."""
+    with pytest.raises(ConfigError, match=re.escape("Llama's embed/table has 64 rows on its 'vocab' axis, "
+                                                    "fewer than model.vocab_size=256")):
+        mp.train(lambda rngs: Llama(rngs=rngs), None, None, "model.seq_len=8", "data.source=synthetic",
+                 "train.steps=1", "train.global_batch=16", f"train.out_dir={tmp_path}/run")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 def test_an_auto_tensor_split_the_model_cannot_take_says_how_to_avoid_it(tmp_path):
     """parallel.tensor=0 (the default) splits over tensor=2 on simulated CPU devices; a
     model whose MLP width is odd cannot take it, and the user never asked for it."""

@@ -193,6 +193,7 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
         raise ConfigError(f"the model writes its buffers as it runs: {names}; mindpipe_jax holds "
                           f"nnx.Variable buffers constant through training, so every write would be lost: "
                           f"make a trained array nnx.Param, and keep a count or statistic outside the model")
+    _check_vocab_axes(probe, name, vocab_size)
     shown = getattr(got, "shape", None)
     if spec.has_loss:
         if not (hasattr(got, "shape") and got.shape == () and jnp.issubdtype(got.dtype, jnp.floating)):
@@ -211,6 +212,26 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
                           f"model.vocab_size={vocab_size} (the data's token ids go up to {vocab_size - 1}); "
                           f"give its output layer vocab_size classes, or set model.vocab_size to the "
                           f"data's vocabulary")
+
+
+def _check_vocab_axes(probe, name: str, vocab_size: int) -> None:
+    """Refuse a parameter whose axis is named "vocab" (the rules table's name for the
+    vocabulary) with fewer rows than the data's token ids need. A model with its own
+    ``loss`` shows no logits to count, and an embedding lookup past its table gives NaN
+    (``jnp.take`` fills) at the first step, which reads as a learning-rate problem."""
+    from mindpipe_jax.parallel.rules import _logical_names
+
+    for path, var in nnx.to_flat_state(nnx.state(probe, nnx.Param)):
+        names = _logical_names(var) or ()
+        for axis, logical in enumerate(names):
+            size = var.get_value().shape[axis]
+            if logical == "vocab" and size < vocab_size:
+                where = "/".join(map(str, path))
+                raise ConfigError(f"{name}'s {where} has {size} rows on its 'vocab' axis, fewer than "
+                                  f"model.vocab_size={vocab_size} (the data's token ids go up to "
+                                  f"{vocab_size - 1}): build the model with a vocabulary of at least "
+                                  f"{vocab_size}, or set model.vocab_size={size} with data of that "
+                                  f"vocabulary (data.source=synthetic or a tokens file)")
 
 
 def check_loss_key_through_pipeline(spec, seq_len: int, pipe: int) -> None:
