@@ -25,9 +25,12 @@ import signal
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
+from flax import nnx
 from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
@@ -198,6 +201,31 @@ def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_the_checkpoint(tmp
     state, _, meta = restore(ckpt, 1, abstract_train_state(spec, tx, mesh))
     assert verify_checksums(state, meta) is None and int(state["step"]) == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state)))
+
+
+class ShortPositions(nnx.Module):
+    """A model whose learned position table (8 rows) is shorter than the sequences it is
+    given: ``jnp.take`` fills the rows past it with NaN, so its very first loss is NaN."""
+
+    def __init__(self, rngs):
+        self.tokens = nnx.Param(0.02 * jax.random.normal(rngs.params(), (256, 16)))
+        self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (8, 16)))
+        self.out = nnx.Param(0.02 * jax.random.normal(rngs.params(), (16, 256)))
+
+    def loss(self, inputs, targets):
+        h = self.tokens[...][inputs] + jnp.take(self.positions[...], jnp.arange(inputs.shape[1]), axis=0)
+        return optax.softmax_cross_entropy_with_integer_labels(h @ self.out[...], targets).mean()
+
+
+def test_a_loss_not_finite_before_any_update_does_not_blame_the_learning_rate(tmp_path):
+    """Step 1's loss is the initial parameters' (no update has run): its advice was "lower
+    optim.lr", which cannot help; it now says what the model does on the data instead."""
+    with pytest.raises(NonFiniteError) as err:
+        mp.train(ShortPositions, None, mp.Config(), *NAN, f"train.out_dir={tmp_path}/run", "train.steps=2")
+    msg = str(err.value)
+    assert err.value.step == 1 and msg.startswith("step 1: non-finite loss nan") and "\n" not in msg, msg
+    assert "learning rate is not the cause" in msg and "positions past its table" in msg, msg
+    assert "lower optim.lr" not in msg, msg
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "float64", "bool"])

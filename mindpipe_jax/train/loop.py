@@ -299,9 +299,15 @@ class _Run:
             last = self.ckpt.latest_step()
             kept = (f"the last checkpoint (step {last}, {self.ckpt.directory / str(last)}) is untouched"
                     if last is not None else "no checkpoint was written")
+            if step == 1:  # the initial parameters: no update has run, the learning rate is not it
+                advice = ("at step 1 no update has run yet, so the learning rate is not the cause: the "
+                          "model's loss on its initial parameters is not finite on this data (token ids "
+                          "past its vocabulary, positions past its table, a log or division of zero, a "
+                          "non-finite initialisation)")
+            else:
+                advice = "lower optim.lr, or set train.nonfinite=skip to leave such updates out"
             raise NonFiniteError(
-                f"step {step}: non-finite {what}; training stopped and {kept}; lower optim.lr, or set "
-                f"train.nonfinite=skip to leave such updates out",
+                f"step {step}: non-finite {what}; training stopped and {kept}; {advice}",
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
