@@ -575,6 +575,20 @@ def test_a_factory_that_raises_is_one_line_from_train_and_tune(command, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_factory_without_rngs_or_of_a_linen_module_is_one_line(tmp_path):
+    """A zero-argument function returning the model, or a factory returning a Linen
+    module, failed deep in the build (TypeError from the call, or "must return an
+    nnx.Module"); each is now named with what to pass instead."""
+    common = ("model.vocab_size=64", "model.seq_len=8", "data.source=synthetic", "train.steps=1",
+              f"train.out_dir={tmp_path}/run")
+    with pytest.raises(ConfigError, match=r"the model factory .*<lambda> cannot be called as .*\(rngs\) "
+                                          r"\(too many positional arguments\): give it an rngs parameter"):
+        mp.train(lambda: Llama(rngs=nnx.Rngs(0)), None, None, *common)
+    with pytest.raises(ConfigError, match=r"returned a Linen module \(LM\); pass the Linen module itself"):
+        mp.train(lambda rngs: linen_transformer(), None, None, *common)
+    assert not (tmp_path / "run").exists()
+
+
 def test_tuner_costs_come_from_the_user_model():
     # Before: tune(model=...) predicted from config.model (the built-in GPT).
     from mindpipe_jax.tuner.costmodel import ModelCosts

@@ -154,10 +154,22 @@ def abstract_model(factory, seed: int = 0):
     something other than an ``nnx.Module`` refused in one line naming where in the user's
     code it raised."""
     name = getattr(factory, "__qualname__", type(factory).__name__)
+    try:
+        inspect.signature(factory).bind(None)
+    except TypeError as err:
+        raise ConfigError(f"the model factory {name} cannot be called as {name}(rngs) ({err}): give it "
+                          f"an rngs parameter (an nnx.Rngs to build its parameters from), or pass the "
+                          f"model itself (an nnx.Module, or a Linen module)") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
 
     def checked():
         with nnx.use_eager_sharding(False):
             model = factory(nnx.Rngs(seed))
+        if is_linen(model):
+            raise ConfigError(f"the model factory {name}(rngs) returned a Linen module "
+                              f"({type(model).__name__}); pass the Linen module itself (or "
+                              f"mindpipe_jax.from_linen(module, example_input)), not a factory of it")
         if not isinstance(model, nnx.Module):
             raise ConfigError(f"the model factory {name}(rngs) returned {type(model).__name__}; it must "
                               f"return an nnx.Module")
