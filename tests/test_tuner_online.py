@@ -223,6 +223,63 @@ def test_a_pipeline_weighs_its_microbatch_count():
     assert "microbatches 2 -> 4" in d.line()
 
 
+def test_switches_that_ran_slower_than_predicted_make_unmeasured_layouts_dearer():
+    """Seen on a user's Llama (pipe2 x data4, tuner.meshes): the cost model priced every
+    layout without a pipeline 2.5-4x too fast relative to the pipeline, and the anchor
+    (the current layout's own error) cannot see that; the run went to one such layout,
+    measured it slower, went back, then tried the next: 4 switches in 30 steps. Now a
+    switch measured slower than its prediction makes the unmeasured layouts that much
+    dearer, and the run stays."""
+    cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
+                              "parallel.microbatches=2", "tuner.enabled=true", "tuner.meshes=true",
+                              "tuner.every=1", "tuner.warmup=0", "tuner.batch_sizes=[16]",
+                              "tuner.amortize=false", "tuner.probe=0", "train.steps=1000")
+    cur = Candidate(data=4, pipe=2, microbatches=2, global_batch=16)
+    tuner = OnlineTuner(cfg, cur, 8, step_model=PreferStub(lambda c: c.pipe == 1))
+    tuner.observe([], 1.0, 1)  # the pipeline measured as the model has it
+    first = tuner.decide(1)
+    assert first is not None and first.after.pipe == 1 and first.predicted_s == pytest.approx(0.5)
+    tuner.accept(first, first.after.apply(cfg), 5.0)
+    tuner.observe([{}], 9.0, 2)  # the first step after the switch (its one fetched step): discarded
+    tuner.observe([], 2.0, 3)   # 4x the predicted 0.5 s
+    back = tuner.decide(3)
+    assert back is not None and back.after == cur and "priced x4.00" in back.reason, back
+    tuner.accept(back, cfg, 0.0)
+    tuner.observe([{}], 9.0, 4)
+    tuner.observe([], 1.0, 5)
+    others = [c for c in tuner.candidates if c.pipe == 1 and c != first.after]
+    assert others and all(tuner.step_time(c) == pytest.approx(2.0) for c in others)  # 0.5 x 1 x 4
+    assert tuner.decide(5) is None
+    # A prediction found pessimistic does not make the others look faster.
+    lucky = OnlineTuner(cfg, cur, 8, step_model=PreferStub(lambda c: c.pipe == 1))
+    lucky.observe([], 1.0, 1)
+    d = lucky.decide(1)
+    lucky.accept(d, d.after.apply(cfg), 5.0)
+    lucky.observe([], 0.25, 3)
+    assert lucky._distrust() == 1.0
+
+
+def test_a_layout_the_noise_statistics_split_is_priced_as_the_step_runs_it():
+    """With the tuner on, a step without a pipeline computes its gradient as two halves
+    (the noise statistics' ``make_grad_fn``): measured on a small Llama, 1.4-1.65x a plain
+    step's time, while a pipeline keeps its halves apart for 1.06x. The step model is asked
+    about (and fitted on) the layout as the step runs it."""
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "tuner.enabled=true",
+                              "tuner.meshes=true", "tuner.batch_sizes=[16, 32]")
+    d8 = Candidate(data=8, global_batch=16)
+    stub = PreferStub(lambda c: False)
+    tuner = OnlineTuner(cfg, d8, 8, step_model=stub)
+    halves = dataclasses.replace(d8, microbatches=2)
+    assert tuner._as_run(d8) == halves
+    pipe = Candidate(data=4, pipe=2, microbatches=2, global_batch=16)
+    assert tuner._as_run(pipe) == pipe and tuner._as_run(halves) == halves
+    assert tuner._as_run(Candidate(data=8, global_batch=8)) == Candidate(data=8, global_batch=8)  # no halves
+    tuner.observe([], 1.0, 1)
+    assert stub.observed == [(halves, 1.0)]
+    accumulating = OnlineTuner(cfg.replace("train.grad_accum=2"), d8, 8, step_model=stub)
+    assert accumulating._as_run(d8) == d8
+
+
 def test_measured_throughput_fits_overhead_and_scales_rows():
     m = MeasuredThroughput()
     a, b = Candidate(data=8, global_batch=16), Candidate(data=8, global_batch=64)

@@ -73,7 +73,7 @@ def replan(cfg: Config, saved: dict, devices: int, facts: ModelFacts | None = No
     its checkpoint) continues with on ``devices`` devices (``facts``: the user's model it
     trains; None: ``cfg.model``'s). ConfigError, one line, when no layout of the saved run
     fits them."""
-    from mindpipe_jax.tuner.epara import MeasuredThroughput
+    from mindpipe_jax.tuner.measured import MeasuredThroughput
 
     before = Candidate(**saved["candidate"])
     fitted = fit_layout(before, devices)

@@ -32,6 +32,12 @@ run has run (the learning-rate gain is an argument of the program, not a constan
 so going back costs no compile; and ``tuner.probe`` steps after a switch to a
 candidate the run had not run, the tuner decides again on the times it now has.
 
+A fifth sees the model's error *between* layouts, which the anchor cannot: an
+unmeasured candidate switched to and measured slower than predicted makes every
+unmeasured candidate that much dearer (``OnlineTuner._distrust``). And the model is
+asked about each layout as the run's step computes it (``_as_run``: the noise
+statistics split a step without a pipeline into two half-batch passes).
+
 Without a noise estimate (a pipeline whose halves the runtime cannot keep apart, a
 single microbatch, or too few steps yet) the efficiency of another batch size is
 unknown, so only candidates with the current batch are compared (their efficiency is
@@ -44,68 +50,15 @@ import dataclasses
 import math
 import statistics
 import types
-from typing import Protocol
 
 import jax
 import numpy as np
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.tuner.facts import ModelFacts, facts_of
+from mindpipe_jax.tuner.measured import MeasuredThroughput, StepModel  # noqa: F401 (re-exported)
 from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
-
-
-class StepModel(Protocol):
-    def step_time(self, candidate: Candidate) -> float: ...
-
-    def observe(self, candidate: Candidate, seconds: float) -> None: ...
-
-
-class MeasuredThroughput:
-    """Step times measured in this run; unseen candidates by linear scaling.
-
-    A measured candidate's time is the median of its last ``window`` observations.
-    An unseen one is predicted from the nearest measured candidate (same mesh and
-    microbatches if any, then closest rows per device) as ``a + (t_ref - a) x r / r_ref``
-    with ``r`` rows per device and ``a`` a fixed per-step overhead: the intercept of a
-    least-squares line through every measured (rows per device, time) point once two
-    sizes were seen, else ``overhead_prior`` x t_ref. The prior matters: with ``a = 0``
-    a larger batch could never look faster per sample and would never be tried.
-    """
-
-    def __init__(self, overhead_prior: float = 0.1, window: int = 8):
-        self.overhead_prior = overhead_prior
-        self.window = window
-        self._seen: dict[Candidate, list[float]] = {}
-
-    def observe(self, candidate: Candidate, seconds: float) -> None:
-        if math.isfinite(seconds) and seconds > 0:
-            times = self._seen.setdefault(candidate, [])
-            times.append(seconds)
-            del times[:-self.window]
-
-    def measured(self, candidate: Candidate) -> float | None:
-        times = self._seen.get(candidate)
-        return statistics.median(times) if times else None
-
-    def _overhead(self, ref_time: float) -> float:
-        points = [(c.per_device_batch, statistics.median(t)) for c, t in self._seen.items()]
-        if len({r for r, _ in points}) < 2:
-            return self.overhead_prior * ref_time
-        slope, intercept = np.polyfit(*zip(*points, strict=True), 1)
-        return float(min(max(intercept, 0.0), 0.9 * ref_time)) if slope > 0 else 0.0
-
-    def step_time(self, candidate: Candidate) -> float:
-        known = self.measured(candidate)
-        if known is not None or not self._seen:
-            return math.nan if known is None else known
-        r = candidate.per_device_batch
-        same = lambda c: dataclasses.replace(c, global_batch=0)  # noqa: E731
-        pool = [c for c in self._seen if same(c) == same(candidate)] or list(self._seen)
-        ref = min(pool, key=lambda c: abs(math.log(c.per_device_batch / r)))
-        t_ref, r_ref = self.measured(ref), ref.per_device_batch
-        a = self._overhead(t_ref)
-        return a + (t_ref - a) * r / r_ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +70,9 @@ class Decision:
     b_noise: float | None
     lr_gain: float  # the learning-rate multiplier the new candidate trains with
     reason: str
+    # The step model's prediction of the new candidate's step time (anchored on the
+    # current one's, before ``OnlineTuner._distrust``): what its measurement is judged by.
+    predicted_s: float = math.nan
 
     def line(self) -> str:
         parts = [f"B {self.before.global_batch} -> {self.after.global_batch}"]
@@ -196,6 +152,9 @@ class OnlineTuner:
         self._ready: set[Candidate] = set()
         self._next_up: Candidate | None = None  # what ``to_prepare`` hands the loop
         self._probe_at = -1  # the early decision after a switch to an unmeasured candidate
+        # Unmeasured candidates switched to, with the step time each switch was decided
+        # on: once measured, how far off that was (``_distrust``).
+        self._promised: dict[Candidate, float] = {}
 
     # -- what is compared ------------------------------------------------------
     def _candidates(self) -> list[Candidate]:
@@ -232,6 +191,21 @@ class OnlineTuner:
                 f"batch {self.current.global_batch} are compared")
 
     # -- measurements --------------------------------------------------------
+    def _as_run(self, c: Candidate) -> Candidate:
+        """``c`` as this run's step computes it, what the step model prices and is fitted
+        on: the tuner's noise statistics make a step without a pipeline accumulate at
+        least two microbatches (``train.step.make_grad_fn``: two half-batch passes where
+        the layout has one). Priced as one pass, such layouts looked 1.4-2x faster than
+        they ran beside a pipeline whose statistics cost nothing extra (a user's small
+        Llama: d2 f4 24.6 ms timed alone, 49 ms in the tuned run)."""
+        from mindpipe_jax.train.step import noise_microbatches
+
+        if c.pipe > 1 or self.cfg.train.grad_accum * c.microbatches >= 2:
+            return c
+        if noise_microbatches(c.apply(self.cfg), types.SimpleNamespace(shape=c.axes)) < 2:
+            return c  # no statistics: one pass
+        return dataclasses.replace(c, microbatches=2)
+
     def restart(self, step: int, compile_s: float | None = None) -> None:
         """A new step program runs from ``step``: discard the time of its first step.
         ``compile_s``: what compiling it took, the price of the next switch."""
@@ -269,7 +243,7 @@ class OnlineTuner:
                 self.noise.update_from_metrics(m)  # preconditioned for Adam (tuner/noise.py)
         discard = last_step - len(metrics) < self._discard_until <= last_step
         if seconds_per_step is not None and not discard:
-            self.model.observe(self.current, seconds_per_step)
+            self.model.observe(self._as_run(self.current), seconds_per_step)
             if math.isfinite(seconds_per_step) and seconds_per_step > 0:
                 times = self._times.setdefault(self.current, [])
                 times.append(seconds_per_step)
@@ -279,17 +253,35 @@ class OnlineTuner:
         """Measured over predicted step time of the current candidate (1 until measured).
         Computed once per decision: a cost model's prediction can run the simulator."""
         here = self._times.get(self.current)
-        model_here = self.model.step_time(self.current) if here else math.nan
+        model_here = self.model.step_time(self._as_run(self.current)) if here else math.nan
         return statistics.median(here) / model_here if model_here > 0 and math.isfinite(model_here) else 1.0
+
+    def _distrust(self) -> float:
+        """How much slower than predicted the unmeasured candidates this run switched to
+        ran (the median of measured / predicted, at least 1): the step model's error
+        *between* layouts, which the anchor (the current layout's error) cannot see.
+        Before it, a model that priced non-pipeline layouts 2.5-4x too fast relative to
+        the pipeline a run had (a user's small Llama on pipe2 x data4) sent the run to
+        each of them in turn and back, 4 switches in 30 steps, each measured slower.
+        A prediction found pessimistic does not make it trust the others more: a switch
+        costs a compile, staying costs only the gain."""
+        misses = [statistics.median(self._times[c]) / t for c, t in self._promised.items()
+                  if self._times.get(c) and t > 0]
+        return max(1.0, statistics.median(misses)) if misses else 1.0
+
+    def _scale(self) -> float:
+        """What a prediction is multiplied by (``step_time``'s ``anchor``)."""
+        return self._anchor() * self._distrust()
 
     def step_time(self, c: Candidate, anchor: float | None = None) -> float:
         """``c``'s step time as decisions see it: measured in this run if it was, else the
         step model's prediction relative to the current candidate's, times the current
-        candidate's measured time (``anchor``; the model's absolute error cancels)."""
+        candidate's measured time (``anchor``; the model's absolute error cancels) and the
+        error of earlier switches' predictions (``_distrust``)."""
         if seen := self._times.get(c):
             return statistics.median(seen)
-        predicted = self.model.step_time(c)
-        return predicted * (self._anchor() if anchor is None else anchor) if predicted > 0 else predicted
+        predicted = self.model.step_time(self._as_run(c))
+        return predicted * (self._scale() if anchor is None else anchor) if predicted > 0 else predicted
 
     @property
     def b_noise(self) -> float | None:
@@ -311,7 +303,8 @@ class OnlineTuner:
         if not self.due(step):
             return None
         bn = self.b_noise
-        anchor = self._anchor()
+        distrust = self._distrust()
+        anchor = self._anchor() * distrust
         now = self.step_time(self.current, anchor)
         # Reaching the same progress at 1 + gain the rate saves remaining x gain / (1 + gain).
         remaining = max(self.cfg.train.steps - step, 0) * now if now > 0 else 0.0
@@ -351,17 +344,21 @@ class OnlineTuner:
         reason = (f"predicted {best.global_batch / best_t:,.1f} samples/s x efficiency {eff(best):.3f} vs "
                   f"{self.current.global_batch / now:,.1f} x {eff(self.current):.3f} now; saves "
                   f"~{saves:.1f} s of the remaining {remaining:.1f} s against "
-                  f"~{self.switch_cost(best):.1f} s to switch")
+                  f"~{self.switch_cost(best):.1f} s to switch"
+                  + (f"; unmeasured layouts priced x{distrust:.2f}, as slow as earlier switches ran "
+                     f"against their prediction" if distrust > 1 else ""))
         rule = self.cfg.tuner.lr_scaling
         # Without a noise estimate only the mesh can change (same batch): the AdaScale rules keep
         # their gain.
         new_gain = self.lr_gain if bn is None and rule in NOISE_RULES else lr_gain(
             rule, best.global_batch, self.b0, bn)
-        return Decision(step, self.current, best, gain, bn, new_gain, reason)
+        return Decision(step, self.current, best, gain, bn, new_gain, reason, best_t / distrust)
 
     def accept(self, decision: Decision, cfg: Config, compile_s: float | None = None) -> None:
         """The loop switched to ``decision.after`` (compiling it took ``compile_s``);
         ``cfg`` is the run's new config."""
+        if not self._times.get(decision.after) and decision.predicted_s > 0:
+            self._promised[decision.after] = decision.predicted_s
         self.cfg, self.current, self.lr_gain = cfg, decision.after, decision.lr_gain
         self.decisions += 1
         self.note = self._noise_note()
