@@ -332,3 +332,45 @@ def test_a_calibration_cached_under_load_is_measured_again_once_the_host_is_quie
     quiet = calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure)
     assert len(calls) == 2 and not quiet.loaded
     assert calibrate.load_or_measure(cache_dir=tmp_path, measure_fn=fake_measure) == quiet and len(calls) == 2
+
+
+def test_an_moe_block_is_priced_from_its_own_compiled_work_quadratic_in_a_devices_rows():
+    """An MoE block's one-hot dispatch and combine grow with the square of the tokens a
+    device routes together, so its pieces are the real block's, compiled at 1, 3 and 5
+    rows and fitted as a quadratic. Checked against XLA's count of the block compiled at
+    9 rows, a size the fit never saw. (Before: the dense twin's pieces scaled by the
+    active parameters, 1/2 to 1/3 of the block's work at such sizes.)"""
+    from functools import partial
+
+    import numpy as np
+    from flax import nnx
+
+    from mindpipe_jax.config import Config
+    from mindpipe_jax.models import gpt, moe
+    from mindpipe_jax.parallel.pipeline.contract import PipelineModel
+    from mindpipe_jax.parallel.pipeline.parts import merged
+    from mindpipe_jax.tuner.pieces import compiled_piece
+
+    shape = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+             "model.vocab_size=64")
+    cfg = Config().replace(*shape, "model.n_experts=4", "model.top_k=2")
+    costs = ModelCosts.measure(cfg, rows=2)
+    layer = costs.pieces["layer_F"]
+    assert layer.flops_sq > 0 and costs.pieces["rest_F"].flops_sq == 0
+    rows = 9
+    with jax.set_mesh(None), nnx.use_eager_sharding(False):
+        model = moe.MoEGPT(cfg.model, rngs=nnx.Rngs(0), dispatch_groups=1)
+        graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(state)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (rows, 16)), jnp.int32)
+        split = PipelineModel(model, params, partial(merged, graphdef, rest=rest), tokens)
+        _, stack, _ = split.split(params)
+        block = jax.tree.map(lambda x: x[0], stack)
+        compiled_flops = compiled_piece(split.fns.layer, block, jax.jit(split.fns.embed)(
+            split.split(params)[0], tokens))[0]
+    priced = layer.flops * rows + layer.flops_sq * rows ** 2 + layer.fixed_flops
+    assert priced == pytest.approx(compiled_flops, rel=0.05), (priced, compiled_flops)
+    dense = ModelCosts.measure(Config().replace(*shape), rows=2).pieces["layer_F"]
+    twin = (dense.flops * rows + dense.fixed_flops) * moe.flops_per_token(cfg.model) / gpt.flops_per_token(
+        dataclasses.replace(cfg.model, n_experts=0))
+    assert twin < 0.6 * compiled_flops, (twin, compiled_flops)

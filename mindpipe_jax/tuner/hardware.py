@@ -56,11 +56,11 @@ class Hardware:
         ``split`` ways (tensor parallelism): the roofline max of flop time and
         memory time, plus its kernels' fixed cost."""
         cal = self.calibration
-        flops = (piece.flops * rows + piece.fixed_flops) / split
+        flops = (piece.flops * rows + piece.flops_sq * rows * rows + piece.fixed_flops) / split
         rate = self.solo_rate if solo else self.flop_rate
         if cal is None:
             return flops / rate
-        nbytes = (piece.bytes * rows + piece.fixed_bytes) / split
+        nbytes = (piece.bytes * rows + piece.bytes_sq * rows * rows + piece.fixed_bytes) / split
         mem = cal.mem_solo if solo else cal.mem_busy
         kernel = cal.kernel_solo_s if solo else cal.kernel_busy_s
         return max(flops / rate, nbytes / mem) + piece.kernels * kernel
