@@ -195,9 +195,9 @@ class OnlineTuner:
         """``c`` as this run's step computes it, what the step model prices and is fitted
         on: the tuner's noise statistics make a step without a pipeline accumulate at
         least two microbatches (``train.step.make_grad_fn``: two half-batch passes where
-        the layout has one). Priced as one pass, such layouts looked 1.4-2x faster than
-        they ran beside a pipeline whose statistics cost nothing extra (a user's small
-        Llama: d2 f4 24.6 ms timed alone, 49 ms in the tuned run)."""
+        the layout has one): 1.4-1.6x a plain step's time against a pipeline's 1.2x
+        (``benchmarks/noise_stats_cost.py``), so priced as one pass such layouts looked
+        faster than they ran beside a pipeline. (The pipeline's own 1.2x is not priced.)"""
         from mindpipe_jax.train.step import noise_microbatches
 
         if c.pipe > 1 or self.cfg.train.grad_accum * c.microbatches >= 2:
