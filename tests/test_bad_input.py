@@ -361,7 +361,8 @@ CASES = [
      "the model factory factory_returning_params(rngs) returned dict; it must return an nnx.Module",
      {"model": factory_returning_params}),
     ("model factory taking other arguments", [],
-     "building the model, factory_taking_two(rngs) raised TypeError", {"model": factory_taking_two}),
+     "the model factory factory_taking_two cannot be called as factory_taking_two(rngs) (missing a required "
+     "argument: 'width'): give it an rngs parameter", {"model": factory_taking_two}),
     ("model loss returning a tuple", [],
      "LossWithMetrics.loss(inputs, targets) returned tuple", {"model": LossWithMetrics}),
     ("model needing more arguments than the tokens", [],
