@@ -227,7 +227,7 @@ def test_switches_that_ran_slower_than_predicted_make_unmeasured_layouts_dearer(
     """Seen on a user's Llama (pipe2 x data4, tuner.meshes): the cost model priced every
     layout without a pipeline 2.5-4x too fast relative to the pipeline, and the anchor
     (the current layout's own error) cannot see that; the run went to one such layout,
-    measured it slower, went back, then tried the next: 4 switches in 30 steps. Now a
+    measured it slower, went back, then tried the next: 7 switches in 40 steps. Now a
     switch measured slower than its prediction makes the unmeasured layouts that much
     dearer, and the run stays."""
     cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",

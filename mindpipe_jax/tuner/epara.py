@@ -261,8 +261,9 @@ class OnlineTuner:
         ran (the median of measured / predicted, at least 1): the step model's error
         *between* layouts, which the anchor (the current layout's error) cannot see.
         Before it, a model that priced non-pipeline layouts 2.5-4x too fast relative to
-        the pipeline a run had (a user's small Llama on pipe2 x data4) sent the run to
-        each of them in turn and back, 4 switches in 30 steps, each measured slower.
+        the pipeline a run had (a user's small Llama on pipe2 x data4; partly the noise
+        statistics' two passes, now priced: ``_as_run``) sent the run to four of them in
+        turn and back after each, 7 switches in 40 steps, each measured slower.
         A prediction found pessimistic does not make it trust the others more: a switch
         costs a compile, staying costs only the gain."""
         misses = [statistics.median(self._times[c]) / t for c, t in self._promised.items()
