@@ -263,8 +263,10 @@ def fb_pair_timeline(schedule: Schedule, cost: Cost | None = None) -> Timeline:
 def _two_chunks(fn, name: str):
     def make(p: int, m: int, v: int = 2) -> Schedule:
         if v != 2:
+            # Named both ways: a config (train, tune) and `mindpipe schedule` reach this.
             raise ScheduleError(f"schedule {name!r} places exactly 2 chunks per stage in a V "
-                                f"(virtual_stages=2), got {v}")
+                                f"(virtual_stages=2), got {v}; set it to 2 "
+                                f"(parallel.virtual_stages=2, --virtual 2)")
         return fn(p, m)
     make.__doc__ = fn.__doc__
     make.virtual_stages = 2   # get_schedule's default v for this name
