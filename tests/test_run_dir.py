@@ -323,9 +323,16 @@ def test_resume_with_changed_lr_and_dtype_says_what_changed(tmp_path, capsys):
     result = mp.train(None, None, mp.Config(), *HERE, "train.steps=3", f"train.out_dir={out}",
                       "train.resume=true", "optim.lr=0.001", "model.dtype=bfloat16")
     assert result.step == 3
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "changed config" in ln]
+    out_lines = capsys.readouterr().out.splitlines()
+    lines = [ln for ln in out_lines if "changed config" in ln]
     assert lines == ['resuming step 2 with a changed config: model.dtype "float32" -> "bfloat16", '
                      'optim.lr 0.003 -> 0.001'], lines
+    # train.steps 2 -> 3 moves the schedule's end: step 3 is no longer past the decay (lr x
+    # min_lr_ratio) but the last of the warmup (the peak). Said, with the lr the step then took.
+    lines = [ln for ln in out_lines if "learning-rate schedule" in ln]
+    assert lines == ["train.steps 2 -> 3 re-times the learning-rate schedule: step 3 trains at lr 1.00e-03 "
+                     "(1.00e-04 with train.steps=2)"], lines
+    assert result.history[-1]["lr"] == pytest.approx(1e-3)
 
 
 def _assert_requeue_is_already_complete(args, out, capsys) -> None:

@@ -58,7 +58,7 @@ from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, reba
 from mindpipe_jax.train.repartition import replan
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
-from mindpipe_jax.train.state import init_train_state
+from mindpipe_jax.train.state import init_train_state, resumed_lr_note
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
 
@@ -211,6 +211,9 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
         if changed and primary:
             print(f"resuming step {resume_step} with a changed config: {', '.join(changed)}", flush=True)
+        lr_note = resumed_lr_note(saved_meta.get("config") or {}, cfg.optim, tr.steps, resume_step)
+        if lr_note and primary:
+            print(lr_note, flush=True)
 
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()

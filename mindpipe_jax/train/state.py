@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import traceback
 from collections.abc import Callable
@@ -252,6 +253,22 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if warmup else cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def resumed_lr_note(saved_config: dict, cfg: OptimConfig, total_steps: int, step: int) -> str | None:
+    """One line where a resume re-times the learning-rate schedule: the warmup is capped
+    by, and the cosine decays over, ``train.steps``, so extending a run (or shortening
+    it) changes the lr of the steps still to come. ``None`` where the next step's lr is
+    unchanged. ``saved_config``: the checkpoint's ``Config.to_dict()``."""
+    saved_steps = (saved_config.get("train") or {}).get("steps")
+    if not isinstance(saved_steps, int) or saved_steps == total_steps:
+        return None
+    before = float(lr_schedule(cfg, saved_steps)(step))
+    after = float(lr_schedule(cfg, total_steps)(step))
+    if math.isclose(before, after, rel_tol=1e-3):
+        return None
+    return (f"train.steps {saved_steps} -> {total_steps} re-times the learning-rate schedule: step "
+            f"{step + 1} trains at lr {after:.2e} ({before:.2e} with train.steps={saved_steps})")
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask) -> optax.GradientTransformation:
