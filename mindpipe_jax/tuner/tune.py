@@ -246,7 +246,8 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
         trial = trials[id(row)] = Trial(cfg, row.candidate, model=model, devices=devices)
         trial.run(trial_steps)
         row.measured_s = trial.median
-        log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms "
+        # The table shows the median over all rounds (below), not this first one.
+        log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms in round 1 of {rounds} "
             f"(predicted {row.predicted.step_s * 1e3:.1f} ms)")
         model_cost.observe(row.candidate, row.measured_s)
         for other in rows:
