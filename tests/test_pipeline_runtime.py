@@ -1,5 +1,6 @@
 """vPipe runtime: every schedule's loss and gradients equal the unpipelined model."""
 
+import json
 import shutil
 
 import jax
@@ -162,7 +163,7 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
 
 
 @pytest.mark.slow
-def test_online_repartition_keeps_every_bit(tmp_path):
+def test_online_repartition_keeps_every_bit_and_a_resume_keeps_its_split(tmp_path, monkeypatch, capsys):
     common = (*TINY, "train.steps=4", "train.checkpoint_every=2", "train.log_every=2",
               "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2",
               "parallel.stage_layers=[1, 3]")
@@ -172,6 +173,29 @@ def test_online_repartition_keeps_every_bit(tmp_path):
     assert len(events) == 1 and events[0]["before"] == [1, 3]
     after = events[0]["after"]
     assert sum(after) == 4
+    online_bits = [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(online.state))]
+    # A requeued job resumes with the command it started with: it runs the split the
+    # repartition chose (saved with step 2's checkpoint: the repartition comes before the
+    # save), not parallel.stage_layers again. Before, repartition_after never fired again
+    # past step 2 and the resumed run trained on [1, 3] to the end.
+    from mindpipe_jax.train.reconfigure import Layout
+
+    compiled, compile_layout = [], Layout.compile
+
+    def recording(layout, *args, **kwargs):
+        compiled.append(list(layout.cfg.parallel.stage_layers))
+        return compile_layout(layout, *args, **kwargs)
+
+    shutil.rmtree(online.checkpoint_dir / "4")
+    capsys.readouterr()
+    monkeypatch.setattr(Layout, "compile", recording)
+    again = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'online'}",
+                     "parallel.repartition_after=2", "train.resume=true")
+    monkeypatch.undo()
+    assert compiled == [after] and not [h for h in again.history if "repartition" in h]
+    assert (f"resuming with the stage split {after} that the repartition at step 2 chose (the run "
+            f"started from parallel.stage_layers=[1, 3])") in capsys.readouterr().out
+    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(again.state))] == online_bits
     # The same run stopped at step 2 and restarted with the new split must land on
     # the same bits: repartitioning in place loses nothing a restart would keep.
     restart = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'r'}")
@@ -183,6 +207,21 @@ def test_online_repartition_keeps_every_bit(tmp_path):
                     jax.tree.leaves(jax.device_get(resumed.state)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert np.isfinite(online.history[-1]["loss"])
+
+
+def test_a_resume_keeps_a_repartitioned_split_only_with_the_config_that_chose_it():
+    from mindpipe_jax.train.repartition import resumed_split
+
+    cfg = mp.Config().replace("parallel.pipe=2", "parallel.stage_layers=[1, 3]",
+                              "parallel.repartition_after=2")
+    saved = json.loads(json.dumps(cfg.to_dict()))  # as a checkpoint's meta holds it
+    meta = {"config": saved, "repartition": {"step": 2, "stage_layers": [2, 2]}}
+    assert resumed_split(meta, cfg)[0] == [2, 2]
+    assert resumed_split({"config": meta["config"]}, cfg) is None  # saved before any repartition
+    for changed in ("parallel.pipe=4", "parallel.stage_layers=[3, 1]", "parallel.repartition_after=0",
+                    "model.n_layers=6", "parallel.schedule=zb-h1"):
+        assert resumed_split(meta, cfg.replace(changed)) is None, changed
+    assert resumed_split(meta, cfg.replace("train.steps=9", "parallel.data=2"))[0] == [2, 2]
 
 
 def test_pairwise_accumulator_is_the_balanced_tree():

@@ -55,7 +55,7 @@ from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
-from mindpipe_jax.train.repartition import replan
+from mindpipe_jax.train.repartition import replan, resumed_split
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state, resumed_lr_note
@@ -195,6 +195,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
     out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
+    repartitioned = None  # the split an online repartition chose, from the checkpoint resumed
     if resume_step is not None:
         try:
             state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
@@ -214,6 +215,12 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         lr_note = resumed_lr_note(saved_meta.get("config") or {}, cfg.optim, tr.steps, resume_step)
         if lr_note and primary:
             print(lr_note, flush=True)
+        if (resplit := resumed_split(saved_meta, cfg)) is not None:
+            split, line = resplit
+            layout = dataclasses.replace(layout, cfg=layout.cfg.replace(f"parallel.stage_layers={split}"))
+            repartitioned = saved_meta["repartition"]  # later checkpoints carry it on
+            if primary:
+                print(line, flush=True)
 
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()
@@ -232,7 +239,8 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
-    meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {})}
+    meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {}),
+            **({"repartition": repartitioned} if repartitioned else {})}
     tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model, model) if cfg.tuner.enabled else None
     ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
     # candidates compiled ahead in the background (tuner.prepare)
@@ -394,16 +402,6 @@ class _Run:
                 if tune_now and preparer is not None and (ahead := tuner.to_prepare()) is not None:
                     preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
                     say(f"step {done} | tuner: compiling {ahead.label()} in the background")
-                if eval_now:
-                    with aside(since_log, since_fetch, clock):  # evaluation is not step time
-                        self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)
-                    record["val_loss"] = self.final_val
-                if save_now:
-                    meta = {**self.meta, "step": done, "skipped_steps": self.skipped}
-                    if tuner is not None:
-                        meta["tuner"] = tuner.state_dict()
-                    with aside(since_log, since_fetch, clock):  # saving is not step time either
-                        self.ckpt.save(done, state, self.feed.loader.get_state(), meta, force=bool(stop))
                 par = layout.cfg.parallel
                 if par.repartition_after and done == par.repartition_after and not stop:
                     # The stage split lives only inside the step (storage keeps the [layers]
@@ -415,7 +413,18 @@ class _Run:
                                 layout, cfg=layout.cfg.replace(f"parallel.stage_layers={list(counts)}"))
                             step_fn, _ = layout.compile()
                     record["repartition"] = {"before": list(before), "after": list(counts)}
+                    self.meta["repartition"] = {"step": done, "stage_layers": list(counts)}
                     say(f"step {done} | repartition {list(before)} -> {list(counts)}")
+                if eval_now:
+                    with aside(since_log, since_fetch, clock):  # evaluation is not step time
+                        self.final_val = _evaluate(eval_fn, state["params"], self.feed, layout.mesh)
+                    record["val_loss"] = self.final_val
+                if save_now:
+                    meta = {**self.meta, "step": done, "skipped_steps": self.skipped}
+                    if tuner is not None:
+                        meta["tuner"] = tuner.state_dict()
+                    with aside(since_log, since_fetch, clock):  # saving is not step time either
+                        self.ckpt.save(done, state, self.feed.loader.get_state(), meta, force=bool(stop))
                 if record:
                     record["train_s"] = clock.elapsed()
                     self.history.append({"step": done, **record})

@@ -10,6 +10,7 @@ processes running different stage splits would run different programs and hang.
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -62,3 +63,28 @@ def replan(layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
                           f"and re-plan the stages (its log says why)")
     after = tuple(int(c) for c in counts)
     return current_split(cfg, sum(after), stages), after
+
+
+# The keys that decide which stage split a repartition chose for: resuming with any of
+# them changed (another pipe, schedule, model depth or configured split) is another run,
+# whose split is the one its config gives.
+_SPLIT_KEYS = (("parallel", "pipe"), ("parallel", "virtual_stages"), ("parallel", "schedule"),
+               ("parallel", "stage_layers"), ("parallel", "repartition_after"), ("model", "n_layers"))
+
+
+def resumed_split(saved_meta: dict, cfg: Config) -> tuple[list[int], str] | None:
+    """(the stage split, the line that says so) where a checkpoint was saved after an online
+    repartition and the run resumes with the config that repartitioned: the split measured
+    then, not ``parallel.stage_layers`` again (``repartition_after`` does not fire again on
+    a resume past it, so a requeued job would otherwise run the unbalanced split to the
+    end). ``None`` otherwise."""
+    chosen = saved_meta.get("repartition")
+    saved = saved_meta.get("config") or {}
+    now = json.loads(json.dumps(cfg.to_dict()))  # as the checkpoint holds it: lists, not tuples
+    if not chosen or any((saved.get(s) or {}).get(k) != now[s][k] for s, k in _SPLIT_KEYS):
+        return None
+    split = [int(c) for c in chosen["stage_layers"]]
+    started = (f"parallel.stage_layers={list(cfg.parallel.stage_layers)}" if cfg.parallel.stage_layers
+               else "an even split")
+    return split, (f"resuming with the stage split {split} that the repartition at step {chosen['step']} "
+                   f"chose (the run started from {started})")
