@@ -53,7 +53,7 @@ def test_axes_spara_does_not_use_reject_every_layout_with_that_reason():
     assert not valid
     assert {why for _, why in rejected} == {
         "supernet training splits devices over parallel.subnet, fsdp, data and tensor only; got pipe=2; "
-        "set them to 1"}
+        "set parallel.pipe=1"}
     assert sorted(c.devices for c, _ in rejected) == [4] * 3  # pipe keeps half the devices
     with pytest.raises(ConfigError, match="no candidate layout runs this supernet job; e.g. s1 d4"):
         tune_supernet(tiny("parallel.pipe=2"), 8, measure_fn=_never, ks=(4,), widths=(1,))

@@ -57,6 +57,13 @@ def resolve_axis_sizes(cfg: ParallelConfig, num_devices: int, platform: str = "c
     return sizes
 
 
+def unused_axes(sizes: dict[str, int]) -> str:
+    """``got tensor=2, subnet=2; set parallel.tensor=1 and parallel.subnet=1``: the end of
+    an error refusing mesh axes a path does not split over."""
+    got = ", ".join(f"{a}={n}" for a, n in sizes.items())
+    return f"got {got}; set " + " and ".join(f"parallel.{a}=1" for a in sizes)
+
+
 def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     """A mesh with all six named axes (size-1 axes cost nothing and keep specs uniform)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -34,6 +34,7 @@ import numpy as np
 
 from mindpipe_jax.config import SUPERNET_SEMANTICS, semantics_error
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import unused_axes
 from mindpipe_jax.supernet.spec import PARAM_CHUNKS, SupernetSpec
 
 SEMANTICS = SUPERNET_SEMANTICS  # config.py validates them without importing JAX
@@ -101,8 +102,8 @@ def check_axes(mesh, what: str, pipe_ok: bool = False) -> None:
     others = {a: n for a, n in mesh.shape.items() if a not in used and n > 1}
     if others:
         names = "subnet, pipe, fsdp, data" if pipe_ok else "subnet, fsdp, data"
-        raise ConfigError(f"{what} splits devices over parallel.{names} and tensor only; got "
-                          f"{', '.join(f'{a}={n}' for a, n in others.items())}; set them to 1")
+        raise ConfigError(f"{what} splits devices over parallel.{names} and tensor only; "
+                          f"{unused_axes(others)}")
 
 
 def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards: int,

@@ -14,6 +14,7 @@ from flax import nnx
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import unused_axes
 from mindpipe_jax.train.state import buffers, user_code_error
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -69,9 +70,8 @@ def check_step_config(cfg: Config, mesh) -> None:
                               f"power of two")
         others = {a: mesh.shape[a] for a in ("tensor", "subnet", "expert") if mesh.shape[a] > 1}
         if others:
-            got = ", ".join(f"{a}={n}" for a, n in others.items())
             raise ConfigError(f"deterministic mode splits only the batch (data, fsdp) and the pipeline's "
-                              f"stages; got {got}; set them to 1")
+                              f"stages; {unused_axes(others)}")
         if mesh.shape["pipe"] > 1:
             check_deterministic_pipeline(cfg.parallel, tr.virtual_shards, n_batch, mesh.shape["fsdp"])
         if tr.grad_accum != 1:
