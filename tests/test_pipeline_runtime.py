@@ -168,11 +168,14 @@ def test_online_repartition_keeps_every_bit_and_a_resume_keeps_its_split(tmp_pat
               "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2",
               "parallel.stage_layers=[1, 3]")
     online = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'online'}",
-                      "parallel.repartition_after=2")
+                      "parallel.repartition_after=2", "train.log_every=4")
     events = [h["repartition"] for h in online.history if "repartition" in h]
     assert len(events) == 1 and events[0]["before"] == [1, 3]
     after = events[0]["after"]
     assert sum(after) == 4
+    printed = capsys.readouterr().out.splitlines()
+    assert f"step 2 | repartition [1, 3] -> {after}" in printed
+    assert "step 2" not in printed  # nothing else to log at step 2: no bare step line
     online_bits = [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(online.state))]
     # A requeued job resumes with the command it started with: it runs the split the
     # repartition chose (saved with step 2's checkpoint: the repartition comes before the
@@ -187,7 +190,6 @@ def test_online_repartition_keeps_every_bit_and_a_resume_keeps_its_split(tmp_pat
         return compile_layout(layout, *args, **kwargs)
 
     shutil.rmtree(online.checkpoint_dir / "4")
-    capsys.readouterr()
     monkeypatch.setattr(Layout, "compile", recording)
     again = mp.train(None, None, mp.Config(), *common, f"train.out_dir={tmp_path / 'online'}",
                      "parallel.repartition_after=2", "train.resume=true")

@@ -429,7 +429,8 @@ class _Run:
                     record["train_s"] = clock.elapsed()
                     self.history.append({"step": done, **record})
                     self.writer.write(done, record)
-                    say(format_line(done, record))
+                    if (line := format_line(done, record)) is not None:
+                        say(line)
                     bar.set_postfix(loss=f"{record.get('loss', float('nan')):.3f}")
                 bar.update(1)
                 if stop and done < tr.steps:

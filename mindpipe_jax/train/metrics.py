@@ -99,11 +99,13 @@ def _truncate_after(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def format_line(step: int, values: dict) -> str:
+def format_line(step: int, values: dict) -> str | None:
+    """The step's log line; None where ``values`` holds none of the figures it shows (a
+    record of only a repartition or a tuner event, which print their own line)."""
     parts = [f"step {step}"]
     for key, fmt in (("loss", ".4f"), ("val_loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"),
                      ("tokens_per_s", ",.0f"), ("step_time_s", ".3f"), ("mfu", ".1%")):
         value = values.get(key)
         if value is not None:
             parts.append(f"{key} {value:{fmt}}")
-    return " | ".join(parts)
+    return " | ".join(parts) if len(parts) > 1 else None
