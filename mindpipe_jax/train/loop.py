@@ -397,6 +397,7 @@ class _Run:
                     self.layout = layout
                     tuner.accept(decision, layout.cfg, compile_s)
                     self.meta["config"] = layout.cfg.to_dict()
+                    self.meta.pop("repartition", None)  # a tuned layout splits its stages evenly
                     record.update({"tuner": decision.to_dict(), **tuner.metrics()})
                     say(f"{decision.line()} | compiled in {compile_s:.1f}s")
                 if tune_now and preparer is not None and (ahead := tuner.to_prepare()) is not None:
