@@ -157,7 +157,8 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     sn = cfg.supernet
     say(f"search of {run_dir} at step {step}: {spec.space.num_architectures:,} architectures | population "
-        f"{sn.search_population}, {sn.search_generations} generations, top {sn.search_top_k}"
+        f"{sn.search_population}, {sn.search_generations} generation{'s' * (sn.search_generations != 1)}, "
+        f"top {sn.search_top_k}"
         + (f", at most {sn.search_max_params:,} parameters" if sn.search_max_params else "")
         + f" | mesh {mesh_label(mesh)}")
     return search_subnets(spec, state["params"], splits, cfg, mesh), cfg, step
