@@ -75,14 +75,13 @@ from mindpipe_jax.supernet.spara import (
 )
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
-    config_changes,
     remove_incomplete,
     restore_verified,
 )
 from mindpipe_jax.train.metrics import MetricsWriter
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
-from mindpipe_jax.train.state import resumed_lr_note
+from mindpipe_jax.train.state import resume_lines
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -179,12 +178,9 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         if resume_step >= tr.steps:  # train.resume="auto" on a finished run
             loader.close()
             return SupernetResult(state, [], None, cfg, mesh, spec, out_dir, already_complete=True)
-        changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
-        if changed and log is not None and jax.process_index() == 0:
-            log(f"resuming step {resume_step} with a changed config: {', '.join(changed)}")
-        lr_note = resumed_lr_note(saved_meta.get("config") or {}, cfg.optim, tr.steps, resume_step)
-        if lr_note and log is not None and jax.process_index() == 0:
-            log(lr_note)
+        if log is not None and jax.process_index() == 0:
+            for line in resume_lines(saved_meta, cfg, resume_step):
+                log(line)
     rows = NamedSharding(mesh, P(DATA_AXES))
     if resume_step is None:
         state = jax.jit(lambda: init_state(spec, create()), out_shardings=state_shardings(mesh, spec))()

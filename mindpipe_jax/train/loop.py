@@ -45,7 +45,6 @@ from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
-    config_changes,
     prepare_out_dir,
     read_meta,
     remove_incomplete,
@@ -58,7 +57,7 @@ from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, reba
 from mindpipe_jax.train.repartition import replan, resumed_split
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
-from mindpipe_jax.train.state import init_train_state, resumed_lr_note
+from mindpipe_jax.train.state import init_train_state, resume_lines
 from mindpipe_jax.train.step import nonfinite_leaf_names
 
 
@@ -209,12 +208,8 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
             feed.close()
             return TrainResult(state, [], out_dir, ckpt_dir, None, cfg, layout.mesh,
                                skipped_steps=int(saved_meta.get("skipped_steps", 0)), already_complete=True)
-        changed = config_changes(saved_meta.get("config") or {}, cfg.to_dict())
-        if changed and primary:
-            print(f"resuming step {resume_step} with a changed config: {', '.join(changed)}", flush=True)
-        lr_note = resumed_lr_note(saved_meta.get("config") or {}, cfg.optim, tr.steps, resume_step)
-        if lr_note and primary:
-            print(lr_note, flush=True)
+        for line in resume_lines(saved_meta, cfg, resume_step) if primary else ():
+            print(line, flush=True)
         if (resplit := resumed_split(saved_meta, cfg)) is not None:
             split, line = resplit
             layout = dataclasses.replace(layout, cfg=layout.cfg.replace(f"parallel.stage_layers={split}"))

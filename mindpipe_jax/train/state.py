@@ -28,11 +28,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import OptimConfig
+from mindpipe_jax.config import Config, OptimConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import from_linen, is_linen
 from mindpipe_jax.parallel.pipeline.parts import merged
 from mindpipe_jax.parallel.rules import state_shardings
+from mindpipe_jax.train.checkpoint import config_changes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mindpipe_jax/
@@ -269,6 +270,19 @@ def resumed_lr_note(saved_config: dict, cfg: OptimConfig, total_steps: int, step
         return None
     return (f"train.steps {saved_steps} -> {total_steps} re-times the learning-rate schedule: step "
             f"{step + 1} trains at lr {after:.2e} ({before:.2e} with train.steps={saved_steps})")
+
+
+def resume_lines(saved_meta: dict, cfg: Config, step: int) -> list[str]:
+    """What a resume from ``step`` prints before it trains: the config keys that changed
+    since the checkpoint's run, and the learning-rate schedule it re-times (both the train
+    loop's and SPara's)."""
+    saved = saved_meta.get("config") or {}
+    lines = []
+    if changed := config_changes(saved, cfg.to_dict()):
+        lines.append(f"resuming step {step} with a changed config: {', '.join(changed)}")
+    if note := resumed_lr_note(saved, cfg.optim, cfg.train.steps, step):
+        lines.append(note)
+    return lines
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask) -> optax.GradientTransformation:
