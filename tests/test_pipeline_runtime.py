@@ -211,6 +211,36 @@ def test_online_repartition_keeps_every_bit_and_a_resume_keeps_its_split(tmp_pat
     assert np.isfinite(online.history[-1]["loss"])
 
 
+@pytest.mark.slow
+def test_a_stop_at_the_repartition_step_leaves_the_repartition_to_the_resume(tmp_path, monkeypatch, capsys):
+    """A SIGTERM right at ``repartition_after`` saves and exits without measuring and
+    recompiling; the resume owes the repartition and runs it after its first step. Before,
+    ``repartition_after`` (past by then) never fired and the requeued job trained on the
+    unbalanced split to the end."""
+    from mindpipe_jax.train.checkpoint import read_meta
+    from mindpipe_jax.train.signals import StopSignals
+
+    common = (*TINY, "train.steps=4", "train.checkpoint_every=2", "train.log_every=2",
+              "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2",
+              "parallel.stage_layers=[1, 3]", "parallel.repartition_after=2", f"train.out_dir={tmp_path}")
+    monkeypatch.setattr(StopSignals, "reached", lambda self, step: "SIGTERM" if step == 2 else None)
+    stopped = mp.train(None, None, mp.Config(), *common)
+    monkeypatch.undo()
+    assert stopped.stopped == "SIGTERM" and not [h for h in stopped.history if "repartition" in h]
+    step, meta = read_meta(stopped.checkpoint_dir)
+    assert step == 2 and meta["repartition_owed"] == 2 and "repartition" not in meta
+    capsys.readouterr()
+    resumed = mp.train(None, None, mp.Config(), *common, "train.resume=true")
+    assert "the repartition that the stop after step 2 put off runs after step 3" in capsys.readouterr().out
+    events = [(h["step"], h["repartition"]) for h in resumed.history if "repartition" in h]
+    assert [(s, e["before"]) for s, e in events] == [(3, [1, 3])], events
+    after = events[0][1]["after"]
+    assert list(resumed.config.parallel.stage_layers) == after
+    step, meta = read_meta(resumed.checkpoint_dir)
+    assert step == 4 and meta["repartition"] == {"step": 3, "stage_layers": after}
+    assert "repartition_owed" not in meta
+
+
 def test_a_resume_keeps_a_repartitioned_split_only_with_the_config_that_chose_it():
     from mindpipe_jax.train.repartition import resumed_split
 

@@ -54,7 +54,7 @@ from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
-from mindpipe_jax.train.repartition import replan, resumed_split
+from mindpipe_jax.train.repartition import put_off_repartition, replan, resumed_split
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state, resume_lines
@@ -195,6 +195,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
     repartitioned = None  # the split an online repartition chose, from the checkpoint resumed
+    owed = None  # the step after which a repartition that a stop put off runs
     if resume_step is not None:
         try:
             state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
@@ -214,6 +215,10 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
             split, line = resplit
             layout = dataclasses.replace(layout, cfg=layout.cfg.replace(f"parallel.stage_layers={split}"))
             repartitioned = saved_meta["repartition"]  # later checkpoints carry it on
+            if primary:
+                print(line, flush=True)
+        if (late := put_off_repartition(saved_meta, cfg, resume_step)) is not None:
+            owed, line = late
             if primary:
                 print(line, flush=True)
 
@@ -250,7 +255,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
                       factory_for=factory_for, splits=splits, val_rows=val_rows, reuse=reuse)
 
     run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
-               skipped=int(saved_meta.get("skipped_steps", 0)))
+               skipped=int(saved_meta.get("skipped_steps", 0)), repartition_owed=owed)
     try:
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.
@@ -277,8 +282,9 @@ class _Run:
     """The loop's state between steps: history, skipped-step count, stop reason."""
 
     def __init__(self, cfg: Config, ckpt: Checkpointer, meta: dict, writer: MetricsWriter, *,
-                 leaf_names: list[str], skipped: int):
+                 leaf_names: list[str], skipped: int, repartition_owed: int | None = None):
         self.cfg, self.ckpt, self.meta, self.writer = cfg, ckpt, meta, writer
+        self.repartition_owed = repartition_owed  # a step past repartition_after that still runs it
         self.leaf_names = leaf_names
         self.skipped = skipped
         self.history: list[dict] = []
@@ -399,7 +405,12 @@ class _Run:
                     preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
                     say(f"step {done} | tuner: compiling {ahead.label()} in the background")
                 par = layout.cfg.parallel
-                if par.repartition_after and done == par.repartition_after and not stop:
+                repartition_now = bool(par.repartition_after) and done in (
+                    par.repartition_after, self.repartition_owed)
+                if repartition_now and stop:  # no time to measure and recompile: the resume does it
+                    self.meta["repartition_owed"] = done
+                elif repartition_now:
+                    self.meta.pop("repartition_owed", None)
                     # The stage split lives only inside the step (storage keeps the [layers]
                     # axis), so moving layers between stages changes no parameter bit.
                     with aside(since_log, since_fetch):

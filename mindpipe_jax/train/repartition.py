@@ -88,3 +88,18 @@ def resumed_split(saved_meta: dict, cfg: Config) -> tuple[list[int], str] | None
                else "an even split")
     return split, (f"resuming with the stage split {split} that the repartition at step {chosen['step']} "
                    f"chose (the run started from {started})")
+
+
+def put_off_repartition(saved_meta: dict, cfg: Config, resume_step: int) -> tuple[int, str] | None:
+    """(the step after which it runs, the line that says so) where a stop (SIGTERM, Ctrl-C)
+    came right at ``parallel.repartition_after``: the stop saves and exits without the
+    measuring and recompiling, so the repartition is owed. The resume with the same
+    ``repartition_after`` runs it after its first step; without this, ``repartition_after``
+    (past by then) never fired and the job trained on the unbalanced split to the end.
+    ``None`` otherwise."""
+    owed = saved_meta.get("repartition_owed")
+    saved = (saved_meta.get("config") or {}).get("parallel") or {}
+    if not owed or saved.get("repartition_after") != cfg.parallel.repartition_after:
+        return None
+    return resume_step + 1, (f"the repartition that the stop after step {owed} put off runs after "
+                             f"step {resume_step + 1}")
