@@ -416,11 +416,21 @@ def test_microbatch_switch_matches_a_fresh_run_with_that_count(tmp_path):
     common = (*TINY, "train.steps=3", "train.checkpoint_every=2", "train.log_every=1", "parallel.pipe=2",
               "parallel.data=4", "parallel.tensor=1", "parallel.schedule=1f1b")
     stub = PreferStub(lambda c: (c.pipe, c.data, c.tensor, c.microbatches) == (2, 4, 1, 4))
+    # (with an online repartition at step 1, before the switch)
     tuned = mp.train(None, None, mp.Config(), *common, "parallel.microbatches=2",
                      f"train.out_dir={tmp_path / 'tuned'}", "tuner.enabled=true", "tuner.meshes=true",
-                     "tuner.every=2", "tuner.warmup=2", "tuner.amortize=false", step_model=stub)
+                     "tuner.every=2", "tuner.warmup=2", "tuner.amortize=false",
+                     "parallel.repartition_after=1", step_model=stub)
     switched = [h["tuner"] for h in tuned.history if "tuner" in h]
     assert len(switched) == 1 and switched[0]["candidate"]["microbatches"] == 4
+    # The tuned layout splits its stages evenly: the checkpoints after the switch must not
+    # carry the repartition's split, or a resume would bring it back onto that layout.
+    assert [h["step"] for h in tuned.history if "repartition" in h] == [1]
+    assert tuned.config.parallel.stage_layers == ()
+    from mindpipe_jax.train.checkpoint import read_meta
+
+    step, meta = read_meta(tuned.checkpoint_dir)
+    assert step == 3 and "repartition" not in meta
     assert dict(tuned.mesh.shape)["data"] == 4 and dict(tuned.mesh.shape)["pipe"] == 2
     assert tuned.config.parallel.microbatches == 4
     # Step 3 after the switch equals step 3 of a run restored from step 2 with 4 microbatches.
