@@ -151,6 +151,28 @@ def _temp_bytes(name, m, *, remat):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def test_size_1_axes_are_manual_in_the_pipeline_so_its_program_holds_no_open_constraints():
+    """With tensor = expert = 1 left automatic, JAX 0.10 wrapped nearly every op of the
+    tick loop in an all-open sharding constraint (a third of a Gemma step's StableHLO,
+    ``benchmarks/shard_map_axes.py``): size-1 axes are manual too
+    (``parallel.mesh.manual_axis_names``). With tensor = 2, tensor stays automatic."""
+    from mindpipe_jax.parallel.mesh import manual_axis_names
+
+    cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.ShapeDtypeStruct((2, 4, 16), jnp.int32)
+    for tensor, open_ok in ((1, False), (2, True)):
+        mesh = make_mesh(ParallelConfig(pipe=2, data=4 // tensor, tensor=tensor))
+        assert ("tensor" in manual_axis_names(mesh, ("pipe", "data"))) == (tensor == 1)
+        run = pipeline_grads(stage_fns(model), get_schedule("1f1b", 2, 2), mesh)
+        with jax.set_mesh(mesh):
+            text = jax.jit(run).lower(params["embed"], params["blocks"], params["head"],
+                                      tokens, tokens).as_text()
+        open_constraints = text.count("[{?}")
+        assert (open_constraints > 100) == open_ok, (tensor, open_constraints)
+
+
 def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     ms = (8, 32)  # both >= 2p - 1, what fused 1F1B keeps on stage 0 at most
     one_f_one_b = [_temp_bytes("1f1b", m, remat=False) for m in ms]

@@ -64,6 +64,17 @@ def unused_axes(sizes: dict[str, int]) -> str:
     return f"got {got}; set " + " and ".join(f"parallel.{a}=1" for a in sizes)
 
 
+def manual_axis_names(mesh, axes) -> set[str]:
+    """A ``shard_map``'s manual axes: ``axes``, and every other axis of ``mesh`` of size 1.
+
+    A size-1 axis computes the same manual or automatic, but one left automatic makes
+    the mesh mixed, and JAX 0.10 then wraps the result of nearly every op it lowers
+    inside the ``shard_map`` (each reshape, broadcast, slice) in an all-open sharding
+    constraint for the compiler to propagate: a third of a pipelined Gemma step's
+    StableHLO (4.4k of 11.8k lines on pipe4 x data2, compiled in 5 s instead of 7)."""
+    return set(axes) | {a for a, n in mesh.shape.items() if n == 1}
+
+
 def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     """A mesh with all six named axes (size-1 axes cost nothing and keep specs uniform)."""
     devices = list(jax.devices() if devices is None else devices)

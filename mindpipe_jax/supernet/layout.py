@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.parallel.rules import state_shardings as rules_shardings
 from mindpipe_jax.supernet.plan import AXES
 from mindpipe_jax.supernet.spec import SupernetSpec
@@ -72,7 +73,7 @@ def tensor_split(params, mesh, spec: SupernetSpec):
     if mesh.shape["tensor"] == 1:
         return params
     layout = compute_shardings(mesh, spec)
-    manual = set(AXES)
+    manual = manual_axis_names(mesh, AXES)
 
     def one(x, sharding):
         # Only the automatic axes may be named inside the shard_map: the manual ones are

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.supernet.layout import param_shardings
 from mindpipe_jax.supernet.plan import AXES, DATA_AXES, data_devices
 from mindpipe_jax.supernet.sampler import rng_for
@@ -78,7 +79,7 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
 
     # The parameters come as stored (split over fsdp/tensor): gathered over fsdp going in,
     # left split over tensor for the partitioner.
-    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, axis_names=manual_axis_names(mesh, AXES),
                                in_specs=(P(), P(None, "subnet"), P(None, DATA_AXES)), out_specs=P()),
                  in_shardings=(param_shardings(mesh, spec), NamedSharding(mesh, P(None, "subnet")),
                                NamedSharding(mesh, P(None, DATA_AXES))))

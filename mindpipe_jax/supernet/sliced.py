@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import OptimConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import throttle
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.supernet.layout import STATE_SPECS, state_shardings, tensor_split
 from mindpipe_jax.supernet.optimizer import adamw, pairwise_sum, reduce_round
 from mindpipe_jax.supernet.plan import (
@@ -243,12 +244,12 @@ class SlicedStep:
         return specs
 
     def _jit_start(self):
-        fn = jax.shard_map(self._start_fn(), mesh=self.mesh, axis_names=set(AXES), in_specs=(STATE_SPECS,),
-                           out_specs=self._carry_specs())
+        fn = jax.shard_map(self._start_fn(), mesh=self.mesh, axis_names=manual_axis_names(self.mesh, AXES),
+                           in_specs=(STATE_SPECS,), out_specs=self._carry_specs())
         return jax.jit(fn)
 
     def _jit_finish(self):
-        fn = jax.shard_map(self._finish_fn(), mesh=self.mesh, axis_names=set(AXES),
+        fn = jax.shard_map(self._finish_fn(), mesh=self.mesh, axis_names=manual_axis_names(self.mesh, AXES),
                            in_specs=(P(), self._carry_specs(), P()), out_specs=(STATE_SPECS, P()))
         # The new state leaves as stored (parameters split over fsdp/tensor). Nothing of the
         # carry can hold it (other shapes), so nothing is donated.
@@ -257,7 +258,8 @@ class SlicedStep:
 
     def _jit_round(self, shape, unroll: bool = False):
         v = self.v
-        fn = jax.shard_map(self._round_fn(shape, unroll), mesh=self.mesh, axis_names=set(AXES),
+        fn = jax.shard_map(self._round_fn(shape, unroll), mesh=self.mesh,
+                           axis_names=manual_axis_names(self.mesh, AXES),
                            in_specs=(self._carry_specs(), P(), P(), P(), P(DATA_AXES)),
                            out_specs=self._carry_specs())
 

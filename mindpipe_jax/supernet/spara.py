@@ -126,6 +126,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import OptimConfig
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.supernet.layout import STATE_SPECS, param_shardings, state_shardings, tensor_split
 from mindpipe_jax.supernet.optimizer import adamw, clip, global_norm, pairwise_sum, reduce_round
 from mindpipe_jax.supernet.plan import (
@@ -306,7 +307,7 @@ def make_spara_step(spec: SupernetSpec, mesh, *, semantics: str, subnets_per_ste
 
     def step(state, plan, batch):
         vbatch = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), batch)
-        fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(AXES),
+        fn = jax.shard_map(per_device, mesh=mesh, axis_names=manual_axis_names(mesh, AXES),
                            in_specs=(STATE_SPECS, P(), P(DATA_AXES)), out_specs=(STATE_SPECS, P()))
         return fn(state, plan, vbatch)
 

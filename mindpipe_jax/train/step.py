@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.parallel.ordered_sum import pairwise_sum
 from mindpipe_jax.parallel.pipeline.contract import model_loss as contract_loss
 from mindpipe_jax.parallel.pipeline.dropout_keys import dropout_rows
@@ -157,7 +158,8 @@ def _deterministic_grad(spec: ModelSpec, params, batch, key, mesh, shards: int, 
         return (*out, grads) if stats else out
 
     vbatch = jax.tree.map(lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), batch)
-    fn = jax.shard_map(per_device, mesh=mesh, axis_names=set(BATCH_AXES), in_specs=(P(), P(BATCH_AXES), P()),
+    fn = jax.shard_map(per_device, mesh=mesh, axis_names=manual_axis_names(mesh, BATCH_AXES),
+                       in_specs=(P(), P(BATCH_AXES), P()),
                        out_specs=(P(), P(), P(BATCH_AXES)) if stats else (P(), P()))
     return fn(params, vbatch, key)
 

@@ -48,6 +48,7 @@ import math
 
 from mindpipe_jax.config import Config, ParallelConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.tuner.pieces import Piece, compiled_piece, fitted_piece
 
 PRICED_SEMANTICS = ("sync", "sequential")
@@ -145,8 +146,8 @@ def _measure(cfg: Config, rows: int, factory) -> SupernetCosts:
         return reduce_round(losses, grads, n_sub=1, n_data=1, virtual_shards=cfg.train.virtual_shards,
                             clip_norm=cfg.optim.clip_norm)
 
-    round_piece = jax.shard_map(round_fn, mesh=one_device, axis_names=set(AXES), in_specs=(P(), P()),
-                                out_specs=P(AXES))  # [R, ...] rows: this device's
+    round_piece = jax.shard_map(round_fn, mesh=one_device, axis_names=manual_axis_names(one_device, AXES),
+                                in_specs=(P(), P()), out_specs=P(AXES))  # [R, ...] rows: this device's
     opt = {"mu": flat, "nu": flat, "count": jnp.zeros((spec.num_units + 1,), jnp.int32)}
     units = jnp.ones(spec.unit_grid, bool)
 

@@ -40,6 +40,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.parallel.pipeline.runtime.spmd import AXIS, BATCH, EXPERT, MANUAL, StageFns, _vary
 
 ITERATION_INPUT = "iteration_input"
@@ -118,7 +119,7 @@ def gpipe_autodiff_grads(fns: StageFns, p: int, m: int, mesh, *, remat: bool,
     def loss_fn(params, inputs, targets):
         staged = jax.tree.map(lambda x: x.reshape(p, x.shape[0] // p, *x.shape[1:]), params["blocks"])
         rows = P(None, BATCH)
-        fn = jax.shard_map(body, mesh=mesh, axis_names=set(MANUAL),
+        fn = jax.shard_map(body, mesh=mesh, axis_names=manual_axis_names(mesh, MANUAL),
                            in_specs=(P(), P(AXIS), P(), rows, rows), out_specs=P())
         return fn(params["embed"], staged, params["head"], inputs, targets)
 

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel import overlap
+from mindpipe_jax.parallel.mesh import manual_axis_names
 from mindpipe_jax.parallel.ordered_sum import ordered_sum
 from mindpipe_jax.parallel.pipeline.runtime import experts, fsdp, ringsync
 from mindpipe_jax.parallel.pipeline.runtime.layout import StageLayout
@@ -249,7 +250,8 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
     if grad_sync_dtype not in WIRE_DTYPES:
         raise ValueError(f"grad_sync_dtype {grad_sync_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     wire = WIRE_DTYPES[grad_sync_dtype]
-    auto = {a: n for a, n in mesh.shape.items() if a not in MANUAL}
+    manual = manual_axis_names(mesh, MANUAL)
+    auto = {a: n for a, n in mesh.shape.items() if a not in manual}
     experts.check_supported(mesh, deterministic)
 
     def on_shards(fn, tree, specs):
@@ -429,7 +431,7 @@ def pipeline_grads(fns: StageFns, schedule: Schedule, mesh, *, remat=True,
             is_leaf=_is_spec) for name in ("embed", "blocks", "head")}
         fn = jax.shard_map(_in_lockstep(partial(body, dims, ends, auto_specs, counts, stage_layout.width),
                                         lockstep), mesh=mesh,
-                           axis_names=set(MANUAL),
+                           axis_names=manual,
                            in_specs=(spec_e, spec_b, spec_h, rows, rows,
                                      jax.tree.map(lambda _: P(AXIS), context)),
                            out_specs=(P(), out_e, out_b, out_h))
