@@ -330,6 +330,14 @@ def test_slot_moves_are_paid_every_tick_and_can_make_remat_the_faster_plan():
     assert plan.step_time_s["as run"] < forced.step_time_s["as run"]
     # the per-stage times, which no tick cost enters, say "none" is the faster policy
     assert max(forced.stage_time_s) < max(plan.stage_time_s)
+    # The even split without remat is set beside the plan on the plan's footing, its step as
+    # run with the slot moves paid (its slowest stage alone made it look the faster one).
+    assert forced.counts == plan.even_split["counts"] == free.counts == (2, 2, 2, 2)
+    assert plan.even_split["step_time_run_s"] == pytest.approx(forced.step_time_s["as run"])
+    assert free.even_split["step_time_run_s"] == pytest.approx(free.step_time_s["as run"])
+    ms = 1e3
+    assert (f"step as run {ms * forced.step_time_s['as run']:.3f} ms (the plan's "
+            f"{ms * plan.step_time_s['as run']:.3f} ms)") in plan.table()
 
 
 # --- mindpipe plan (the one real measurement) -------------------------------------------------

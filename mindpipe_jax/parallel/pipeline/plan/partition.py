@@ -197,7 +197,7 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
     else:
         spans, chosen = _interleaved_split(model, sched, options, budget, param_copies, inflight)
 
-    def stage_costs(fig_list) -> StageCosts:
+    def stage_costs(fig_list, spans=spans) -> StageCosts:
         base = StageCosts.from_layers(list(profile.layers), [g for g in range(G) for _ in spans[g]], G,
                                       embed=profile.embed, head=profile.head)
         rec = [f["recompute"] for f in fig_list]
@@ -209,23 +209,23 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
                                tick_overhead=tick_slots if mode == "lockstep" else 0.0)
                 for mode in ("async", "lockstep")}
 
-    def as_run(policies, mode: str) -> SimResult:
+    def as_run(policies, mode: str, spans=spans) -> SimResult:
         """The fused-tick replay of these policies, every tick paying its slot moves."""
         fig_list = [model.stage(g, spans[g].start, spans[g].stop, policies[g]) for g in range(G)]
-        return simulate(sched, stage_costs(fig_list), link=link, mode="neighbour", fuse=mode,
+        return simulate(sched, stage_costs(fig_list, spans), link=link, mode="neighbour", fuse=mode,
                         tick_overhead=slot_tick_seconds(model, sched, spans, policies, mode, lockstep))
 
-    def run_seconds(policies, mode: str) -> float:
+    def run_seconds(policies, mode: str, spans=spans) -> float:
         """The step as this layout runs: the per-device replay, or in lockstep every device
         running every branch of each tick (plan/lockstep.py): what tick mode and remat are
         chosen on."""
         if not lockstep:
-            return as_run(policies, mode).step_time
+            return as_run(policies, mode, spans).step_time
         from mindpipe_jax.parallel.pipeline.runtime.tickplan import make_plan
 
         fig_list = [model.stage(g, spans[g].start, spans[g].stop, policies[g]) for g in range(G)]
         ticks = make_plan(sched, tuple(policies), mode, merge_first=True, merge_last=True)
-        return lockstep_ticks_seconds(ticks, stage_costs(fig_list)) \
+        return lockstep_ticks_seconds(ticks, stage_costs(fig_list, spans)) \
             + ticks.num_ticks * slot_tick_seconds(model, sched, spans, policies, mode, lockstep)
 
     fits = []
@@ -260,6 +260,11 @@ def partition(profile: ProfiledModel, *, p: int, v: int = 1, m: int, schedule: s
         busy = sum(sims["as run"].busy) / p
         utilization["lockstep run"] = busy / step_times["lockstep run"] if step_times["lockstep run"] else 0.0
     even = _even_split(model, sched, profile, G, param_copies, link)
+    # The even split as this layout runs it too (slot moves priced): the plan's "as run"
+    # step is what it was chosen on, so the comparison must be on the same footing (its
+    # slowest stage alone leaves out the residual slot moves that "none" pays every tick).
+    even_spans = [range(sum(even["counts"][:g]), sum(even["counts"][:g + 1])) for g in range(G)]
+    even["step_time_run_s"] = run_seconds(("none",) * G, fuse_mode, even_spans)
     return PipelinePlan(
         schedule=sched.name, p=p, v=v, m=m, counts=tuple(len(r) for r in spans), layers=tuple(spans),
         device=tuple(device_of(sched, g) for g in range(G)), remat=tuple(chosen),

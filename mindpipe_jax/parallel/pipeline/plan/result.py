@@ -25,7 +25,8 @@ class PipelinePlan:
     ``"lockstep"`` (the SPMD runtime's tick loop). ``remat`` is what
     ``pipeline_grads(remat=plan.remat)`` and ``parallel.stage_remat`` take;
     ``spmd_memory_bytes`` the per-device figure of the SPMD runtime (see
-    ``memory``). ``even_split``: the same figures for an even split without remat."""
+    ``memory``). ``even_split``: the same figures for an even split without remat (and
+    ``step_time_run_s``: its step as this layout runs it, slot moves priced)."""
 
     schedule: str
     p: int
@@ -142,8 +143,12 @@ class PipelinePlan:
             out.append(f"split_last (backwards split into B and W: only the last k microbatches'), step as "
                        f"run: {tried} -> {'all' if self.split_last == -1 else self.split_last}")
         even = self.even_split
+        # its step as run, beside the plan's (the figure remat and tick mode were chosen on)
+        ran = (f", step as run {ms * even['step_time_run_s']:.3f} ms (the plan's "
+               f"{ms * self.step_time_s.get('lockstep run', self.step_time_s['as run']):.3f} ms)"
+               if "step_time_run_s" in even and "as run" in self.step_time_s else "")
         out.append(f"even split {list(even['counts'])}, no remat: slowest stage "
-                   f"{ms * even['slowest_stage_s']:.3f} ms, async utilization "
+                   f"{ms * even['slowest_stage_s']:.3f} ms{ran}, async utilization "
                    f"{even['utilization_async']:.3f}, lockstep {even['utilization_lockstep']:.3f}; "
                    f"peak memory {even['peak_memory_bytes'] / MB:.1f} MB")
         if self.spmd_memory_compiled:
