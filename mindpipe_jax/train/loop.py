@@ -54,7 +54,7 @@ from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
-from mindpipe_jax.train.repartition import put_off_repartition, replan, resumed_split
+from mindpipe_jax.train.repartition import Resumed, on_resume, replan
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state, resume_lines
@@ -194,8 +194,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
     out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
-    repartitioned = None  # the split an online repartition chose, from the checkpoint resumed
-    owed = None  # the step after which a repartition that a stop put off runs
+    resumed = Resumed()  # an online repartition's split a checkpoint carries, or one a stop put off
     if resume_step is not None:
         try:
             state, data_state, _ = restore_verified(ckpt_dir, resume_step, layout.abstract_state)
@@ -209,18 +208,12 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
             feed.close()
             return TrainResult(state, [], out_dir, ckpt_dir, None, cfg, layout.mesh,
                                skipped_steps=int(saved_meta.get("skipped_steps", 0)), already_complete=True)
-        for line in resume_lines(saved_meta, cfg, resume_step) if primary else ():
+        resumed = on_resume(saved_meta, cfg, resume_step)
+        for line in (*resume_lines(saved_meta, cfg, resume_step), *resumed.lines) if primary else ():
             print(line, flush=True)
-        if (resplit := resumed_split(saved_meta, cfg)) is not None:
-            split, line = resplit
-            layout = dataclasses.replace(layout, cfg=layout.cfg.replace(f"parallel.stage_layers={split}"))
-            repartitioned = saved_meta["repartition"]  # later checkpoints carry it on
-            if primary:
-                print(line, flush=True)
-        if (late := put_off_repartition(saved_meta, cfg, resume_step)) is not None:
-            owed, line = late
-            if primary:
-                print(line, flush=True)
+        if resumed.split is not None:
+            split = f"parallel.stage_layers={resumed.split}"
+            layout = dataclasses.replace(layout, cfg=layout.cfg.replace(split))
 
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()
@@ -240,7 +233,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {}),
-            **({"repartition": repartitioned} if repartitioned else {})}
+            **({"repartition": resumed.chosen} if resumed.chosen else {})}  # later checkpoints carry it on
     tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model, model) if cfg.tuner.enabled else None
     ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
     # candidates compiled ahead in the background (tuner.prepare)
@@ -255,7 +248,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
                       factory_for=factory_for, splits=splits, val_rows=val_rows, reuse=reuse)
 
     run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
-               skipped=int(saved_meta.get("skipped_steps", 0)), repartition_owed=owed)
+               skipped=int(saved_meta.get("skipped_steps", 0)), repartition_owed=resumed.owed_after)
     try:
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.

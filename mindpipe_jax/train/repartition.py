@@ -10,6 +10,7 @@ processes running different stage splits would run different programs and hang.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -103,3 +104,25 @@ def put_off_repartition(saved_meta: dict, cfg: Config, resume_step: int) -> tupl
         return None
     return resume_step + 1, (f"the repartition that the stop after step {owed} put off runs after "
                              f"step {resume_step + 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What a checkpoint tells a resume about online repartition (``on_resume``)."""
+
+    split: list[int] | None = None  # the split to run instead of the config's
+    chosen: dict | None = None  # the checkpoint's record of that repartition, carried on
+    owed_after: int | None = None  # the step after which a repartition a stop put off runs
+    lines: tuple[str, ...] = ()  # what the resume prints about it
+
+
+def on_resume(saved_meta: dict, cfg: Config, resume_step: int) -> Resumed:
+    """``resumed_split`` and ``put_off_repartition`` together, as the train loop takes them."""
+    split, chosen, owed, lines = None, None, None, []
+    if (resplit := resumed_split(saved_meta, cfg)) is not None:
+        (split, line), chosen = resplit, saved_meta["repartition"]
+        lines.append(line)
+    if (late := put_off_repartition(saved_meta, cfg, resume_step)) is not None:
+        owed, line = late
+        lines.append(line)
+    return Resumed(split, chosen, owed, tuple(lines))
