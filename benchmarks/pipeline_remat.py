@@ -130,7 +130,7 @@ def main(args) -> None:
 
 def planner_view(cfg, p: int, m: int, rows: int, times) -> None:
     """What the partitioner predicts for the same pipeline from the block's measured costs
-    (compute on one device alone, slot moves with every device streaming): each policy
+    (compute and slot moves both timed with every device busy at once): each policy
     forced, its step as run (fused-tick replay) with the runtime's residual slot moves
     priced per tick and with them free (the model before), and the policy it picks
     among all three in each case."""
@@ -140,7 +140,8 @@ def planner_view(cfg, p: int, m: int, rows: int, times) -> None:
 
     prof = measure_layer_costs(cfg, microbatch=rows, model=lambda rngs: GPT(cfg, rngs=rngs))
     free = dataclasses.replace(prof, slot_move_s_per_byte=0.0)
-    print(f"\npartitioner, from one block measured on one device alone at {rows} rows per microbatch; "
+    print(f"\npartitioner, from one block measured on all {len(jax.devices())} devices at once at {rows} "
+          f"rows per microbatch; "
           f"slot moves at {1e-9 / prof.slot_move_s_per_byte:.1f} GB/s per device (all {len(jax.devices())} "
           f"streaming at once); residual row {prof.residual_bytes[0] / 2**20:.2f} MB per layer")
 

@@ -95,9 +95,10 @@ def add_parsers(sub, fmt) -> None:
         description=textwrap.dedent("""\
             Measure the configured GPT's (or MoE GPT's) layer costs on this machine (one block, the
             embedding and the head: forward, input-gradient, weight-gradient and fused
-            backward times, FLOPs, activation, residual and parameter bytes; JAX's
-            default device, median of --repeats runs) and split the layers over the
-            pipeline: parallel.pipe stages (must be > 1) x parallel.virtual_stages
+            backward times, FLOPs, activation, residual and parameter bytes; every
+            local device running its copy at once, as the pipeline runs them; median
+            of --repeats runs) and split the layers over the pipeline:
+            parallel.pipe stages (must be > 1) x parallel.virtual_stages
             chunks, parallel.microbatches microbatches, parallel.schedule. The split
             minimises the slowest stage (embed on the first stage, head on the last, so
             those get fewer blocks); each stage then takes the cheapest remat policy

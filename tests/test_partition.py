@@ -21,6 +21,7 @@ from mindpipe_jax.parallel.pipeline import get_schedule
 from mindpipe_jax.parallel.pipeline.contract import stage_fns
 from mindpipe_jax.parallel.pipeline.plan import memory as partmem
 from mindpipe_jax.parallel.pipeline.plan import partition as partition_mod
+from mindpipe_jax.parallel.pipeline.plan import profile as profile_mod
 from mindpipe_jax.parallel.pipeline.plan.partition import (
     MB,
     PARAM_COPIES,
@@ -351,12 +352,21 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     real = partition_mod.measure_layer_costs
 
     def spy(*args, **kwargs):
-        # Under a caller's mesh (as train's repartition calls it) it still measures one device.
+        # Under a caller's mesh (as train's repartition calls it) it still measures whole,
+        # unsharded copies.
         with jax.set_mesh(make_mesh(ParallelConfig(pipe=2, data=2, tensor=2))):
             measured.append(real(*args, **kwargs))
         return measured[-1]
 
+    timed_on = []
+    real_time = profile_mod._median_time
+
+    def time_spy(fn, *args, repeats):
+        timed_on.append([leaf.sharding for leaf in jax.tree.leaves(args)])
+        return real_time(fn, *args, repeats=repeats)
+
     monkeypatch.setattr(partition_mod, "measure_layer_costs", spy)
+    monkeypatch.setattr(profile_mod, "_median_time", time_spy)
     out = tmp_path / "plan.png"
     assert main(["plan", *TINY, "--repeats", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -384,6 +394,15 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     # seconds per byte (seconds per call would be ~1e-3). Eight simulated devices
     # share 2 cores here, and under the parallel suite the rate has been seen at 0.08 GB/s.
     assert 1e-13 < prof.slot_move_s_per_byte < 1e-6
+    # Every program (F, B, W, BW of each part, the slot stream) is timed as the pipeline
+    # runs: every local device busy with its own whole copy, so the layer times and the
+    # slot-move rate they are added to share one footing. Before 2026-12-06 the layer
+    # programs ran on one device alone (on 8 simulated devices over 2 cores ~6x faster
+    # than in the step, and the slot moves priced ~2-3x too high beside them).
+    everywhere = set(jax.local_devices())
+    assert len(timed_on) >= 9
+    for shardings in timed_on:
+        assert all(sh.device_set == everywhere and sh.is_fully_replicated for sh in shardings)
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -58,8 +58,10 @@ def _planned_and_compiled(extra):
     idle = {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0}
     prof = dataclasses.replace(prof, embed=dataclasses.replace(prof.embed, **idle),
                                head=dataclasses.replace(prof.head, **idle))
+    # One remat policy for every layout: the shrink compared is the layout's, not a
+    # policy choice that timings on a loaded host can flip.
     plan = partition(prof, p=par.pipe, m=par.microbatches, fuse_modes=(par.fuse_ticks,),
-                     schedule=get_schedule(par.schedule, par.pipe, par.microbatches),
+                     remat_options=("none",), schedule=get_schedule(par.schedule, par.pipe, par.microbatches),
                      lockstep=needs_lockstep(mesh), param_share=share)
     run = load_config(None, [*SMALL, *extra, f"parallel.stage_layers={list(plan.counts)}",
                              f"parallel.stage_remat={json.dumps(list(plan.remat))}"])

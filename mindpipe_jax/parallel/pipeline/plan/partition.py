@@ -3,8 +3,8 @@
 Two steps, usable apart:
 
 ``measure_layer_costs(model_cfg, microbatch=..., model=factory)`` builds the model (the
-caller's factory: the configured GPT or MoE GPT, or a user's) and times, on the current
-default device, one block's forward (F), its backward
+caller's factory: the configured GPT or MoE GPT, or a user's) and times, on every local
+device at once (as the pipeline runs them), one block's forward (F), its backward
 split into B (input gradient only), W (weight gradient only) and the fused BW,
 and the same for the embedding and the head (+ loss); it reads FLOPs from the
 compiled programs (``cost_analysis``) and sizes the hidden state, the residuals

@@ -2,13 +2,24 @@
 
 ``measure_layer_costs(model_cfg, microbatch=..., model=factory)`` builds the model (the
 configured GPT, or a user's: the caller passes its factory, so ``parallel/`` never imports
-``models/``) and times, on one device, one block's forward (F), its backward split into B (input
+``models/``) and times one block's forward (F), its backward split into B (input
 gradient only), W (weight gradient only) and the fused BW, and the same for the
 embedding and the head (+ loss); it reads FLOPs from the compiled programs
 (``cost_analysis``) and sizes the hidden state, the residuals a forward keeps for
 its backward and the parameters. The GPT's blocks are identical, so one block is
 measured and its costs are replicated over ``n_layers``. A model whose layers
 differ is described directly: ``ProfiledModel(layers=[LayerCost(...), ...], ...)``.
+
+Every program is timed as the pipeline runs it: on every local device at once, each
+on its own copy of the inputs (``_on_every_device``). Accelerators with their own
+compute and memory run a program as fast that way as alone; simulated CPU devices
+share the host's cores, and a program runs several times slower with all of them busy
+(a d64 GPT block's forward ~6x on 8 devices over 2 cores). The slot moves the plan adds
+to those times are measured the same way, so the two are on one footing (timing the
+layers on one device alone and the slot moves on all made the plan price remat "none"
+at 1.9x "full" where the step measured 1.46x: ``benchmarks/pipeline_remat.py``). What
+this footing leaves out: where devices share cores, a schedule's idle devices free them
+for the busy ones, so a pipeline with bubbles runs faster than priced.
 """
 
 from __future__ import annotations
@@ -121,11 +132,22 @@ def _median_time(fn: Callable, *args, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _compile(fn, *args):
-    """``fn`` compiled once for ``args``: the program that is timed and whose FLOPs are read."""
+def _on_every_device(fn, *args):
+    """``(program, args)``: ``fn`` compiled to run on every local device at once, each
+    device on its own whole copy of ``args`` (the returned ``args``, placed so), the way
+    the pipeline's devices all run their stage's programs in the same tick. The timed
+    program; its FLOPs (``cost_analysis``) are one device's."""
     import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    return jax.jit(fn).lower(*args).compile()
+    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("all",))
+    args = jax.device_put(args, NamedSharding(mesh, P()))
+    # Every input is replicated, so each device computes the whole of fn on its copy;
+    # the outputs are equal on every device and any one copy is returned.
+    body = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return jax.jit(body).lower(*args).compile(), args
 
 
 def _flops(compiled) -> float:
@@ -154,24 +176,15 @@ def slot_move_seconds_per_byte(nbytes: float, *, repeats: int = 5) -> float:
     """Seconds per byte moved when every local device streams a buffer of ``nbytes``
     (at least 256 KiB) through its memory at once (read + write, two moves per byte, as
     ``tuner.calibrate`` counts its memory rate): what the runtime's residual slot reads
-    and writes cost per byte. All devices at once because the runtime moves slots on
-    every device in every tick, idle or not; where devices share a host's memory
-    (simulated CPU devices) that is the rate each gets, on accelerators with their
-    own memory it is each one's own."""
-    import jax
+    and writes cost per byte, on the footing the layer times are measured on (every
+    device busy: the runtime moves slots on every device in every tick, idle or not)."""
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    devices = jax.local_devices()
     elems = max(int(nbytes) // 4, 1 << 16)
-    spread = NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("all",)), P("all"))
-    buf = jax.device_put(jnp.ones((len(devices), elems), jnp.float32), spread)
-    stream = _compile(lambda x: x * 1.0001 + 0.5, buf)
+    stream, buf = _on_every_device(lambda x: x * 1.0001 + 0.5, jnp.ones((elems,), jnp.float32))
     # At least 5 runs whatever the caller's repeats: one run costs milliseconds, and a
     # single sample on a loaded host can be several times the rate's typical value.
-    return _median_time(stream, buf, repeats=max(repeats, 5)) / (2 * 4 * elems)
+    return _median_time(stream, *buf, repeats=max(repeats, 5)) / (2 * 4 * elems)
 
 
 def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
@@ -183,8 +196,8 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
     import jax
 
     out: dict[str, float] = {}
-    forward = _compile(fn, params, x)
-    out["F"] = _median_time(forward, params, x, repeats=repeats)
+    forward, args = _on_every_device(fn, params, x)
+    out["F"] = _median_time(forward, *args, repeats=repeats)
     out["flops_F"] = _flops(forward)
 
     def closures(w, h):
@@ -197,8 +210,8 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
         return made
 
     for kind, vjp_fn in jax.jit(closures)(params, x).items():
-        backward = _compile(lambda f, ct: f(ct), vjp_fn, cotangent)
-        out[kind] = _median_time(backward, vjp_fn, cotangent, repeats=repeats)
+        backward, args = _on_every_device(lambda f, ct: f(ct), vjp_fn, cotangent)
+        out[kind] = _median_time(backward, *args, repeats=repeats)
         out[f"flops_{kind}"] = _flops(backward)
     if not input_grad:
         out["B"], out["BW"], out["flops_B"], out["flops_BW"] = 0.0, out["W"], 0.0, out["flops_W"]
@@ -210,7 +223,7 @@ def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
     """Measure ``model`` (a factory ``rngs -> nnx.Module``, e.g. ``lambda rngs:
     models.build_model(model_cfg, rngs)`` for the configured GPT or MoE GPT): its
     prologue, one unit of its stack and its epilogue, found as the pipeline finds them
-    (``contract.PipelineModel``), on the current default device at ``microbatch``
+    (``contract.PipelineModel``), on every local device at once at ``microbatch``
     sequences of ``model_cfg.seq_len`` tokens (ids below ``model_cfg.vocab_size``).
 
     Every time is the median of ``repeats`` samples after a warm-up run, each
@@ -220,7 +233,7 @@ def measure_layer_costs(model_cfg, *, microbatch: int, model, repeats: int = 5,
     ``dots_with_no_batch_dims_saveable`` and the recompute it adds to the backward).
     ``tensor`` > 1: the residuals are what one device keeps when ``tensor`` devices split
     each layer, read from the compiled layout (``residual_share.residual_sizer``); the
-    times stay the whole layer's on one device.
+    times stay the whole layer's, each device running a whole copy.
     """
     import jax
 
