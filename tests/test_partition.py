@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from pipeline_oracle import assert_matches, microbatches, reference, tiny_gpt
@@ -397,12 +399,48 @@ def test_plan_command_measures_prints_and_draws(tmp_path, capsys, monkeypatch):
     # Every program (F, B, W, BW of each part, the slot stream) is timed as the pipeline
     # runs: every local device busy with its own whole copy, so the layer times and the
     # slot-move rate they are added to share one footing. Before 2026-12-06 the layer
-    # programs ran on one device alone (on 8 simulated devices over 2 cores ~6x faster
+    # programs ran on one device alone (on 8 simulated devices over 2 cores ~4x faster
     # than in the step, and the slot moves priced ~2-3x too high beside them).
     everywhere = set(jax.local_devices())
     assert len(timed_on) >= 9
     for shardings in timed_on:
         assert all(sh.device_set == everywhere and sh.is_fully_replicated for sh in shardings)
+
+
+def _reachable(hlo: str, root: str) -> set[str]:
+    """Names of the computations ``root`` calls, directly or not, in compiled HLO text."""
+    comps = {}
+    for block in re.split(r"\n(?=%|ENTRY )", hlo):
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) ", block)
+        if head:
+            comps[head.group(1)] = block
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += [ref for ref in re.findall(r"%([\w.\-]+)", comps[name]) if ref in comps]
+    return {name: comps[name] for name in seen}
+
+
+def test_the_profile_times_each_run_inside_its_loop():
+    """The profile times INNER_RUNS runs of a program in one loop (a task in the tick loop
+    pays no launch of its own). Each run must do the work: XLA hoists a loop-invariant
+    computation out of a loop (it did, with an optimization barrier tying the inputs to
+    the loop state, and the runs then timed ~1/8 of a forward), so the matmul has to sit
+    in the loop's body and nowhere outside it."""
+    w, x = jnp.full((64, 64), 0.01), jnp.ones((16, 64))
+    program, args = profile_mod.runs_on_every_device(lambda w, x: jnp.tanh(x @ w), w, x)
+    assert all(a.sharding.device_set == set(jax.local_devices()) for a in args)
+    hlo = program.as_text()
+    entry = re.search(r"ENTRY %([\w.\-]+) ", hlo).group(1)
+    body = re.search(r"while\(.*body=%([\w.\-]+)", hlo).group(1)
+    in_loop = _reachable(hlo, body)
+    outside = {k: v for k, v in _reachable(hlo, entry).items() if k not in in_loop}
+    assert any(" dot(" in text for text in in_loop.values())
+    assert not any(" dot(" in text for text in outside.values())
+    np.testing.assert_allclose(np.asarray(program(*args)), np.full((16, 64), np.tanh(0.64)), rtol=1e-5)
 
 
 @pytest.mark.parametrize("argv, words", [

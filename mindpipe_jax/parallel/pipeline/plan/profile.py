@@ -4,22 +4,24 @@
 configured GPT, or a user's: the caller passes its factory, so ``parallel/`` never imports
 ``models/``) and times one block's forward (F), its backward split into B (input
 gradient only), W (weight gradient only) and the fused BW, and the same for the
-embedding and the head (+ loss); it reads FLOPs from the compiled programs
+embedding and the head (+ loss); it reads FLOPs from the programs
 (``cost_analysis``) and sizes the hidden state, the residuals a forward keeps for
 its backward and the parameters. The GPT's blocks are identical, so one block is
 measured and its costs are replicated over ``n_layers``. A model whose layers
 differ is described directly: ``ProfiledModel(layers=[LayerCost(...), ...], ...)``.
 
-Every program is timed as the pipeline runs it: on every local device at once, each
-on its own copy of the inputs (``_on_every_device``). Accelerators with their own
-compute and memory run a program as fast that way as alone; simulated CPU devices
-share the host's cores, and a program runs several times slower with all of them busy
-(a d64 GPT block's forward ~6x on 8 devices over 2 cores). The slot moves the plan adds
-to those times are measured the same way, so the two are on one footing (timing the
-layers on one device alone and the slot moves on all made the plan price remat "none"
-at 1.9x "full" where the step measured 1.46x: ``benchmarks/pipeline_remat.py``). What
-this footing leaves out: where devices share cores, a schedule's idle devices free them
-for the busy ones, so a pipeline with bubbles runs faster than priced.
+Every program is timed as the pipeline runs it (``_time_on_every_device``): on every
+local device at once, each on its own copy of the inputs, several runs inside one
+program (as tasks run inside the tick loop, with no launch of their own). Accelerators
+with their own compute and memory run a program as fast that way as alone; simulated
+CPU devices share the host's cores, and a program runs several times slower with all
+of them busy (a d64 GPT block's forward ~4x on 8 devices over 2 cores). The slot moves
+the plan adds to those times are measured the same way, so the two are on one footing
+(timing the layers on one device alone and the slot moves on all made the plan price
+remat "none" at 1.9x "full" where the step measured 1.46x; now 1.20-1.26x against
+1.45-1.60x, each step within 17% of its measured time: ``benchmarks/pipeline_remat.py``).
+What this footing leaves out: where devices share cores, a schedule's idle devices free
+them for the busy ones, so a pipeline with bubbles runs faster than priced.
 """
 
 from __future__ import annotations
@@ -132,26 +134,63 @@ def _median_time(fn: Callable, *args, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _on_every_device(fn, *args):
-    """``(program, args)``: ``fn`` compiled to run on every local device at once, each
-    device on its own whole copy of ``args`` (the returned ``args``, placed so), the way
-    the pipeline's devices all run their stage's programs in the same tick. The timed
-    program; its FLOPs (``cost_analysis``) are one device's."""
+# Runs of a measured program inside one timed call: the pipeline runs its tasks inside
+# one program's tick loop, so a task pays no launch of its own; timed one launch per
+# run, 8 simulated CPU devices over 2 cores added ~1.2 ms of launch and rendezvous to
+# a 1.1-1.4 ms block forward (the plan then put a 25-28 ms pipe2 x data4 step at 53 ms).
+INNER_RUNS = 8
+
+
+def _time_on_every_device(fn, *args, repeats: int) -> tuple[float, float]:
+    """(seconds per run, FLOPs per run) of ``fn(*args)`` run on every local device at
+    once, each device on its own whole copy of ``args``, the way the pipeline's devices
+    all run their stage's tasks in the same tick: ``INNER_RUNS`` runs in a loop inside
+    one program per timed call (``_median_time``), the time divided by them. The FLOPs
+    are one run's on one device (``cost_analysis`` of ``fn`` alone)."""
     import jax
+
+    flops = _flops(jax.jit(fn).lower(*args))
+    program, args = runs_on_every_device(fn, *args)
+    return _median_time(program, *args, repeats=repeats) / INNER_RUNS, flops
+
+
+def runs_on_every_device(fn, *args):
+    """``(compiled program, its args)``: ``INNER_RUNS`` runs of ``fn(*args)`` in a loop,
+    on every local device at once, each on its own whole copy of ``args`` (the returned
+    ``args``, replicated over the local devices). What ``_time_on_every_device`` times."""
+    import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    def runs(*inputs):
+        def once(_, outs):
+            # The outputs are the loop's state: each run writes them whole, as a task
+            # writes its outputs into the runtime's buffers. Each run's inputs are shifted
+            # by a tiny multiple of one element of the last run's outputs: a true data
+            # dependency, without which XLA hoists the runs out of the loop (an
+            # optimization barrier does not stop it). The shift is a pass over the inputs,
+            # as the runtime's per-layer slice of a stage's weights is.
+            floats = [o for o in jax.tree.leaves(outs) if jnp.issubdtype(o.dtype, jnp.inexact) and o.size]
+            shift = 1e-30 * jnp.ravel(floats[0])[0].astype(jnp.float32) if floats else jnp.float32(0)
+            return fn(*jax.tree.map(
+                lambda v: v + shift.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.inexact) else v, inputs))
+
+        shapes = jax.eval_shape(fn, *inputs)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return jax.lax.fori_loop(0, INNER_RUNS, once, zeros)
+
     mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("all",))
     args = jax.device_put(args, NamedSharding(mesh, P()))
-    # Every input is replicated, so each device computes the whole of fn on its copy;
-    # the outputs are equal on every device and any one copy is returned.
-    body = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    return jax.jit(body).lower(*args).compile(), args
+    # Every input is replicated, so each device computes the whole of fn on its copy.
+    program = jax.jit(jax.shard_map(runs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    return program.lower(*args).compile(), args
 
 
-def _flops(compiled) -> float:
-    analysis = compiled.cost_analysis()
+def _flops(program) -> float:
+    """XLA's FLOP count of a lowered or compiled program."""
+    analysis = program.cost_analysis()
     if isinstance(analysis, Sequence):  # older JAX: one dict per computation
         analysis = analysis[0] if analysis else {}
     return float((analysis or {}).get("flops", 0.0))
@@ -181,10 +220,11 @@ def slot_move_seconds_per_byte(nbytes: float, *, repeats: int = 5) -> float:
     import jax.numpy as jnp
 
     elems = max(int(nbytes) // 4, 1 << 16)
-    stream, buf = _on_every_device(lambda x: x * 1.0001 + 0.5, jnp.ones((elems,), jnp.float32))
-    # At least 5 runs whatever the caller's repeats: one run costs milliseconds, and a
+    # At least 5 samples whatever the caller's repeats: one costs milliseconds, and a
     # single sample on a loaded host can be several times the rate's typical value.
-    return _median_time(stream, *buf, repeats=max(repeats, 5)) / (2 * 4 * elems)
+    seconds, _ = _time_on_every_device(lambda x: x * 1.0001 + 0.5, jnp.ones((elems,), jnp.float32),
+                                       repeats=max(repeats, 5))
+    return seconds / (2 * 4 * elems)
 
 
 def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
@@ -196,9 +236,7 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
     import jax
 
     out: dict[str, float] = {}
-    forward, args = _on_every_device(fn, params, x)
-    out["F"] = _median_time(forward, *args, repeats=repeats)
-    out["flops_F"] = _flops(forward)
+    out["F"], out["flops_F"] = _time_on_every_device(fn, params, x, repeats=repeats)
 
     def closures(w, h):
         made = {"W": jax.vjp(lambda ww: fn(ww, h), w)[1]}
@@ -210,9 +248,8 @@ def _measure_part(fn, params, x, cotangent, *, repeats: int, input_grad: bool,
         return made
 
     for kind, vjp_fn in jax.jit(closures)(params, x).items():
-        backward, args = _on_every_device(lambda f, ct: f(ct), vjp_fn, cotangent)
-        out[kind] = _median_time(backward, *args, repeats=repeats)
-        out[f"flops_{kind}"] = _flops(backward)
+        out[kind], out[f"flops_{kind}"] = _time_on_every_device(lambda f, ct: f(ct), vjp_fn, cotangent,
+                                                                repeats=repeats)
     if not input_grad:
         out["B"], out["BW"], out["flops_B"], out["flops_BW"] = 0.0, out["W"], 0.0, out["flops_W"]
     return out
