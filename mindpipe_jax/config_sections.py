@@ -33,6 +33,7 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 0
     dropout: float = 0.0
+    # Compute dtype; float16 compiles on GPUs only (refused on CPU: train/step_checks.py).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"

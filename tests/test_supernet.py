@@ -385,6 +385,9 @@ BAD = {
     "min depth": (lambda: supernet_factory(mp.Config().replace("supernet.min_depth=9")),
                   "supernet.min_depth=9"),
     "unordered gene": (lambda: Gene("w", (4, 2)), "smallest first"),
+    # XLA's CPU backend cannot lower the attention backward's float16 matmul.
+    "float16 on CPU": (lambda: mp.train_supernet(config=mp.Config().replace("model.dtype=float16")),
+                       "model.dtype=float16 does not compile on CPU devices"),
 }
 
 

@@ -82,6 +82,7 @@ from mindpipe_jax.train.metrics import MetricsWriter
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import resume_lines
+from mindpipe_jax.train.step_checks import check_platform
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -137,6 +138,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
                               f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
         setup_runtime(cfg.parallel, cfg.distributed)
+        check_platform(cfg.model, jax.devices()[0].platform)
         # With checkpoints, train.out_dir is checked writable before anything is computed
         # and locked against a second run for this run's life (see train.rundir).
         with hold_run_dir(cfg.train.out_dir) if checkpoint else contextlib.nullcontext(), \

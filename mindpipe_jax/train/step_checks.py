@@ -20,6 +20,19 @@ from mindpipe_jax.train.state import buffers, user_code_error
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def check_platform(model_cfg, platform: str) -> None:
+    """What the model's settings need of the devices' platform ("cpu", "gpu", "tpu")."""
+    if model_cfg.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs; this mesh's devices are "
+                          f"{platform}: use model.attention=xla")
+    if model_cfg.dtype == "float16" and platform == "cpu":
+        # Refused here, not left to XLA: the attention's backward is a batched float16
+        # matmul accumulating in float32, which XLA's CPU backend cannot lower (a traceback
+        # from inside the compiler, after the run directory was made).
+        raise ConfigError("model.dtype=float16 does not compile on CPU devices (XLA's CPU matmuls take no "
+                          "float16 inputs with float32 accumulation); use model.dtype=bfloat16 or float32")
+
+
 def check_step_config(cfg: Config, mesh) -> None:
     """Batch divisibility for the mesh; deterministic-mode requirements."""
     tr = cfg.train
@@ -43,9 +56,7 @@ def check_step_config(cfg: Config, mesh) -> None:
     _check_moe(cfg, mesh)
     # The tuner's space check passes a shape-only mesh stand-in.
     platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else jax.default_backend()
-    if cfg.model.attention == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs; this mesh's devices are "
-                          f"{platform}: use model.attention=xla")
+    check_platform(cfg.model, platform)
     if cfg.parallel.repartition_after and mesh.shape["pipe"] == 1:
         raise ConfigError(f"parallel.repartition_after={cfg.parallel.repartition_after} moves layers "
                           f"between pipeline stages; it needs parallel.pipe > 1")
