@@ -325,6 +325,10 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     (["--measure", "x"], "--measure must be an integer >= 0"),
     (["--out", "/nonexistent/dir/x.png"], "/nonexistent/dir"),
     (["--json", "/nonexistent/dir/x.json"], "--json '/nonexistent/dir/x.json': directory"),
+    # A setting no layout can run: its reason given whole (it was cut at 60 characters).
+    (["model.dtype=float16"], "(model.dtype=float16 does not compile on CPU devices (XLA's CPU matmuls take "
+                              "no float16 inputs with float32 accumulation); use model.dtype=bfloat16 or "
+                              "float32)"),
 ])
 def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["tune", *args]) == 2

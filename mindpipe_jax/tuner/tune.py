@@ -180,7 +180,9 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     space = enumerate_space(cfg, n, axes=axes, global_batches=batches, microbatches=microbatches,
                             schedules=schedules, virtual_stages=virtual_stages, remats=remats, facts=facts)
     if not space.valid:
-        reasons = "; ".join(list(space.reasons())[:3])
+        kinds = list(space.reasons())
+        # One reason for every candidate (a setting no layout can run) is given whole.
+        reasons = space.rejected[0][1] if len(kinds) == 1 else "; ".join(kinds[:3])
         raise ConfigError(f"tune: no valid configuration of this model on {n} devices ({reasons})")
     log(f"space: {len(space.valid)} valid, {len(space.rejected)} rejected")
     # The machine's calibration is measured once and cached: next to the feasibility
