@@ -7,7 +7,7 @@ caller's factory: the configured GPT or MoE GPT, or a user's) and times, on ever
 device at once (as the pipeline runs them), one block's forward (F), its backward
 split into B (input gradient only), W (weight gradient only) and the fused BW,
 and the same for the embedding and the head (+ loss); it reads FLOPs from the
-compiled programs (``cost_analysis``) and sizes the hidden state, the residuals
+programs (``cost_analysis``) and sizes the hidden state, the residuals
 a forward keeps for its backward (the leaves of the ``jax.vjp`` closure that are
 not the weights themselves, i.e. what the runtime's residual buffer holds per
 microbatch) and the parameters. The GPT's blocks are identical, so one block is
