@@ -33,31 +33,40 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _compilation_cache(tmp_path_factory):
-    """A persistent compilation cache for the programs this test process compiles.
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """The persistent compilation cache of this test run: this process's programs and the
+    ``mindpipe`` children the tests start with ``cli_procs.cli_env(compile_cache)``.
 
-    Many tests train the same tiny config more than once in one process (a run and its
-    resumed copy, fixtures of several files): ``mp.train`` jits anew each time, and
-    without this each one compiled again (tests/test_train.py: 63 s -> 49 s with it). A
+    Tests compile the same tiny programs again and again: ``mp.train`` jits anew in each
+    run and its resumed copy, the fixtures of several files train one config, and a
+    child ``mindpipe train`` compiles what an in-process run of its config compiled (a
     cache hit loads the executable XLA compiled before: the same bits, the same HLO text
-    and memory analysis. The xdist workers of one run share the directory: the tests of a
-    file are spread over both and compile the same references and steps (test_byom.py
-    with ``-n 2``: 328 s with one cache per worker, 249 s shared). JAX's key includes the
-    directory, so only a shared one can hit. Two workers writing one entry at once write
-    the same bytes; a read of an entry still being written fails zlib's check, and JAX
-    then warns and compiles. Child processes keep the caches ``cli_procs.cli_env`` gives
-    them. A ``JAX_COMPILATION_CACHE_DIR`` set by the user is left as it is.
+    and memory analysis). Without a cache tests/test_train.py took 63 s, 49 s with one.
+    The xdist workers of one run share the directory, as they share the tests of a
+    file (test_byom.py with ``-n 2``: 328 s with one cache per worker, 249 s shared);
+    JAX's key includes the directory, so only a shared one can hit. Two writers of one
+    entry write the same bytes; a read of an entry still being written fails zlib's
+    check, and JAX then warns and compiles. A ``JAX_COMPILATION_CACHE_DIR`` set by the
+    user is used as it is.
     """
+    if jax.config.jax_compilation_cache_dir:
+        return Path(jax.config.jax_compilation_cache_dir)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_compile_cache"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(compile_cache):
+    """This process compiles through ``compile_cache``."""
     if jax.config.jax_compilation_cache_dir:
         yield
         return
     from jax.experimental.compilation_cache import compilation_cache
 
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax_cache_in_process"
-    shared.mkdir(exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(shared))
+    jax.config.update("jax_compilation_cache_dir", str(compile_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # a compile at collection time may have found no cache set

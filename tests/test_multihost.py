@@ -47,8 +47,8 @@ import mindpipe_jax as mp
 from mindpipe_jax.train.checkpoint import committed_steps, restore
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 
-# One xdist worker runs this file, so its children share one compilation cache (the
-# module's `cache`): each 2-process layout compiles once, not once per worker.
+# One xdist worker runs this file's tests one after another: each starts two processes,
+# and several wait on timeouts of seconds (heartbeats, a peer that never starts).
 pytestmark = pytest.mark.xdist_group("multihost")
 
 STEPS = 8
@@ -150,8 +150,8 @@ def _check_one_writer(outputs: list[str], out_dir: Path, steps: int = STEPS) -> 
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache_multihost")
+def cache(compile_cache):
+    return compile_cache  # the run's (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -70,11 +70,6 @@ TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="session")
 def reference(tmp_path_factory, compile_cache):
     """layout -> out_dir of an uninterrupted CLI run (run once per session, on demand)."""
     done: dict[str, Path] = {}

@@ -59,8 +59,8 @@ ROOT = os.geteuid() == 0
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache_run_dir")
+def cache(compile_cache):
+    return compile_cache  # the run's (conftest.py)
 
 
 def _dead_pid() -> int:

@@ -189,11 +189,6 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(four_steps, dense_run, t
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, compile_cache) -> Path:
     """The out_dir of an uninterrupted `mindpipe supernet` run of the same config."""
     out = tmp_path_factory.mktemp("reference") / "run"

@@ -611,13 +611,13 @@ LOSS_LINE = re.compile(r"^step +(\d+) \| loss ([0-9.]+)", re.M)
 
 
 @pytest.mark.slow
-def test_elastic_resume_8_to_4_to_8_devices_continues_the_loss(tmp_path):
+def test_elastic_resume_8_to_4_to_8_devices_continues_the_loss(tmp_path, compile_cache):
     """A tuned run (with noise statistics) on 8 devices, requeued on 4, then on 8 again
     (``--resume`` with another ``parallel.simulate_cpu_devices``): each resume re-plans the
     layout (data = the devices) and batch, says so in one line, and the loss goes on from
     where it was (no restart), lower at the end than at the start."""
     out = tmp_path / "run"
-    env = cli_env(tmp_path / "jax_cache")
+    env = cli_env(compile_cache)
     losses: dict[int, float] = {}
     for devices, steps, resume in ((8, 6, []), (4, 12, ["--resume"]), (8, 18, ["--resume"])):
         args = [*ELASTIC, f"parallel.simulate_cpu_devices={devices}", f"train.steps={steps}",
