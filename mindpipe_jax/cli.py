@@ -157,6 +157,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
     cfg = load_config(args.config, overrides)
     check_train_keys(cfg)  # the supernet section, virtual_shards without deterministic
+    if args.model:  # before the model's module is imported (train checks it too)
+        from mindpipe_jax.train.step_checks import check_user_model_keys
+        check_user_model_keys(cfg.model)
     import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
 
     model = None

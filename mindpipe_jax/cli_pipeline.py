@@ -190,6 +190,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     # Every check before touching JAX or writing anything.
     cfg = load_config(args.config, args.overrides)
+    if args.model:
+        from mindpipe_jax.train.step_checks import check_user_model_keys
+        check_user_model_keys(cfg.model)
     par = cfg.parallel
     if par.pipe < 2:
         raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "

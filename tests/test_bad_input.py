@@ -383,6 +383,11 @@ CASES = [
     ("model with neither a forward nor a loss", [], "model NoForward has neither __call__(tokens)",
      {"model": NoForward}),
     ("model of the wrong type", [], "got int", {"model": 42}),
+    # The reference GPT's compute settings do nothing to a model passed in (it ran, silently).
+    ("model.remat with a model passed in", ["model.remat=full"],
+     "model.remat='full' has no effect on a model passed in", {"model": PlainListNet}),
+    ("model.dtype with a model passed in", ["model.dtype=bfloat16"],
+     "model.dtype='bfloat16' has no effect on a model passed in", {"model": PlainListNet}),
     ("data of the wrong type", [], "got float", {"data": 3.5}),
     ("data array of floats", [], "token ids must be a non-empty 1-D array of integers",
      {"data": np.arange(5000.0)}),

@@ -46,6 +46,7 @@ from flax import nnx
 import mindpipe_jax as mp
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models import GPT
 from mindpipe_jax.models.bridge import from_linen
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.supernet.spec import supernet_spec
@@ -773,3 +774,43 @@ def test_fsdp_gathered_per_chunk_use_equals_an_independent_reference(family, sch
                           "parallel.tensor=1", "parallel.microbatches=4", f"parallel.schedule={schedule}",
                           f"parallel.virtual_stages={v}", "parallel.fsdp_gather=chunk")
     assert_grads_equal(got, reference(family))
+
+
+@pytest.mark.parametrize("command,key", [("train", "model.remat=full"), ("plan", "model.dtype=bfloat16"),
+                                         ("tune", "model.dropout=0.1")])
+def test_the_gpts_compute_keys_with_a_model_passed_in_are_one_line_exit_2(command, key, tmp_path, capsys):
+    """model.remat / dtype / dropout build the reference GPT: with ``--model`` they did
+    nothing, silently (the run trained the model as it is). Refused before the model's
+    module is imported or anything is written."""
+    from mindpipe_jax.cli import main
+
+    extra = ["parallel.pipe=2"] if command == "plan" else []
+    ref = str(ROOT / "tests" / "byom_models.py") + ":make_llama"
+    code = main([command, "--model", ref, "model.seq_len=8", "model.vocab_size=64", *extra, key,
+                 f"train.out_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"mindpipe: error: {key.split('=')[0]}="), err
+    assert "has no effect on a model passed in" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+class _ConfiguredGPT(GPT):
+    """A user's subclass of the reference GPT, built from the caller's ``cfg.model``."""
+
+
+def test_a_gpt_built_from_the_callers_config_keeps_its_compute_keys(tmp_path):
+    """A factory of the caller's may build the reference GPT (or a subclass) from the very
+    ``cfg.model`` it passes: then model.dropout / remat / dtype do apply, and are not
+    refused; a Llama passed in with the same config is."""
+    cfg = mp.Config().replace("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
+                              "model.vocab_size=64", "model.dropout=0.1", "model.remat=full",
+                              "data.source=synthetic", "train.steps=1", "train.global_batch=8",
+                              "train.eval_every=0", "train.progress=false", "train.tensorboard=false")
+    run = mp.train(lambda rngs: _ConfiguredGPT(cfg.model, rngs=rngs), None, cfg,
+                   f"train.out_dir={tmp_path}/a")
+    assert run.step == 1
+    with pytest.raises(ConfigError, match=re.escape("model.remat='full' has no effect on a model passed in")):
+        mp.train(FAMILIES["llama-tied"], None, cfg.replace("model.dropout=0.0"),
+                 f"train.out_dir={tmp_path}/b")
+    assert not (tmp_path / "b").exists()

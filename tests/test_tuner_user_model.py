@@ -4,6 +4,8 @@ describes only the built-in GPT. Before: the online tuner switched a run to tens
 for a model whose MLP width (38) tensor=4 cannot split, and the run died mid-training
 with the rules table's error; layouts the model supports were refused by the GPT's sizes."""
 
+import dataclasses
+
 import numpy as np
 from byom_models import Llama
 
@@ -38,10 +40,27 @@ def test_candidates_are_judged_on_the_users_model():
     assert check_candidate(CFG, _cand(tensor=4, data=2), 8) is None
     why = check_candidate(CFG, _cand(tensor=4, data=2), 8, narrow)
     assert "(mlp=38) is not divisible by mesh axes tensor=4" in why, why
-    space = enumerate_space(CFG, 8, axes=("data", "tensor"), microbatches=(1,), facts=narrow)
+    space = enumerate_space(CFG, 8, axes=("data", "tensor"), microbatches=(1,), remats=("none",),
+                            facts=narrow)
     assert {c.tensor for c in space.valid} == {1, 2}  # 38 = 2 x 19
     assert {c.tensor for c, _ in space.rejected} == {4, 8}
     assert all("(mlp=38) is not divisible" in why for _, why in space.rejected)
+
+
+def test_remat_without_a_pipeline_is_refused_for_a_users_model():
+    """model.remat builds the reference GPT's blocks: a user's layers decide their own, so
+    without a pipeline a "full" candidate would run the "none" program under another price.
+    Through a pipeline, parallel.stage_remat remats the user's stages: kept."""
+    facts = ModelFacts.of(lambda rngs: Llama(rngs=rngs), CFG)
+    full = dataclasses.replace(_cand(data=8), remat="full")
+    assert check_candidate(CFG, full, 8) is None  # the GPT
+    assert check_candidate(CFG, full, 8, facts) == (
+        "remat full applies to the model's layers only through a pipeline (pipe > 1)")
+    assert check_candidate(CFG, dataclasses.replace(_cand(pipe=2, data=4), remat="full"), 8, facts) is None
+    space = enumerate_space(CFG, 8, axes=("data", "pipe"), microbatches=(2,), remats=("none", "full"),
+                            facts=facts)
+    assert {(c.pipe, c.remat) for c in space.valid} == {(p, r) for p in (1, 2, 4) for r in ("none", "full")
+                                                         if p > 1 or r == "none"}
 
 
 class PreferTensor4:

@@ -39,7 +39,7 @@ from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec, state_shardings_for
 from mindpipe_jax.train.step import BATCH_AXES, check_step_config, make_eval_step, make_train_step
-from mindpipe_jax.train.step_checks import check_model_outputs
+from mindpipe_jax.train.step_checks import check_model_outputs, check_user_model_keys
 
 
 def row_block(sharding: NamedSharding, global_batch: int) -> tuple[int, int]:
@@ -225,6 +225,7 @@ def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: flo
                 raise ConfigError(f"{err}; parallel.tensor=0 (auto) chose tensor={mesh.shape['tensor']} on "
                                   f"these devices: set parallel.tensor=1 to keep the model whole") from None
             raise
+        check_user_model_keys(cfg.model, spec)
         spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
         check_model_outputs(spec, cfg.model.seq_len, cfg.model.vocab_size)
     tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)

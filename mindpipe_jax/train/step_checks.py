@@ -12,12 +12,43 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mindpipe_jax.config import Config
+from mindpipe_jax.config import Config, ModelConfig
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.models import GPT, MoEGPT
 from mindpipe_jax.parallel.mesh import unused_axes
 from mindpipe_jax.train.state import buffers, user_code_error
 
 BATCH_AXES = ("data", "fsdp", "expert")
+
+
+# model.* keys that change how the reference GPT computes (models/gpt.py), and nothing
+# else: a model passed in computes with its own layers. Its sizes (model.d_model,
+# model.n_layers, ...) are not refused: a config file shared with GPT runs sets them
+# (examples/configs/tiny.toml, the README's Python API), and they only size the GPT.
+_GPT_COMPUTE = {
+    "dtype": "its layers compute in their own dtypes",
+    "param_dtype": "its layers create their own parameters",
+    "remat": "its layers decide (nnx.remat); through a pipeline, parallel.stage_remat remats its stages",
+    "dropout": "its own dropout layers apply",
+    "attention": "its own attention runs",
+}
+
+
+def check_user_model_keys(model_cfg, spec=None) -> None:
+    """A model passed in (``mp.train(model)``, ``--model``): refuse the reference GPT's
+    compute settings set away from their defaults, which would silently do nothing.
+    ``spec``: the model built (``train.state.ModelSpec``); a GPT or MoE GPT, or a
+    subclass, is let through: a factory of the caller's may build it from this very
+    ``model_cfg``. None: a ``--model`` reference, which cannot see the command's config."""
+    if spec is not None and issubclass(spec.graphdef.nodes[0].type, (GPT, MoEGPT)):
+        return
+    default = ModelConfig()
+    for key, why in _GPT_COMPUTE.items():
+        value = getattr(model_cfg, key)
+        if value != getattr(default, key):
+            raise ConfigError(f"model.{key}={value!r} has no effect on a model passed in (--model, "
+                              f"mp.train(model)): model.* builds the reference GPT, and {why}; "
+                              f"drop model.{key}")
 
 
 def check_platform(model_cfg, platform: str) -> None:

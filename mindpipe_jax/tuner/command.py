@@ -156,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.supernet:
         return run_supernet(args, cfg)
+    if args.model:
+        from mindpipe_jax.train.step_checks import check_user_model_keys
+        check_user_model_keys(cfg.model)
     given = [k for k in _SUPERNET_ONLY if getattr(args, k) is not None]
     if given:
         raise ConfigError(f"--{given[0].replace('_', '-')} applies to supernet jobs only; add --supernet")

@@ -140,6 +140,9 @@ def check_candidate(cfg: Config, cand: Candidate, num_devices: int | None = None
         return f"mesh {cand.label().split(' | ')[0]} uses {cand.devices} devices, not {num_devices}"
     if cand.pipe == 1 and (cand.schedule != "1f1b" or cand.virtual_stages != 1):
         return "schedule and virtual_stages only apply with pipe > 1"
+    if facts is not None and cand.pipe == 1 and cand.remat != "none":
+        # model.remat builds the reference GPT's blocks; a user's layers decide their own.
+        return f"remat {cand.remat} applies to the model's layers only through a pipeline (pipe > 1)"
     try:
         run = cand.apply(cfg)
         check_step_config(run, types.SimpleNamespace(shape=cand.axes))

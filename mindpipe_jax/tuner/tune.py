@@ -29,6 +29,7 @@ import jax
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import nnx_model
+from mindpipe_jax.train.step_checks import check_user_model_keys
 from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
 from mindpipe_jax.tuner.facts import facts_of
@@ -177,6 +178,8 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
         raise ConfigError(f"tune: comparing global batches {list(batches)} needs the gradient noise scale "
                           f"(b_noise=...; tuner.probe.estimate_b_noise measures it)")
     facts = facts_of(model, cfg)  # a user's model: layouts judged on it, not on cfg.model
+    if facts is not None:
+        check_user_model_keys(cfg.model, facts.spec)
     space = enumerate_space(cfg, n, axes=axes, global_batches=batches, microbatches=microbatches,
                             schedules=schedules, virtual_stages=virtual_stages, remats=remats, facts=facts)
     if not space.valid:
