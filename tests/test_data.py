@@ -178,6 +178,9 @@ def test_missing_path(tmp_path):
     missing = str(tmp_path / "nope")
     _raises("nope' does not exist", DataConfig(source="text", path=missing))
     _raises("nope' does not exist", DataConfig(source="tokens", path=missing))
+    # Named before the vocabulary: a byte-level text source (256 ids) on a smaller model
+    # first sent the user to model.vocab_size, then, once fixed, to the path.
+    _raises("nope' does not exist", DataConfig(source="text", path=missing), model_vocab=64)
 
 
 def test_empty_data(tmp_path):

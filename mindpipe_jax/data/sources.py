@@ -117,8 +117,8 @@ def _stdlib_key(version: str, listing: list[tuple[str, int, int]], val_fraction:
 
 def _text(cfg: DataConfig, model_vocab: int) -> TokenSplits:
     """Bytes of one file (split by position) or of a directory (split by file)."""
+    path = _require_path(cfg)  # a path that is not there is the mistake to name first
     _check_vocab(BYTE_VOCAB, model_vocab)
-    path = _require_path(cfg)
     if path.is_file():
         if path.stat().st_size == 0:
             raise ConfigError(f"data.path {cfg.path!r} is empty (0 bytes)")
