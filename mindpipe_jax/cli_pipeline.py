@@ -79,8 +79,9 @@ def add_parsers(sub, fmt) -> None:
                             help="model chunks per stage (interleaved, afapab; default: 1, and 2 "
                                  "for zbv and dualpipev, which take no other value)")
     p_schedule.add_argument("--split-last", default=None, metavar="K",
-                            help="split only the last K microbatches' backwards into B and W (an "
-                                 "integer >= 0; default: as the schedule splits them)")
+                            help="zero-bubble schedules (zb-h1, zbv, dualpipev): split only the last K "
+                                 "microbatches' backwards into B and W (an integer >= 0; default: "
+                                 "as the schedule splits them)")
     p_schedule.add_argument("--out", metavar="FILE", default=None,
                             help="also draw the timeline to FILE (.png, .svg or .pdf); its "
                                  "directory must exist")

@@ -645,6 +645,9 @@ def test_plan_command_picks_split_last(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, words", [
     (["--split-last", "some"], "--split-last"),
     (["--split-last", "-2"], "--split-last"),
+    # 1F1B (the default) has no B/W split to keep: the plan printed parallel.split_last=2,
+    # which `mindpipe train` refuses.
+    (["--split-last", "2"], "split_last=2: schedule '1f1b' does not split its backwards"),
 ])
 def test_plan_command_bad_split_last_exits_2(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -141,7 +141,11 @@ def test_split_only_last_keeps_each_devices_order_and_splits_the_tail(name, v, p
 def test_split_only_last_edges_and_what_it_is_for():
     assert split_only_last(zb_h1(4, 8), 8) == zb_h1(4, 8) == get_schedule("zb-h1", 4, 8, split_last=-1)
     assert split_only_last(zb_h1(4, 8), 0).table == one_f_one_b(4, 8).table  # nothing split: 1F1B
-    assert split_only_last(one_f_one_b(4, 8), 2) == one_f_one_b(4, 8)  # no B/W: nothing to merge
+    # No B/W to keep split: refused, not a no-op (a plan printing it handed `mindpipe train`
+    # a parallel.split_last it refuses).
+    for unsplit in (one_f_one_b(4, 8), get_schedule("interleaved", 4, 8, 2)):
+        with pytest.raises(ScheduleError, match=f"split_last=2: schedule '{unsplit.name}' does not split"):
+            split_only_last(unsplit, 2)
     for bad in (-1, 1.5, True):
         with pytest.raises(ScheduleError, match="split_last must be an integer >= 0"):
             split_only_last(zb_h1(4, 8), bad)

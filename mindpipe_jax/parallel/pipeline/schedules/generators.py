@@ -175,11 +175,17 @@ def split_only_last(schedule: Schedule, k: int) -> Schedule:
     more), splitting only the tail keeps the drain filled and the steady state at the
     fused cost. Each earlier microbatch's B becomes a BW in its place and its W is
     dropped; every device keeps its order and the table is packed again (``from_orders``).
-    ``k >= m`` gives the table unchanged; ``k = 0`` splits nothing (ZB-H1 becomes 1F1B)."""
+    ``k >= m`` gives the table unchanged; ``k = 0`` splits nothing (ZB-H1 becomes 1F1B).
+    A table without a split (1F1B, GPipe, interleaved, AFAPAB) is refused: ``k`` would
+    change nothing, and a plan printing it would hand ``mindpipe train`` a key it refuses."""
     m = schedule.num_microbatches
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ScheduleError(f"split_last must be an integer >= 0 (how many of the last microbatches split "
                             f"their backward into B and W), got {k!r}")
+    if not any(task is not None and task.kind is Kind.W for row in schedule.table for task in row):
+        raise ScheduleError(f"split_last={k}: schedule {schedule.name!r} does not split its backwards into "
+                            f"B and W, so there is nothing to keep split; it applies to the zero-bubble "
+                            f"schedules (zb-h1, zbv, dualpipev)")
     if k >= m:
         return schedule
     orders: list[list[Task]] = [[] for _ in range(schedule.num_stages)]
