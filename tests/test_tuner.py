@@ -325,6 +325,15 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     (["--measure", "x"], "--measure must be an integer >= 0"),
     (["--out", "/nonexistent/dir/x.png"], "/nonexistent/dir"),
     (["--json", "/nonexistent/dir/x.json"], "--json '/nonexistent/dir/x.json': directory"),
+    # Options the rest of the command line leaves without effect: refused, not ignored.
+    (["--measure", "0", "--trial-steps", "3"], "--trial-steps 3 times the measured candidates, and "
+                                               "--measure 0 measures none"),
+    (["--batches", "8,16", "--b-noise", "24", "--probe-steps", "5"],
+     "--probe-steps 5 sizes the noise probe, which runs only with --b-noise auto and several --batches, "
+     "and --b-noise 24 is given"),
+    (["--probe-steps", "5"], "and one batch is considered; drop --probe-steps"),
+    (["--axes", "data,tensor", "--schedules", "zb-h1"], "--schedules zb-h1 applies to pipeline layouts, and "
+                                                        "--axes data,tensor does not vary pipe"),
     # A setting no layout can run: its reason given whole (it was cut at 60 characters).
     (["model.dtype=float16"], "(model.dtype=float16 does not compile on CPU devices (XLA's CPU matmuls take "
                               "no float16 inputs with float32 accumulation); use model.dtype=bfloat16 or "

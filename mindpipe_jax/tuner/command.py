@@ -149,6 +149,21 @@ _DENSE_ONLY = {"axes": None, "microbatches": "1,2,4", "schedules": "1f1b,interle
 _SUPERNET_ONLY = ("subnets_per_step", "vmap_widths")
 
 
+def _refuse_unused_options(args: argparse.Namespace, batches, axes, measure: int) -> None:
+    """An option the rest of the command line leaves without effect is refused, not ignored
+    (as config keys are: config_load.check_no_effect)."""
+    if args.trial_steps is not None and measure == 0:
+        raise ConfigError(f"--trial-steps {args.trial_steps} times the measured candidates, and --measure 0 "
+                          f"measures none; drop --trial-steps or raise --measure")
+    if args.probe_steps != _DENSE_ONLY["probe_steps"] and (args.b_noise != "auto" or len(batches) < 2):
+        why = f"--b-noise {args.b_noise} is given" if args.b_noise != "auto" else "one batch is considered"
+        raise ConfigError(f"--probe-steps {args.probe_steps} sizes the noise probe, which runs only with "
+                          f"--b-noise auto and several --batches, and {why}; drop --probe-steps")
+    if args.schedules != _DENSE_ONLY["schedules"] and axes is not None and "pipe" not in axes:
+        raise ConfigError(f"--schedules {args.schedules} applies to pipeline layouts, and --axes {args.axes} "
+                          f"does not vary pipe; add pipe to --axes or drop --schedules")
+
+
 def run(args: argparse.Namespace) -> int:
     from mindpipe_jax import viz
 
@@ -187,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             b_noise = math.nan
         if not 0 < b_noise < math.inf:
             raise ConfigError(f"--b-noise must be 'auto' or a number > 0, got {args.b_noise!r}")
+    _refuse_unused_options(args, batches, axes, measure)
     if args.out is not None:
         viz.check_picture_path(args.out)
         viz.require_matplotlib()
