@@ -121,6 +121,11 @@ def _bad_cases(run_dir: Path, dense: Path, tmp: Path) -> dict[str, tuple[list[st
                          "model.d_model=64: the supernet in"),
         "space change": (["search", str(run_dir), "supernet.ops=['gelu']"],
                          "was trained with supernet.ops=[\"gelu\", \"relu\", \"silu\"]"),
+        # A key only training reads: it was accepted and ignored.
+        "a training key": (["search", str(run_dir), "optim.lr=0.5"],
+                           "optim.lr=0.5 has no effect on a search of a saved supernet"),
+        "the semantics": (["search", str(run_dir), "supernet.semantics=sync"],
+                          "supernet.semantics=\"sync\" has no effect on a search"),
         "unknown key": (["search", str(run_dir), "supernet.search_topk=2"], "unknown config key"),
         "bad value": (["search", str(run_dir), "supernet.search_population=1"], "search_population=1"),
         "no such step": (["search", str(run_dir), "--step", "3"], "committed checkpoints at steps 2, 4"),

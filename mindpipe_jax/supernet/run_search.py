@@ -51,6 +51,12 @@ def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> Sear
 # What the supernet is: fixed by a checkpoint (the rest of a config only says how to
 # train or evaluate it, and may differ in a search).
 _ARCH_KEYS = ("supernet.ops", "supernet.ffn_ratios", "supernet.heads", "supernet.min_depth")
+# What a search reads besides the supernet: how it searches, on which devices and data.
+# Any other key (train.steps, optim.*, supernet.semantics ...) only says how to train.
+_SEARCH_KEYS = ("supernet.search_", "supernet.vmap_width", "train.seed", "train.global_batch",
+                "train.virtual_shards", "data.", "parallel.", "distributed.")
+_CAN_CHANGE = ("a search can change supernet.search_*, supernet.vmap_width, train.seed, train.global_batch, "
+               "train.virtual_shards, data.*, parallel.* and distributed.*")
 
 
 def _run_config(run_dir: Path, overrides) -> Config:
@@ -84,9 +90,15 @@ def _run_config(run_dir: Path, overrides) -> Config:
         ours, theirs = getattr(getattr(cfg, section), name), getattr(getattr(base, section), name)
         if ours != theirs:
             raise ConfigError(f"{key}={_show(ours)}: the supernet in {str(run_dir)!r} was trained with "
-                              f"{key}={_show(theirs)}; a search can change supernet.search_*, "
-                              f"supernet.vmap_width, train.seed, train.global_batch, "
-                              f"train.virtual_shards, data.* and parallel.*, not the supernet")
+                              f"{key}={_show(theirs)}; {_CAN_CHANGE}, not the supernet")
+    mine, saved_tree = cfg.to_dict(), base.to_dict()
+    for section, values in mine.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if not key.startswith(_SEARCH_KEYS) and value != saved_tree[section][name]:
+                raise ConfigError(f"{key}={_show(value)} has no effect on a search of a saved supernet (it "
+                                  f"trains nothing; the run had {key}={_show(saved_tree[section][name])}); "
+                                  f"{_CAN_CHANGE}: drop {key}")
     return cfg
 
 
