@@ -209,6 +209,9 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--split-last must be 'auto', -1 (split every backward) or an integer >= 0, "
                               f"got {args.split_last!r}")
     schedule = get_schedule(par.schedule, p, m, v, split_last)  # refuses a bad name or (p, m, v)
+    if args.split_last == "auto" and not schedule.has_split():
+        raise ConfigError(f"--split-last auto chooses which backwards a zero-bubble schedule (zb-h1, zbv, "
+                          f"dualpipev) splits into B and W; parallel.schedule={par.schedule!r} splits none")
     if cfg.train.global_batch % m:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} must be divisible by "
                           f"parallel.microbatches={m} (microbatch = global_batch / microbatches)")

@@ -648,6 +648,7 @@ def test_plan_command_picks_split_last(capsys, monkeypatch):
     # 1F1B (the default) has no B/W split to keep: the plan printed parallel.split_last=2,
     # which `mindpipe train` refuses.
     (["--split-last", "2"], "split_last=2: schedule '1f1b' does not split its backwards"),
+    (["--split-last", "auto"], "parallel.schedule='1f1b' splits none"),
 ])
 def test_plan_command_bad_split_last_exits_2(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -328,7 +328,7 @@ def choose_split_last(profile: ProfiledModel, *, p: int, v: int | None = None, m
         raise ConfigError(f"choose_split_last: schedule must be a name, got {schedule!r}")
     base = get_schedule(schedule, p, m, v)
     v = base.virtual_stages
-    if not any(t is not None and t.kind is Kind.W for row in base.table for t in row):
+    if not base.has_split():
         return partition(profile, p=p, v=v, m=m, schedule=base, **kwargs)
     ks = split_last_candidates(p, m) if candidates is None else list(dict.fromkeys(candidates))
     if not ks:

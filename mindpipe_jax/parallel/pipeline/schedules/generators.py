@@ -182,7 +182,7 @@ def split_only_last(schedule: Schedule, k: int) -> Schedule:
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ScheduleError(f"split_last must be an integer >= 0 (how many of the last microbatches split "
                             f"their backward into B and W), got {k!r}")
-    if not any(task is not None and task.kind is Kind.W for row in schedule.table for task in row):
+    if not schedule.has_split():
         raise ScheduleError(f"split_last={k}: schedule {schedule.name!r} does not split its backwards into "
                             f"B and W, so there is nothing to keep split; it applies to the zero-bubble "
                             f"schedules (zb-h1, zbv, dualpipev)")

@@ -165,6 +165,10 @@ class Schedule:
         """``(tick, task)`` for every task of one device, in tick order."""
         return [(t, row[stage]) for t, row in enumerate(self.table) if row[stage] is not None]
 
+    def has_split(self) -> bool:
+        """Whether any backward is split into B and W (zero-bubble tables), not fused (BW)."""
+        return any(task is not None and task.kind is Kind.W for row in self.table for task in row)
+
     # --------------------------------------------------------------- figures
     def bubble_fraction(self) -> float:
         """Idle slots / (ticks * p), every task counting one tick."""
