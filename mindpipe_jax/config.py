@@ -20,13 +20,14 @@ names, so import from ``mindpipe_jax.config``:
   ``distributed`` sections and their constants (``MESH_AXES``, ...);
 - ``config_supernet_tuner``: the ``supernet`` (SPara) and ``tuner`` (EPara) sections;
 - ``config_load``: ``Config``, the overrides, ``from_dict``, ``load_config`` and the
-  checks across keys (``check_no_effect``, ``check_train_keys``);
+  checks across keys (``check_no_effect``, ``check_train_keys``, ``check_supernet_keys``);
 - ``config_toml``: ``to_toml``, a ``Config`` written as TOML (imports this module).
 """
 
 from mindpipe_jax.config_load import (
     Config,
     check_no_effect,
+    check_supernet_keys,
     check_train_keys,
     from_dict,
     load_config,
@@ -57,5 +58,5 @@ __all__ = [
     "SUPERNET_SEMANTICS", "semantics_error", "source_for_path",
     "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "DistributedConfig",
     "SupernetConfig", "TunerConfig", "Config",
-    "from_dict", "load_config", "check_no_effect", "check_train_keys", "path_kind",
+    "from_dict", "load_config", "check_no_effect", "check_supernet_keys", "check_train_keys", "path_kind",
 ]

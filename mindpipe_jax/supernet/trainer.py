@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config
+from mindpipe_jax.config import Config, check_supernet_keys
 from mindpipe_jax.data import Loader
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
@@ -134,6 +134,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             cfg = cfg.replace(*overrides)
         if cfg.parallel.tensor == 0:
             cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
+        check_supernet_keys(cfg)
         if cfg.train.resume and not checkpoint:
             raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
                               f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
