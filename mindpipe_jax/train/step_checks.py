@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mindpipe_jax.config import Config, ModelConfig
+from mindpipe_jax.config_values import _shown
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models import GPT, MoEGPT
 from mindpipe_jax.parallel.mesh import unused_axes
@@ -31,6 +32,7 @@ _GPT_COMPUTE = {
     "remat": "its layers decide (nnx.remat); through a pipeline, parallel.stage_remat remats its stages",
     "dropout": "its own dropout layers apply",
     "attention": "its own attention runs",
+    "collective_matmul": "its own matmuls run (the GPT's overlap its tensor-parallel projections)",
 }
 
 
@@ -46,7 +48,7 @@ def check_user_model_keys(model_cfg, spec=None) -> None:
     for key, why in _GPT_COMPUTE.items():
         value = getattr(model_cfg, key)
         if value != getattr(default, key):
-            raise ConfigError(f"model.{key}={value!r} has no effect on a model passed in (--model, "
+            raise ConfigError(f"model.{key}={_shown(value)} has no effect on a model passed in (--model, "
                               f"mp.train(model)): model.* builds the reference GPT, and {why}; "
                               f"drop model.{key}")
 
