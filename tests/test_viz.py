@@ -180,6 +180,8 @@ BAD = {
                                 "--virtual", "1"], "(virtual_stages=2), got 1"),
     "negative split tail": (["--schedule", "zb-h1", "--stages", "2", "--microbatches", "4",
                              "--split-last", "-1"], "--split-last must be an integer >= 0, got '-1'"),
+    "weighted without a picture": (["--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+                                    "--weighted"], "--weighted sizes the picture's boxes by duration"),
     "split tail of an unsplit schedule": (["--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
                                            "--split-last", "2"],
                                           "split_last=2: schedule '1f1b' does not split its backwards"),
