@@ -307,8 +307,6 @@ CASES = [
      "train.virtual_shards=4 has no effect with train.deterministic=false", "cli"),
     ("supernet key in a train run", ["supernet.subnets_per_step=8"],
      "supernet.subnets_per_step=8 has no effect on `mindpipe train`", "cli"),
-    ("evaluation batches without evaluations", ["train.eval_every=0", "train.eval_batches=8"],
-     "train.eval_batches=8 has no effect with train.eval_every=0 (no evaluation)", None),
     ("model without the pipeline contract", ["parallel.pipe=2", "parallel.data=4"], "pipeline contract",
      {"model": Bigram}),
     ("model computing between its layers", ["parallel.pipe=2", "parallel.data=4"],

@@ -390,8 +390,6 @@ BAD = {
                      "train.grad_accum=2 has no effect on a supernet run"),
     "non-finite policy": (lambda: mp.train_supernet(config=mp.Config().replace("train.nonfinite=skip")),
                           "train.nonfinite='skip' has no effect on a supernet run"),
-    "evaluation period": (lambda: mp.train_supernet(config=mp.Config().replace("train.eval_every=7")),
-                          "train.eval_every=7 has no effect on a supernet run"),
     # XLA's CPU backend cannot lower the attention backward's float16 matmul.
     "float16 on CPU": (lambda: mp.train_supernet(config=mp.Config().replace("model.dtype=float16")),
                        "model.dtype=float16 does not compile on CPU devices"),
