@@ -1044,3 +1044,37 @@ class KeyedDropout(nnx.Module):
         for layer, key in zip(self.layers, keys, strict=True):
             h = layer(h, key)
         return optax.softmax_cross_entropy_with_integer_labels(self.out(h), targets).mean()
+
+
+class SoftExpertsBlock(nnx.Module):
+    """A mixture of expert MLPs weighted by a softmax gate, every token through every
+    expert (no dispatch): its expert weights are ``[experts, ...]`` stacks on the
+    ``experts`` logical axis, what ``parallel.expert`` splits."""
+
+    def __init__(self, d, hidden, experts, rngs):
+        self.norm = _ones((d,), ("embed",))
+        self.gate = _param(rngs, (d, experts), ("embed", None))
+        self.w_in = _param(rngs, (experts, d, hidden), ("experts", "embed", "mlp"))
+        self.w_out = _param(rngs, (experts, hidden, d), ("experts", "mlp", "embed"))
+
+    def __call__(self, h):
+        x = rms_norm(h, self.norm[...])
+        weight = jax.nn.softmax(x @ self.gate[...], axis=-1)
+        inner = jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, self.w_in[...]))
+        out = jnp.einsum("bsef,efd->bsed", inner, self.w_out[...])
+        return h + jnp.einsum("bsed,bse->bsd", out, weight)
+
+
+class SoftExperts(nnx.Module):
+    """A user's Mixture-of-Experts model of its own design (not the reference MoE GPT):
+    an ``nnx.List`` of ``SoftExpertsBlock`` between a tied embedding and its transpose."""
+
+    def __init__(self, rngs, vocab=64, d=32, experts=4, layers=4):
+        self.embed = _param(rngs, (vocab, d), ("vocab", "embed"))
+        self.blocks = nnx.List([SoftExpertsBlock(d, 2 * d, experts, rngs) for _ in range(layers)])
+
+    def __call__(self, tokens):
+        h = self.embed[...][tokens]
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.embed[...].T

@@ -391,6 +391,13 @@ CASES = [
     ("model.collective_matmul with a model passed in", ["model.collective_matmul=true", "parallel.tensor=2",
                                                          "parallel.data=4"],
      "model.collective_matmul=true has no effect on a model passed in", {"model": PlainListNet}),
+    ("model.top_k with a model passed in", ["model.n_experts=4", "model.top_k=3"],
+     "model.top_k=3 has no effect on a model passed in", {"model": PlainListNet}),
+    # model.n_experts declares a model's own experts (what parallel.expert splits): one
+    # without any sized nothing, silently.
+    ("model.n_experts on a model without experts", ["model.n_experts=4"],
+     "model.n_experts=4, but model PlainListNet has no parameter on the 'experts' logical axis",
+     {"model": PlainListNet}),
     ("data of the wrong type", [], "got float", {"data": 3.5}),
     ("data array of floats", [], "token ids must be a non-empty 1-D array of integers",
      {"data": np.arange(5000.0)}),

@@ -30,6 +30,7 @@ from byom_models import (
     RematInTheLoop,
     ResidualInTheLoop,
     ScannedWithBuffers,
+    SoftExperts,
     Sowing,
     StockGPT2,
     TwoOpSupernet,
@@ -54,6 +55,7 @@ from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.reconfigure import build_layout
 from mindpipe_jax.train.state import init_train_state, model_spec
 from mindpipe_jax.train.step import make_eval_step, make_grad_fn
+from mindpipe_jax.train.step_checks import check_user_model_keys
 
 SEED = 0
 ROWS = 16  # global batch: 4 microbatches of 4 rows, 2 per data shard
@@ -774,6 +776,50 @@ def test_fsdp_gathered_per_chunk_use_equals_an_independent_reference(family, sch
                           "parallel.tensor=1", "parallel.microbatches=4", f"parallel.schedule={schedule}",
                           f"parallel.virtual_stages={v}", "parallel.fsdp_gather=chunk")
     assert_grads_equal(got, reference(family))
+
+
+EXPERT_LAYOUTS = {
+    "data2xexpert2xtensor2": ("parallel.data=2", "parallel.expert=2", "parallel.tensor=2"),
+    "pipe2xexpert2xdata2": ("parallel.pipe=2", "parallel.expert=2", "parallel.data=2", "parallel.tensor=1",
+                            "parallel.microbatches=4", "parallel.schedule=zb-h1"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
+def test_a_users_experts_split_over_the_expert_axis_with_the_reference_gradients(layout):
+    """A Mixture-of-Experts model of the user's own (experts on the ``experts`` logical
+    axis, declared in model.n_experts) stores each expert weight split over ``expert``,
+    not replicated, and its gradients equal plain ``jax.value_and_grad`` on one device,
+    beside tensor and through a pipeline."""
+    overrides = (*EXPERT_LAYOUTS[layout], "model.n_experts=4")
+    cfg = Config().replace(*overrides)
+    mesh = make_mesh(cfg.parallel)
+    with jax.set_mesh(None):
+        spec, _ = model_spec(SoftExperts, mesh, SEED)
+    check_user_model_keys(cfg.model, spec)  # the declared count is the model's
+    w_in = spec.abstract_params["blocks"][0]["w_in"]
+    assert w_in.sharding.shard_shape(w_in.shape)[0] == 2, w_in.sharding  # 4 experts over expert=2
+    got = framework_grads(SoftExperts, *overrides)
+    with nnx.use_eager_sharding(False):
+        assert_grads_equal(got, reference_grads(SoftExperts(nnx.Rngs(SEED)), tokens(1, ROWS)))
+
+
+@pytest.mark.parametrize("declared,needle", [
+    (6, "model.n_experts=6, but parameter blocks/0/w_in of model SoftExperts holds 4 experts on its "
+        "'experts' axis; set model.n_experts=4"),
+    (0, "parallel.expert=2 splits the experts of a Mixture-of-Experts model, but model.n_experts=0")])
+def test_a_users_experts_declared_wrong_or_not_at_all_are_one_line(declared, needle, tmp_path, capsys):
+    """model.n_experts sized nothing on a model passed in: a wrong count trained silently
+    (only its divisibility by parallel.expert was checked)."""
+    from mindpipe_jax.cli import main
+
+    ref = str(ROOT / "tests" / "byom_models.py") + ":SoftExperts"
+    code = main(["train", "--model", ref, "model.seq_len=8", "model.vocab_size=64", "parallel.expert=2",
+                 "parallel.data=4", f"model.n_experts={declared}", f"train.out_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert needle in err, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("command,key", [("train", "model.remat=full"), ("plan", "model.dtype=bfloat16"),

@@ -121,7 +121,8 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     ``mindpipe_jax.train``. Uses ``train.steps``, ``train.global_batch``,
     ``train.virtual_shards``, ``train.seed``, ``train.log_every``, ``optim.*``,
     ``parallel.subnet`` / ``parallel.data`` and the ``supernet`` section (the search's
-    validation batches are ``supernet.search_eval_batches``). ``log``: a callable for progress lines (None: quiet).
+    validation batches are ``supernet.search_eval_batches``). ``log``: a callable for
+    progress lines (None: quiet).
     ``checkpoint``: save into ``train.out_dir`` (``train.checkpoint_every``,
     ``train.keep_checkpoints``; a directory that already holds a run is refused unless
     ``train.resume`` continues it), so that ``search_checkpoint`` / ``mindpipe search``

@@ -33,6 +33,9 @@ _GPT_COMPUTE = {
     "dropout": "its own dropout layers apply",
     "attention": "its own attention runs",
     "collective_matmul": "its own matmuls run (the GPT's overlap its tensor-parallel projections)",
+    "top_k": "its own router picks the experts of a token",
+    "capacity_factor": "its own layers decide how many tokens an expert takes",
+    "moe_aux_weight": "its own loss adds what it adds",
 }
 
 
@@ -51,6 +54,41 @@ def check_user_model_keys(model_cfg, spec=None) -> None:
             raise ConfigError(f"model.{key}={_shown(value)} has no effect on a model passed in (--model, "
                               f"mp.train(model)): model.* builds the reference GPT, and {why}; "
                               f"drop model.{key}")
+    if spec is not None:
+        _check_declared_experts(model_cfg.n_experts, spec)
+
+
+def expert_dims(spec) -> dict[str, int]:
+    """Per parameter path of ``spec``, the size of the dimension stored over the
+    ``expert`` mesh axis (the rules table's ``experts`` / ``expert`` logical names):
+    how many experts that weight holds. Parameters without one are left out."""
+    sizes = {}
+    flat = jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
+    for path, leaf in flat:
+        for dim, entry in enumerate(tuple(leaf.sharding.spec)):
+            if "expert" in (entry if isinstance(entry, tuple) else (entry,)):
+                sizes["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = leaf.shape[dim]
+    return sizes
+
+
+def _check_declared_experts(declared: int, spec) -> None:
+    """A model passed in declares its experts in ``model.n_experts`` (what lets
+    ``parallel.expert`` split them, and EPara try that axis): the count must be the one
+    its parameters hold on the ``experts`` logical axis, so a wrong or stray
+    declaration is refused instead of sizing nothing."""
+    if not declared:
+        return
+    name = spec.graphdef.nodes[0].type.__name__
+    sizes = expert_dims(spec)
+    if not sizes:
+        raise ConfigError(f"model.n_experts={declared}, but model {name} has no parameter on the 'experts' "
+                          f"logical axis (what parallel.expert splits); name that axis of its expert "
+                          f"weights 'experts', or drop model.n_experts")
+    for path, size in sizes.items():
+        if size != declared:
+            raise ConfigError(f"model.n_experts={declared}, but parameter {path} of model {name} holds "
+                              f"{size} expert{'s' * (size != 1)} on its 'experts' axis; set "
+                              f"model.n_experts={size}")
 
 
 def check_platform(model_cfg, platform: str) -> None:
@@ -148,7 +186,8 @@ def _check_moe(cfg: Config, mesh) -> None:
     if ep > 1 and experts == 0:
         raise ConfigError(f"parallel.expert={ep} splits the experts of a Mixture-of-Experts model, but "
                           f"model.n_experts=0 (dense GPT); set model.n_experts to a multiple of {ep} "
-                          f"or parallel.expert=1")
+                          f"(a model passed in: the count on its 'experts' logical axis) or "
+                          f"parallel.expert=1")
     if experts and experts % ep:
         raise ConfigError(f"model.n_experts={experts} must be divisible by parallel.expert={ep}")
     if experts and cfg.model.collective_matmul and mesh.shape["tensor"] > 1:
