@@ -804,18 +804,24 @@ def test_a_users_experts_split_over_the_expert_axis_with_the_reference_gradients
         assert_grads_equal(got, reference_grads(SoftExperts(nnx.Rngs(SEED)), tokens(1, ROWS)))
 
 
-@pytest.mark.parametrize("declared,needle", [
-    (6, "model.n_experts=6, but parameter blocks/0/w_in of model SoftExperts holds 4 experts on its "
-        "'experts' axis; set model.n_experts=4"),
-    (0, "parallel.expert=2 splits the experts of a Mixture-of-Experts model, but model.n_experts=0")])
-def test_a_users_experts_declared_wrong_or_not_at_all_are_one_line(declared, needle, tmp_path, capsys):
-    """model.n_experts sized nothing on a model passed in: a wrong count trained silently
-    (only its divisibility by parallel.expert was checked)."""
+WRONG_COUNT = ("model.n_experts=6, but parameter blocks/0/w_in of model SoftExperts holds 4 experts on its "
+               "'experts' axis; set model.n_experts=4")
+
+
+@pytest.mark.parametrize("command,declared,needle", [
+    ("train", 6, WRONG_COUNT), ("plan", 6, WRONG_COUNT),
+    ("train", 0, "parallel.expert=2 splits the experts of a Mixture-of-Experts model, but "
+                 "model.n_experts=0")])
+def test_a_users_experts_declared_wrong_or_not_at_all_are_one_line(command, declared, needle, tmp_path,
+                                                                   capsys):
+    """model.n_experts sized nothing on a model passed in: a wrong count trained (and was
+    planned) silently; only its divisibility by parallel.expert was checked."""
     from mindpipe_jax.cli import main
 
     ref = str(ROOT / "tests" / "byom_models.py") + ":SoftExperts"
-    code = main(["train", "--model", ref, "model.seq_len=8", "model.vocab_size=64", "parallel.expert=2",
-                 "parallel.data=4", f"model.n_experts={declared}", f"train.out_dir={tmp_path}/run"])
+    axes = ["parallel.pipe=2", "parallel.data=2"] if command == "plan" else ["parallel.data=4"]
+    code = main([command, "--model", ref, "model.seq_len=8", "model.vocab_size=64", "parallel.expert=2",
+                 *axes, f"model.n_experts={declared}", f"train.out_dir={tmp_path}/run"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert needle in err, err

@@ -20,6 +20,7 @@ from mindpipe_jax.parallel.pipeline.plan.shares import ParamShare
 from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.state import model_spec
 from mindpipe_jax.train.step import BATCH_AXES, check_step_config, pipeline_model
+from mindpipe_jax.train.step_checks import check_user_model_keys
 
 
 def _fraction(sharding, shape, skip: tuple[str, ...]) -> float:
@@ -86,6 +87,8 @@ def plan_layout(cfg, model=None):
     example = np.zeros((1, cfg.model.seq_len), np.int32)  # what initialises a Linen model
     spec, _ = model_spec(model if model is not None else (lambda rngs: build_model(cfg.model, rngs)), mesh,
                          cfg.train.seed, example)
+    if model is not None:
+        check_user_model_keys(cfg.model, spec)  # its declared experts against its parameters
     share = param_share(spec, mesh, cfg.model.seq_len, par.fsdp_gather)
     n_batch = math.prod(sizes[a] for a in BATCH_AXES)
     return mesh, cfg.train.global_batch // (par.microbatches * n_batch), share, spec
