@@ -194,15 +194,24 @@ _SUPERNET_UNREAD = {
 }
 
 
+# model.* keys the supernet (supernet/model.py's SuperGPT, or a user's) does not build
+# with: `mindpipe supernet model.n_experts=4` trained a dense supernet, silently.
+_SUPERNET_MODEL_UNREAD = {
+    "n_experts": "its FFN choices are dense MLPs (supernet.ops), without experts",
+    "collective_matmul": "its tensor-parallel matmuls are XLA's (the GPT's collective matmuls are not built)",
+}
+
+
 def check_supernet_keys(cfg: Config) -> None:
     """What a supernet run never reads, refused when set away from its default (the
     counterpart of ``check_train_keys``): they were accepted and ignored."""
     default = Config()
-    for name, why in _SUPERNET_UNREAD.items():
-        value = getattr(cfg.train, name)
-        if value != getattr(default.train, name):
-            raise ConfigError(f"train.{name}={_shown(value)} has no effect on a supernet run: {why}; "
-                              f"drop train.{name}")
+    for section, unread in (("train", _SUPERNET_UNREAD), ("model", _SUPERNET_MODEL_UNREAD)):
+        for name, why in unread.items():
+            value = getattr(getattr(cfg, section), name)
+            if value != getattr(getattr(default, section), name):
+                raise ConfigError(f"{section}.{name}={_shown(value)} has no effect on a supernet run: {why}; "
+                                  f"drop {section}.{name}")
 
 
 def _pipe_is_one(cfg: Config) -> str | None:

@@ -16,6 +16,7 @@ semantics differ by ~1e-2).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -365,6 +366,30 @@ def test_step_equals_the_sequential_reference(spec_create, semantics):
     assert float(jnp.abs(got - spec.ravel(start["params"])).max()) > 3e-3
     for other in set(refs) - {semantics}:
         assert float(jnp.abs(got - spec.ravel(refs[other]["params"])).max()) > 1e-3, other
+
+
+@pytest.mark.parametrize("remat,policy", [("full", "policy=None"), ("dots", "policy=DotsSaveable(")])
+def test_model_remat_is_the_supernets_block_policy(remat, policy):
+    """model.remat=dots rematerialised the supernet's blocks fully (jax.checkpoint with no
+    policy, as full does) before 2026-12-07; now each block's checkpoint carries the
+    policy the GPT's blocks use, in the training loss and in the forward alike."""
+    model = SuperGPT(dataclasses.replace(CFG, remat=remat), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    subnet, tokens = np.asarray(model.space.largest()), jnp.zeros((2, CFG.seq_len), jnp.int32)
+    for run in (lambda m: m.loss(tokens, tokens, subnet), lambda m: m(tokens, jnp.asarray(subnet)).sum()):
+        jaxpr = str(jax.make_jaxpr(lambda p, run=run: run(nnx.merge(graphdef, p)))(params))
+        assert re.findall(r"policy=\S*", jaxpr) == [policy + ("only_if_no_batch_dims=True)" if remat == "dots"
+                                                               else "")], jaxpr[:2000]
+
+
+def test_a_supernet_built_by_the_caller_keeps_the_gpt_keys_of_its_config(tmp_path):
+    """A SuperGPT the caller's factory builds from the config it passes reads model.remat:
+    not refused as a user's supernet is."""
+    cfg = mp.Config().replace("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+                              "model.remat=full", "data.source=synthetic", "train.steps=1",
+                              "train.global_batch=8", "train.progress=false", "train.tensorboard=false")
+    result = mp.train_supernet(lambda rngs: SuperGPT(cfg.model, rngs=rngs), None, cfg, search=False, log=None)
+    assert int(result.state["step"]) == 1
 
 
 # --- bad input: one line naming the value and what is valid -------------------------------------

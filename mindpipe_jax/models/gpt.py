@@ -210,7 +210,8 @@ class Head(nnx.Module):
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-_REMAT = {
+# model.remat's policies for a block (the GPT's and the reference supernet's).
+BLOCK_REMAT = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -259,7 +260,7 @@ def scan_blocks(blocks, h, key, cfg: ModelConfig):
         return out if isinstance(out, tuple) else (out, None)
 
     if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
+        body = jax.checkpoint(body, policy=BLOCK_REMAT[cfg.remat], prevent_cse=False)
     return jax.lax.scan(body, h, (layers, keys))
 
 

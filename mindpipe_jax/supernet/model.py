@@ -44,7 +44,7 @@ from flax import nnx
 
 from mindpipe_jax.config import ModelConfig
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.models.gpt import DTYPES, Attention, Embed, Head, LayerNorm
+from mindpipe_jax.models.gpt import BLOCK_REMAT, DTYPES, Attention, Embed, Head, LayerNorm
 from mindpipe_jax.parallel.rules import constrain
 from mindpipe_jax.supernet.space import (
     Candidate,
@@ -239,7 +239,7 @@ class SuperGPT(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x, act, op, width, n_heads), None
 
         if cfg.remat != "none":
-            body = jax.checkpoint(body, prevent_cse=False)
+            body = jax.checkpoint(body, policy=BLOCK_REMAT[cfg.remat], prevent_cse=False)
         h, _ = jax.lax.scan(body, h, (layers, active, genes[:, 0], widths, heads))
         return h
 
@@ -334,7 +334,7 @@ class SuperGPT(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x, True, op, width, n_heads)
 
         if cfg.remat != "none":
-            block = jax.checkpoint(block, prevent_cse=False)
+            block = jax.checkpoint(block, policy=BLOCK_REMAT[cfg.remat], prevent_cse=False)
         h = self.embed(inputs)
         depth = len(shape)
         # One size: scan the first `depth` blocks, sliced together. (The scan also keeps the

@@ -53,6 +53,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
+from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.pipelined import check_pipelined
 from mindpipe_jax.supernet.plan import DATA_AXES, mesh_label
 from mindpipe_jax.supernet.run_search import _show, search_checkpoint, search_subnets
@@ -82,7 +83,7 @@ from mindpipe_jax.train.metrics import MetricsWriter
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import resume_lines
-from mindpipe_jax.train.step_checks import check_platform
+from mindpipe_jax.train.step_checks import check_platform, check_user_model_keys
 
 __all__ = ["SupernetResult", "train_supernet", "supernet_factory", "search_checkpoint", "KIND"]
 
@@ -162,6 +163,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
                      virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, tr.seed)
+    if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing
+        check_user_model_keys(cfg.model)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
     splits = _resolve_data(data, cfg)
     out_dir = ckpt_dir = resume_step = None

@@ -52,8 +52,8 @@ def check_user_model_keys(model_cfg, spec=None) -> None:
         value = getattr(model_cfg, key)
         if value != getattr(default, key):
             raise ConfigError(f"model.{key}={_shown(value)} has no effect on a model passed in (--model, "
-                              f"mp.train(model)): model.* builds the reference GPT, and {why}; "
-                              f"drop model.{key}")
+                              f"mp.train(model), train_supernet(model)): model.* builds the reference GPT, "
+                              f"and {why}; drop model.{key}")
     if spec is not None:
         _check_declared_experts(model_cfg.n_experts, spec)
 
