@@ -17,7 +17,7 @@ from mindpipe_jax.cli_common import (
     nonnegative_int,
     positive_int,
 )
-from mindpipe_jax.config import load_config
+from mindpipe_jax.config import check_train_keys, load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import SCHEDULES
 
@@ -194,6 +194,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     # Every check before touching JAX or writing anything.
     cfg = load_config(args.config, args.overrides)
+    check_train_keys(cfg, "mindpipe plan")  # it plans a `mindpipe train` run
     if args.model:
         from mindpipe_jax.train.step_checks import check_user_model_keys
         check_user_model_keys(cfg.model)

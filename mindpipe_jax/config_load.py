@@ -165,16 +165,18 @@ def _select_data_source(tree: dict[str, Any], explicit: dict[str, int]) -> None:
         data["source"] = source_for_path(path)
 
 
-def check_train_keys(cfg: Config) -> None:
+def check_train_keys(cfg: Config, command: str = "mindpipe train") -> None:
     """What ``mindpipe train`` reads no matter the rest, refused when set away from its
     default: the supernet section (``mindpipe supernet`` and ``mindpipe search`` read
     it) and ``train.virtual_shards`` without ``train.deterministic`` (a supernet run
-    always uses it, so ``check_no_effect`` cannot refuse it for every command)."""
+    always uses it, so ``check_no_effect`` cannot refuse it for every command).
+    ``command``: the one refusing (``mindpipe plan`` and ``mindpipe tune`` judge a
+    ``mindpipe train`` run)."""
     default = Config()
     for f in dataclasses.fields(SupernetConfig):
         value = getattr(cfg.supernet, f.name)
         if value != getattr(default.supernet, f.name):
-            raise ConfigError(f"supernet.{f.name}={_shown(value)} has no effect on `mindpipe train`; the "
+            raise ConfigError(f"supernet.{f.name}={_shown(value)} has no effect on `{command}`; the "
                               f"supernet section is for `mindpipe supernet` and `mindpipe search`: drop it")
     if cfg.train.virtual_shards != default.train.virtual_shards and not cfg.train.deterministic:
         raise ConfigError(f"train.virtual_shards={cfg.train.virtual_shards} has no effect with "

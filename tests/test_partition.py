@@ -454,6 +454,9 @@ def test_the_profile_times_each_run_inside_its_loop():
     (["plan", "parallel.pipe=2", "--out", "plan.jpg"], "must end in one of"),
     (["plan", "parallel.pipe=2", "--repeats", "0"], "--repeats"),
     (["plan", "parallel.pipe=2", "model.nope=1"], "unknown config key"),
+    # It plans a `mindpipe train` run: the supernet section sized nothing, silently.
+    (["plan", "parallel.pipe=2", "supernet.subnets_per_step=8"],
+     "supernet.subnets_per_step=8 has no effect on `mindpipe plan`"),
 ])
 def test_plan_command_bad_input_exits_2(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

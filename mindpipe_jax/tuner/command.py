@@ -12,7 +12,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from mindpipe_jax.config import MESH_AXES, load_config
+from mindpipe_jax.config import MESH_AXES, check_train_keys, load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.space import REMATS, SCHEDULES
 
@@ -171,12 +171,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.supernet:
         return run_supernet(args, cfg)
-    if args.model:
-        from mindpipe_jax.train.step_checks import check_user_model_keys
-        check_user_model_keys(cfg.model)
     given = [k for k in _SUPERNET_ONLY if getattr(args, k) is not None]
     if given:
         raise ConfigError(f"--{given[0].replace('_', '-')} applies to supernet jobs only; add --supernet")
+    check_train_keys(cfg, "mindpipe tune")  # it tunes a `mindpipe train` run
+    if args.model:
+        from mindpipe_jax.train.step_checks import check_user_model_keys
+        check_user_model_keys(cfg.model)
     batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
     axes = _names(args.axes, "--axes", MESH_AXES) if args.axes else None
     micro = _ints(args.microbatches, "--microbatches")

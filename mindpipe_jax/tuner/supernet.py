@@ -56,7 +56,7 @@ import statistics
 import types
 from collections.abc import Callable, Sequence
 
-from mindpipe_jax.config import Config
+from mindpipe_jax.config import Config, check_supernet_keys
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.plan import check_layout
 
@@ -261,6 +261,7 @@ def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measu
     their timed steps: trials taken one after another on a shared machine met different
     loads (a benchmark's trials of the same work differed 2.6x), and a pass over all of
     them lets the drift hit each alike. The loss drop stays the trial's."""
+    check_supernet_keys(cfg)  # what a supernet run would not read, as train_supernet refuses it
     if measure < 1:
         raise ConfigError(f"the supernet tuner must measure at least 1 candidate, got {measure}")
     if rounds < 1:
