@@ -192,6 +192,11 @@ CASES = [
     ("deterministic pipeline microbatches",
      ["train.deterministic=true", "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=4"],
      "parallel.microbatches=4 x fsdp x data (4) must equal train.virtual_shards=8", None),
+    # Without a pipeline, microbatches are accumulation, which the virtual shards replace:
+    # they were ignored, silently.
+    ("deterministic microbatches without a pipeline",
+     ["train.deterministic=true", "parallel.tensor=1", "parallel.microbatches=2"],
+     "without a pipeline set parallel.microbatches=1 (got 2)", None),
     ("deterministic pipeline chunk sync",
      ["train.deterministic=true", "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=2",
       "parallel.grad_sync=chunk"], "parallel.grad_sync='chunk'", None),

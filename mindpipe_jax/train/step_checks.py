@@ -159,6 +159,10 @@ def check_step_config(cfg: Config, mesh) -> None:
         if tr.grad_accum != 1:
             raise ConfigError(f"deterministic mode already accumulates over train.virtual_shards; "
                               f"set train.grad_accum=1 (got {tr.grad_accum})")
+        if mesh.shape["pipe"] == 1 and cfg.parallel.microbatches != 1:
+            # Without a pipeline, microbatches are plain accumulation, which the shards replace.
+            raise ConfigError(f"deterministic mode already accumulates over train.virtual_shards; without a "
+                              f"pipeline set parallel.microbatches=1 (got {cfg.parallel.microbatches})")
 
 
 def check_deterministic_pipeline(par, virtual_shards: int, n_batch: int, fsdp: int) -> None:
