@@ -149,6 +149,10 @@ class TunerConfig:
             value = getattr(self, key)
             _check(value >= 0, f"tuner.{key}={value} must be >= 0"
                    + ("" if key in ("warmup", "probe") else " (0 = from train.global_batch)"))
+        ranged = [f"tuner.{k}={getattr(self, k)}" for k in ("min_batch", "max_batch") if getattr(self, k)]
+        _check(not (self.batch_sizes and ranged),
+               f"{' and '.join(ranged)} {'has' if len(ranged) == 1 else 'have'} no effect with "
+               f"tuner.batch_sizes={list(self.batch_sizes)} (the candidates listed); drop one or the other")
         _check(not (self.min_batch and self.max_batch) or self.min_batch <= self.max_batch,
                f"tuner.min_batch={self.min_batch} must be <= tuner.max_batch={self.max_batch}")
         _check(0.0 <= self.ema < 1.0, f"tuner.ema={self.ema} must be in [0, 1)")

@@ -227,6 +227,9 @@ CASES = [
     ("tuner learning-rate rule", ["tuner.lr_scaling=cubic"], "'cubic'", None),
     ("tuner batch sizes", ["tuner.batch_sizes=[16, 0]"], "tuner.batch_sizes=[16, 0]", None),
     ("tuner batch range", ["tuner.min_batch=64", "tuner.max_batch=32"], "tuner.min_batch=64", None),
+    # batch_sizes lists the candidates: a range beside it was ignored, silently.
+    ("tuner batch list and range", ["tuner.enabled=true", "tuner.batch_sizes=[16, 32]", "tuner.max_batch=64"],
+     "tuner.max_batch=64 has no effect with tuner.batch_sizes=[16, 32]", None),
     ("coordinator without port", ["distributed.coordinator=nohost", "distributed.num_processes=2",
                                   "distributed.process_id=0"], "host:port", None),
     ("process id out of range", ["distributed.coordinator=127.0.0.1:1", "distributed.num_processes=2",
