@@ -798,6 +798,18 @@ class NoForward(nnx.Module):
         self.emb = nnx.Embed(256, 32, rngs=rngs)
 
 
+class CountsInAParam(nnx.Module):
+    """A step counter kept as an ``nnx.Param`` of int32 (it is no weight): ``jax.grad``
+    refuses integer inputs."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(256, 32, rngs=rngs)
+        self.calls = nnx.Param(jnp.zeros((), jnp.int32))
+
+    def __call__(self, tokens):
+        return self.emb.attend(self.emb(tokens))
+
+
 def make_broken(rngs):
     """A factory with a bug: ``mindpipe train/tune --model`` must say so in one line."""
     raise ValueError("width 0 is not a width")

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from byom_models import (
     BrokenForward,
+    CountsInAParam,
     FewClasses,
     KeywordsOnly,
     LossWithMetrics,
@@ -390,6 +391,9 @@ CASES = [
      {"model": FewClasses}),
     ("model with neither a forward nor a loss", [], "model NoForward has neither __call__(tokens)",
      {"model": NoForward}),
+    ("model with an integer Param", [],
+     "the model has nnx.Param of integers or booleans: calls (int32[]); the train step differentiates",
+     {"model": CountsInAParam}),
     ("model of the wrong type", [], "got int", {"model": 42}),
     # The reference GPT's compute settings do nothing to a model passed in (it ran, silently).
     ("model.remat with a model passed in", ["model.remat=full"],

@@ -135,6 +135,21 @@ def _refuse_extra_state(rest) -> None:
                           f"trains models whose state is nnx.Param only ({fix})")
 
 
+def _refuse_unfloat_params(abstract_state) -> None:
+    """An ``nnx.Param`` of integers or booleans (a step counter, a mask): the step
+    differentiates every Param, and ``jax.grad`` stops at such a one with a traceback,
+    after the run directory was made."""
+    bad = [(path, leaf) for path, leaf in nnx.to_flat_state(abstract_state)
+           if not jnp.issubdtype(leaf.get_value().dtype, jnp.inexact)]
+    if bad:
+        names = ", ".join(f"{'/'.join(map(str, path))} ({leaf.get_value().dtype}"
+                          f"{list(leaf.get_value().shape)})" for path, leaf in bad[:6])
+        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+        raise ConfigError(f"the model has nnx.Param of integers or booleans: {names}{more}; the train step "
+                          f"differentiates every nnx.Param, which needs floats: keep a constant one as an "
+                          f"nnx.Variable (held fixed), or make it a float")
+
+
 def _refuse_bare_arrays(model) -> None:
     """Arrays kept as plain module attributes (``self.inv_freq = jnp.array(...)``): Flax
     makes them state that is no Variable, which the train state cannot place (it crashed
@@ -237,6 +252,7 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
                           f"got {type(model_or_factory).__name__}")
     if not jax.tree.leaves(abstract_state):
         raise ConfigError("the model has no nnx.Param to train")
+    _refuse_unfloat_params(abstract_state)
     storage = _pure(state_shardings(abstract_state, mesh, "storage"))
     compute = _pure(state_shardings(abstract_state, mesh, "compute"))
     mask = _pure(nnx.map_state(lambda _, v: v.replace(_decays(v)), abstract_state))
