@@ -810,6 +810,18 @@ class CountsInAParam(nnx.Module):
         return self.emb.attend(self.emb(tokens))
 
 
+class EmbedIn(nnx.Module):
+    """Logits from an embedding table stored in ``dtype`` (float16, complex64: dtypes
+    AdamW or the checkpoint cannot take), computed in float32."""
+
+    def __init__(self, rngs, dtype=jnp.float16):
+        self.table = nnx.Param((nnx.initializers.normal(0.02)(rngs.params(), (256, 32))).astype(dtype))
+
+    def __call__(self, tokens):
+        table = jnp.real(self.table[...]).astype(jnp.float32)
+        return table[tokens] @ table.T
+
+
 def make_broken(rngs):
     """A factory with a bug: ``mindpipe train/tune --model`` must say so in one line."""
     raise ValueError("width 0 is not a width")

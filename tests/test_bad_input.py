@@ -23,6 +23,7 @@ import pytest
 from byom_models import (
     BrokenForward,
     CountsInAParam,
+    EmbedIn,
     FewClasses,
     KeywordsOnly,
     LossWithMetrics,
@@ -392,8 +393,12 @@ CASES = [
     ("model with neither a forward nor a loss", [], "model NoForward has neither __call__(tokens)",
      {"model": NoForward}),
     ("model with an integer Param", [],
-     "the model has nnx.Param of integers or booleans: calls (int32[]); the train step differentiates",
+     "the model has nnx.Param it cannot train: calls (int32[]); the train step differentiates",
      {"model": CountsInAParam}),
+    ("model with float16 Params", [], "table (float16[256, 32]); AdamW's eps (1e-8) is 0 in float16",
+     {"model": EmbedIn}),
+    ("model with complex Params", [], "table (complex64[256, 32]); mindpipe_jax trains float32 and bfloat16",
+     {"model": lambda rngs: EmbedIn(rngs, jnp.complex64)}),
     ("model of the wrong type", [], "got int", {"model": 42}),
     # The reference GPT's compute settings do nothing to a model passed in (it ran, silently).
     ("model.remat with a model passed in", ["model.remat=full"],

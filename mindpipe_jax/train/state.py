@@ -135,19 +135,33 @@ def _refuse_extra_state(rest) -> None:
                           f"trains models whose state is nnx.Param only ({fix})")
 
 
-def _refuse_unfloat_params(abstract_state) -> None:
-    """An ``nnx.Param`` of integers or booleans (a step counter, a mask): the step
-    differentiates every Param, and ``jax.grad`` stops at such a one with a traceback,
-    after the run directory was made."""
-    bad = [(path, leaf) for path, leaf in nnx.to_flat_state(abstract_state)
-           if not jnp.issubdtype(leaf.get_value().dtype, jnp.inexact)]
-    if bad:
-        names = ", ".join(f"{'/'.join(map(str, path))} ({leaf.get_value().dtype}"
-                          f"{list(leaf.get_value().shape)})" for path, leaf in bad[:6])
-        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-        raise ConfigError(f"the model has nnx.Param of integers or booleans: {names}{more}; the train step "
-                          f"differentiates every nnx.Param, which needs floats: keep a constant one as an "
-                          f"nnx.Variable (held fixed), or make it a float")
+# The parameter dtypes the step and its AdamW train (float64 where jax_enable_x64 is on).
+_TRAINED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
+
+
+def _refuse_untrainable_params(abstract_state) -> None:
+    """An ``nnx.Param`` the step cannot train, named by its path: integers or booleans
+    (a step counter, a mask: ``jax.grad`` stopped at them with a traceback, after the run
+    directory was made), float16 (Adam's eps of 1e-8 is 0 there, so a parameter with a
+    zero gradient, an embedding row no batch touched, became NaN at the first update)
+    and other dtypes (complex: the checkpoint's checksum crashed on them)."""
+    flat = [(path, var.get_value()) for path, var in nnx.to_flat_state(abstract_state)]
+    bad = [(path, leaf) for path, leaf in flat if leaf.dtype not in _TRAINED_DTYPES]
+    if not bad:
+        return
+    names = ", ".join(f"{'/'.join(map(str, path))} ({leaf.dtype}{list(leaf.shape)})"
+                      for path, leaf in bad[:6])
+    names += f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    dtypes = {leaf.dtype for _, leaf in bad}
+    if all(not jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+        why = ("the train step differentiates every nnx.Param, which needs floats: keep a constant one as "
+               "an nnx.Variable (held fixed), or make it a float")
+    elif dtypes == {jnp.dtype(jnp.float16)}:
+        why = ("AdamW's eps (1e-8) is 0 in float16, so a parameter whose gradient is 0 becomes NaN at the "
+               "first update: store parameters in bfloat16 or float32 (a layer may still compute in float16)")
+    else:
+        why = "mindpipe_jax trains float32 and bfloat16 parameters: store them in one of those"
+    raise ConfigError(f"the model has nnx.Param it cannot train: {names}; {why}")
 
 
 def _refuse_bare_arrays(model) -> None:
@@ -252,7 +266,7 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
                           f"got {type(model_or_factory).__name__}")
     if not jax.tree.leaves(abstract_state):
         raise ConfigError("the model has no nnx.Param to train")
-    _refuse_unfloat_params(abstract_state)
+    _refuse_untrainable_params(abstract_state)
     storage = _pure(state_shardings(abstract_state, mesh, "storage"))
     compute = _pure(state_shardings(abstract_state, mesh, "compute"))
     mask = _pure(nnx.map_state(lambda _, v: v.replace(_decays(v)), abstract_state))
