@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from byom_models import TwoOpSupernet
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -395,6 +396,12 @@ def test_a_supernet_built_by_the_caller_keeps_the_gpt_keys_of_its_config(tmp_pat
 # --- bad input: one line naming the value and what is valid -------------------------------------
 
 
+def _with_a_counter(rngs):
+    supernet = TwoOpSupernet(rngs)
+    supernet.calls = nnx.Param(jnp.zeros((), jnp.int32))  # a step counter kept as a Param
+    return supernet
+
+
 BAD = {
     "semantics config": (lambda: SupernetConfig(semantics="async"), "supernet.semantics='async'"),
     "semantics override": (lambda: mp.Config().replace("supernet.semantics=async"),
@@ -415,6 +422,19 @@ BAD = {
                      "train.grad_accum=2 has no effect on a supernet run"),
     "non-finite policy": (lambda: mp.train_supernet(config=mp.Config().replace("train.nonfinite=skip")),
                           "train.nonfinite='skip' has no effect on a supernet run"),
+    # model.* keys the supernet does not build with: it trained a dense supernet, silently.
+    "experts": (lambda: mp.train_supernet(config=mp.Config().replace("model.n_experts=4")),
+                "model.n_experts=4 has no effect on a supernet run"),
+    "collective matmul": (lambda: mp.train_supernet(config=mp.Config().replace(
+        "model.collective_matmul=true", "parallel.tensor=2", "parallel.data=4")),
+        "model.collective_matmul=true has no effect on a supernet run"),
+    # A supernet of the user's own: the GPT's compute keys size nothing (a SuperGPT the
+    # caller builds keeps them: test_a_supernet_built_by_the_caller_keeps_the_gpt_keys...).
+    "GPT key on a user's supernet": (lambda: mp.train_supernet(TwoOpSupernet, None, mp.Config().replace(
+        "model.remat=full")), "model.remat='full' has no effect on a model passed in"),
+    # A parameter the step cannot differentiate (jax.grad raised a traceback).
+    "integer Param": (lambda: supernet_spec(_with_a_counter), "the model has nnx.Param it cannot train: "
+                                                             "calls (int32[])"),
     # XLA's CPU backend cannot lower the attention backward's float16 matmul.
     "float16 on CPU": (lambda: mp.train_supernet(config=mp.Config().replace("model.dtype=float16")),
                        "model.dtype=float16 does not compile on CPU devices"),

@@ -25,6 +25,7 @@ from flax import nnx
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.space import Candidate, SearchSpace
+from mindpipe_jax.train.state import refuse_untrainable_params
 
 # Raveled vectors are cut into this many equal chunks. Each device updates the chunks
 # it owns (ZeRO-1 style), and the per-subnet gradient norm sums per-chunk partial sums
@@ -204,6 +205,7 @@ def supernet_spec(model_or_factory, seed: int = 0):
         raise ConfigError(f"the supernet must be an nnx.Module or a callable rngs -> nnx.Module, "
                           f"got {type(model_or_factory).__name__}")
     check_supernet(module)
+    refuse_untrainable_params(abstract_state)
     grid = tuple(module.unit_grid)
     searchable = nnx.to_pure_dict(nnx.map_state(lambda _, v: isinstance(v, Candidate), abstract_state))
     decay = nnx.to_pure_dict(nnx.map_state(lambda _, v: _decays(v), abstract_state))

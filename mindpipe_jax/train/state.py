@@ -139,7 +139,7 @@ def _refuse_extra_state(rest) -> None:
 _TRAINED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 
 
-def _refuse_untrainable_params(abstract_state) -> None:
+def refuse_untrainable_params(abstract_state) -> None:
     """An ``nnx.Param`` the step cannot train, named by its path: integers or booleans
     (a step counter, a mask: ``jax.grad`` stopped at them with a traceback, after the run
     directory was made), float16 (Adam's eps of 1e-8 is 0 there, so a parameter with a
@@ -266,7 +266,7 @@ def model_spec(model_or_factory, mesh, seed: int, example_input=None
                           f"got {type(model_or_factory).__name__}")
     if not jax.tree.leaves(abstract_state):
         raise ConfigError("the model has no nnx.Param to train")
-    _refuse_untrainable_params(abstract_state)
+    refuse_untrainable_params(abstract_state)
     storage = _pure(state_shardings(abstract_state, mesh, "storage"))
     compute = _pure(state_shardings(abstract_state, mesh, "compute"))
     mask = _pure(nnx.map_state(lambda _, v: v.replace(_decays(v)), abstract_state))
