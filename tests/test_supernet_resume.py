@@ -178,6 +178,11 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(four_steps, dense_run, t
         assert stderr.count("\n") == 1 and stderr.startswith("mindpipe: error: "), (case, stderr)
         needles = (needles,) if isinstance(needles, str) else needles
         assert any(n in stderr for n in needles), (case, stderr)
+    # And the other way: `mindpipe train` on a supernet's directory says whose it is (it
+    # named the first differing parameter, "checkpoint None").
+    code, _, stderr = _cli("train", "parallel.simulate_cpu_devices=0", f"train.out_dir={run}", "--resume")
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "holds the checkpoint of a supernet (`mindpipe supernet`, step 4), not of a dense model" in stderr
     assert [_snapshot(root) for root in roots] == before
     assert not (tmp_path / "new").exists()
     with pytest.raises(ConfigError, match=r"^train.resume=true needs checkpoints: call "

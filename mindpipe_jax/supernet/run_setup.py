@@ -165,7 +165,7 @@ def _prepare_out_dir(cfg: Config, spec: SupernetSpec) -> tuple[Path, Path, int |
         if meta.get("model", ours) != ours:
             raise ConfigError(f"{where} holds a checkpoint of the supernet {meta['model']}, not of {ours}; "
                               f"pass the model that wrote it or choose another train.out_dir")
-    return prepare_out_dir(cfg, fingerprint(spec))
+    return prepare_out_dir(cfg, fingerprint(spec), KIND)
 
 
 def _abstract_state(spec: SupernetSpec, create, mesh):

@@ -340,13 +340,15 @@ def _first_difference(theirs: dict, ours: dict, prefix: str = "") -> str:
     return "same"
 
 
-def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | None, dict]:
+def prepare_out_dir(cfg: Config, fingerprint: dict, kind: str | None = None
+                    ) -> tuple[Path, Path, int | None, dict]:
     """(out_dir, checkpoint dir, step to resume from or None, its meta), for a run about to
     write into ``cfg.train.out_dir``; refuses (``ConfigError``, before anything is
     written) a file, a foreign directory, another model, an existing run without
     ``train.resume``, nothing to resume with ``train.resume=true``, and a finished run
     (with ``train.resume="auto"`` a finished run is returned: its step is at least
-    ``train.steps``, and the caller reports it complete)."""
+    ``train.steps``, and the caller reports it complete). ``kind``: the meta's ``kind`` of
+    the caller's checkpoints (None: a dense run's; ``"supernet"``: a supernet's)."""
     out_dir = Path(cfg.train.out_dir).absolute()
     ckpt_dir = out_dir / "checkpoints"
     if out_dir.exists() and not out_dir.is_dir():
@@ -363,6 +365,10 @@ def prepare_out_dir(cfg: Config, fingerprint: dict) -> tuple[Path, Path, int | N
                               f"to start a new run there")
         return out_dir, ckpt_dir, None, {}
     step, meta = found
+    if kind is None and meta.get("kind") is not None:  # a supernet run's (its trainer names ours)
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} holds the checkpoint of a supernet (`mindpipe "
+                          f"supernet`, step {step}), not of a dense model; continue it with `mindpipe "
+                          f"supernet --resume`, or choose another train.out_dir")
     check_same_model(ckpt_dir, meta, fingerprint)
     if not resume:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} already holds checkpoints up to step {step}; "
