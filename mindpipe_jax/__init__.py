@@ -31,7 +31,7 @@ from mindpipe_jax.models.bridge import from_linen
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.pipeline.contract import PipelineParts
 from mindpipe_jax.parallel.rules import RULES, check_sharded_as_rules, constrain, spec_for, use_rules
-from mindpipe_jax.supernet import SuperGPT, SupernetResult, train_supernet
+from mindpipe_jax.supernet import SuperGPT, SupernetResult, search_checkpoint, train_supernet
 from mindpipe_jax.train.checkpoint import Checkpointer
 from mindpipe_jax.train.loop import TrainResult
 
@@ -41,5 +41,5 @@ __all__ = [
     "make_mesh",
     "setup_runtime", "RULES", "check_sharded_as_rules", "constrain", "spec_for", "Checkpointer",
     "TrainResult", "train", "use_rules", "PipelineParts", "from_linen",
-    "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet", "TunerConfig",
+    "SupernetConfig", "SuperGPT", "SupernetResult", "train_supernet", "search_checkpoint", "TunerConfig",
 ]

@@ -154,3 +154,28 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, dense_run, tmp_pat
     (tmp_path / "unsaved" / "config.json").write_text((run_dir / "config.json").read_text())
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):
         search_checkpoint(tmp_path / "unsaved")
+
+
+def test_a_users_supernet_is_named_with_the_way_to_search_it(tmp_path):
+    """`mindpipe search` rebuilds only the reference SuperGPT: on a run of a supernet of the
+    user's own it said "another supernet than SuperGPT ... pass the model that wrote it",
+    which the command cannot take. Now it names the model and the Python call, and that
+    call searches the run."""
+    from byom_models import TwoOpSupernet
+
+    out_dir = tmp_path / "theirs"
+    cfg = mp.Config().replace("model.vocab_size=64", "model.seq_len=8", 'data.source="synthetic"',
+                              "data.synthetic_tokens=65536", "train.steps=2", "train.global_batch=16",
+                              "parallel.tensor=1", "parallel.simulate_cpu_devices=0",
+                              "supernet.search_population=4", "supernet.search_generations=1",
+                              f"train.out_dir={out_dir}")
+    mp.train_supernet(TwoOpSupernet, None, cfg, checkpoint=True, search=False, log=None)
+    before = _tree(out_dir)
+    code, _, stderr = _cli("search", str(out_dir))
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert (f"is of the supernet TwoOpSupernet, not the SuperGPT its config describes: search it from "
+            f"Python with mindpipe_jax.search_checkpoint('{out_dir}', model=<TwoOpSupernet's factory>)"
+            in stderr), stderr
+    assert _tree(out_dir) == before
+    result, _, step = mp.search_checkpoint(out_dir, model=TwoOpSupernet)
+    assert step == 2 and result.top

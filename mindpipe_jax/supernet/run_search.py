@@ -151,8 +151,14 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, cfg.train.seed)
     if meta.get("fingerprint") != fingerprint(spec):
+        ours, theirs = type(spec.module).__name__, meta.get("model")
+        if model is None and theirs not in (None, ours):
+            # `mindpipe search` rebuilds only the reference supernet; a user's needs its factory.
+            raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of the supernet {theirs}, not the "
+                              f"{ours} its config describes: search it from Python with "
+                              f"mindpipe_jax.search_checkpoint({str(run_dir)!r}, model=<{theirs}'s factory>)")
         raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
-                          f"{type(spec.module).__name__} of its config (parameter shapes or genes differ); "
+                          f"{ours} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
     target = _abstract_state(spec, create, mesh)
     where = str(ckpt_dir / str(step))
