@@ -71,8 +71,9 @@ def _free_port() -> int:
 
 
 def _launch(args: list[str], how: str, *, cache: Path, cwd: Path, timeout_s: int = 60,
-            port: int | None = None) -> list[Train]:
-    """Processes 0 and 1 of a 2-process run, told the coordinator as ``how`` says."""
+            port: int | None = None, own: tuple[list[str], list[str]] = ([], [])) -> list[Train]:
+    """Processes 0 and 1 of a 2-process run, told the coordinator as ``how`` says;
+    ``own``: overrides given to process 0 and to process 1 only."""
     port = port or _free_port()
     procs = []
     for pid in (0, 1):
@@ -86,7 +87,7 @@ def _launch(args: list[str], how: str, *, cache: Path, cwd: Path, timeout_s: int
         else:
             extra_args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
                           f"distributed.process_id={pid}"]
-        procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args],
+        procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args, *own[pid]],
                            env=cli_env(cache, **env), cwd=cwd))
     return procs
 
@@ -319,6 +320,28 @@ def test_a_peer_dying_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_pa
     assert ("lost contact with another process" in first.output
             or "another task died" in first.output), first.output[-3000:]
     assert first.last_step < 12
+
+
+def test_processes_given_different_configs_stop_in_one_line_instead_of_hanging(tmp_path, cache):
+    """Process 0 told train.steps=8, process 1 train.steps=12: process 0 ended after its
+    last step while process 1 waited in the next step's collectives, for good (the run
+    hung until killed). Every process now checks its config against process 0's first,
+    and both stop (exit 2) before anything is written."""
+    procs = _launch([*MH, *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"], "env", cache=cache,
+                    cwd=tmp_path, own=(["train.steps=8"], ["train.steps=12"]))
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    errors = [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
+    assert errors[1] == ["mindpipe: error: train.steps=12 on process 1, but train.steps=8 on process 0: "
+                         "every process of a training run must be given the same config (they would wait "
+                         "on each other at the first step they differ in)"], procs[1].output[-2000:]
+    assert errors[0] == ["mindpipe: error: the config of process 1 differs from process 0's (its error line "
+                         "names the key): every process of a training run must be given the same config"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_coordinator_binds_the_address_given_when_it_is_an_ip_address():

@@ -1,0 +1,71 @@
+"""The processes of a multi-process run agree on their config before anything runs.
+
+Each process reads its own command line or config file. Given different values (one
+process told ``train.steps=6``, the other 4), they compile and run different programs,
+and at the first step they disagree on one waits in a collective for a peer that never
+joins: a hang until an outer timeout (seen: the run stopped at step 3 for good). So each
+process sends a digest of its config, and where any differs from process 0's, process
+0's config is sent to all, the processes that differ name the first differing key, and
+every process stops with a one-line ``ConfigError`` (exit 2) before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jax
+import numpy as np
+
+from mindpipe_jax.config import Config
+from mindpipe_jax.config_values import _shown
+from mindpipe_jax.errors import ConfigError
+
+# Keys that may differ between processes: how each one joins the run (its rank, the
+# coordinator as it reaches it, its timeout) and what only process 0 shows (progress
+# bars, TensorBoard events).
+_PER_PROCESS = ("distributed.", "train.progress", "train.tensorboard")
+
+
+def _compared(cfg: Config) -> dict:
+    flat = {}
+    for section, values in cfg.to_dict().items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if not name.startswith(_PER_PROCESS):
+                flat[name] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def check_same_config(cfg: Config, what: str = "run") -> None:
+    """On every process of a multi-process job (nothing to do with one): a ConfigError
+    unless every process was given the same ``cfg`` (``_PER_PROCESS`` keys aside).
+    Collective: every process must call it at the same point. ``what`` names the job."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = _compared(cfg)
+    blob = json.dumps(mine, sort_keys=True).encode()
+    digest = np.frombuffer(hashlib.sha256(blob).digest(), np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest))
+    differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
+    if not differ:
+        return
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(blob))))
+    buffer = np.zeros(size, np.uint8)
+    if jax.process_index() == 0:
+        buffer[:] = np.frombuffer(blob, np.uint8)
+    first = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+    me = jax.process_index()
+    fix = f"every process of a {what} must be given the same config"
+    if me in differ:
+        key = next(k for k in sorted(set(first) | set(mine)) if first.get(k) != mine.get(k))
+        raise ConfigError(f"{key}={_shown(mine.get(key))} on process {me}, but {key}="
+                          f"{_shown(first.get(key))} on process 0: {fix} (they would wait on each other "
+                          f"at the first step they differ in)")
+    raise ConfigError(f"the config of process {differ[0]} differs from process 0's (its error line names "
+                      f"the key): {fix}")
+
+
+__all__ = ["check_same_config"]
