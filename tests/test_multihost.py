@@ -339,8 +339,28 @@ def test_processes_given_different_configs_stop_in_one_line_instead_of_hanging(t
     assert errors[1] == ["mindpipe: error: train.steps=12 on process 1, but train.steps=8 on process 0: "
                          "every process of a training run must be given the same config (they would wait "
                          "on each other at the first step they differ in)"], procs[1].output[-2000:]
-    assert errors[0] == ["mindpipe: error: the config of process 1 differs from process 0's (its error line "
-                         "names the key): every process of a training run must be given the same config"]
+    assert errors[0] == ["mindpipe: error: the config of process 1 differs from process 0's (its error "
+                         "line names the difference): every process of a training run must be given the "
+                         "same config"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_processes_building_different_models_stop_in_one_line(tmp_path, cache):
+    """The same config, but --model naming another factory on process 1: the processes
+    compare their models' parameter shapes once built, before the first step."""
+    models = str(Path(__file__).parent / "byom_models.py")
+    procs = _launch([*MH, "model.vocab_size=64", *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"], "env",
+                    cache=cache, cwd=tmp_path,
+                    own=(["--model", f"{models}:make_llama"], ["--model", f"{models}:PlainListNet"]))
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    assert "mindpipe: error: the model of process 1 differs from process 0's" in procs[0].output
+    line = next(x for x in procs[1].output.splitlines() if x.startswith("mindpipe: error:"))
+    assert "on process 1, but parameter " in line and "must build the same model" in line, line
     assert not (tmp_path / "run").exists()
 
 

@@ -27,7 +27,7 @@ from mindpipe_jax.supernet.run_setup import (
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
-from mindpipe_jax.train.agreement import check_same_config
+from mindpipe_jax.train.agreement import agree_on_config
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore, verify_checksums
 
 
@@ -128,7 +128,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     if cfg.parallel.tensor == 0:
         cfg = cfg.replace("parallel.tensor=1")
     setup_runtime(cfg.parallel, cfg.distributed)
-    check_same_config(cfg, "search")  # processes given different overrides would hang
+    agree_on_config(cfg, "search")  # processes given different overrides would hang
     ckpt_dir = run_dir / "checkpoints"
     found = read_meta(ckpt_dir)
     if found is None:

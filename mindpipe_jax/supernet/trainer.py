@@ -74,7 +74,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.agreement import check_same_config
+from mindpipe_jax.train.agreement import agree_on_config
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     remove_incomplete,
@@ -142,7 +142,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
                               f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
         setup_runtime(cfg.parallel, cfg.distributed)
-        check_same_config(cfg, "supernet run")  # processes given different configs would hang
+        agree_on_config(cfg, "supernet run")  # processes given different configs would hang
         check_platform(cfg.model, jax.devices()[0].platform)
         # With checkpoints, train.out_dir is checked writable before anything is computed
         # and locked against a second run for this run's life (see train.rundir).

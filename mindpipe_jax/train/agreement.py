@@ -37,15 +37,26 @@ def _compared(cfg: Config) -> dict:
     return flat
 
 
-def check_same_config(cfg: Config, what: str = "run") -> None:
+def agree_on_config(cfg: Config, what: str = "run") -> None:
     """On every process of a multi-process job (nothing to do with one): a ConfigError
     unless every process was given the same ``cfg`` (``_PER_PROCESS`` keys aside).
     Collective: every process must call it at the same point. ``what`` names the job."""
+    _agree(_compared(cfg), f"every process of a {what} must be given the same config", "config")
+
+
+def agree_on_model(fingerprint: dict[str, list[int]], what: str = "run") -> None:
+    """As ``agree_on_config`` for the model each process built (its parameter paths and
+    shapes, ``ModelSpec.fingerprint``): a ``--model`` or factory that builds another model
+    on one process would hang the run as another config does."""
+    _agree({f"parameter {path}": shape for path, shape in fingerprint.items()},
+           f"every process of a {what} must build the same model", "model")
+
+
+def _agree(mine: dict, fix: str, noun: str) -> None:
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
-    mine = _compared(cfg)
     blob = json.dumps(mine, sort_keys=True).encode()
     digest = np.frombuffer(hashlib.sha256(blob).digest(), np.uint8)
     digests = np.asarray(multihost_utils.process_allgather(digest))
@@ -58,14 +69,17 @@ def check_same_config(cfg: Config, what: str = "run") -> None:
         buffer[:] = np.frombuffer(blob, np.uint8)
     first = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
     me = jax.process_index()
-    fix = f"every process of a {what} must be given the same config"
     if me in differ:
         key = next(k for k in sorted(set(first) | set(mine)) if first.get(k) != mine.get(k))
-        raise ConfigError(f"{key}={_shown(mine.get(key))} on process {me}, but {key}="
-                          f"{_shown(first.get(key))} on process 0: {fix} (they would wait on each other "
+        sep = " " if key.startswith("parameter ") else "="
+
+        def shown(value):
+            return "absent" if value is None and sep == " " else _shown(value)
+        raise ConfigError(f"{key}{sep}{shown(mine.get(key))} on process {me}, but {key}{sep}"
+                          f"{shown(first.get(key))} on process 0: {fix} (they would wait on each other "
                           f"at the first step they differ in)")
-    raise ConfigError(f"the config of process {differ[0]} differs from process 0's (its error line names "
-                      f"the key): {fix}")
+    raise ConfigError(f"the {noun} of process {differ[0]} differs from process 0's (its error line names "
+                      f"the difference): {fix}")
 
 
-__all__ = ["check_same_config"]
+__all__ = ["agree_on_config", "agree_on_model"]

@@ -43,7 +43,7 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
-from mindpipe_jax.train.agreement import check_same_config
+from mindpipe_jax.train.agreement import agree_on_config, agree_on_model
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     prepare_out_dir,
@@ -163,7 +163,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         if cfg.train.deterministic and cfg.parallel.tensor == 0:
             cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
         setup_runtime(cfg.parallel, cfg.distributed)
-        check_same_config(cfg, "training run")  # processes given different configs would hang
+        agree_on_config(cfg, "training run")  # processes given different configs would hang
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
         with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules):
@@ -187,6 +187,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         return model if model is not None else (lambda rngs: build_model(run_cfg.model, rngs))
 
     layout = build_layout(cfg, factory_for, gain)
+    agree_on_model(layout.spec.fingerprint(), "training run")  # another model on a process would hang
     tr = cfg.train
     splits = _resolve_data(data, cfg)
     # Evaluations keep the first run's batch (the same rows) across batch switches.
