@@ -322,13 +322,29 @@ def test_a_peer_dying_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_pa
     assert first.last_step < 12
 
 
-def test_processes_given_different_configs_stop_in_one_line_instead_of_hanging(tmp_path, cache):
-    """Process 0 told train.steps=8, process 1 train.steps=12: process 0 ended after its
-    last step while process 1 waited in the next step's collectives, for good (the run
-    hung until killed). Every process now checks its config against process 0's first,
-    and both stop (exit 2) before anything is written."""
+MODELS = str(Path(__file__).parent / "byom_models.py")
+DIFFERENT = {
+    # Process 0 ended after its last step while process 1 waited in the next step's
+    # collectives, for good (the run hung until killed).
+    "config": ((["train.steps=8"], ["train.steps=12"]),
+               "train.steps=12 on process 1, but train.steps=8 on process 0: every process of a training "
+               "run must be given the same config (they would wait on each other at the first step they "
+               "differ in)"),
+    "model": ((["--model", f"{MODELS}:make_llama", "model.vocab_size=64"],
+               ["--model", f"{MODELS}:PlainListNet", "model.vocab_size=64"]),
+              "on process 1, but parameter "),
+}
+
+
+@pytest.mark.parametrize("what", sorted(DIFFERENT))
+def test_processes_given_different_configs_or_models_stop_in_one_line_instead_of_hanging(what, tmp_path,
+                                                                                      cache):
+    """Every process checks its config against process 0's before anything runs, and the
+    model it built (parameter paths and shapes) before the first step: both stop (exit 2)
+    in one line each before anything is written."""
+    own, needle = DIFFERENT[what]
     procs = _launch([*MH, *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"], "env", cache=cache,
-                    cwd=tmp_path, own=(["train.steps=8"], ["train.steps=12"]))
+                    cwd=tmp_path, own=own)
     try:
         codes = [p.wait(120) for p in procs]
     finally:
@@ -336,31 +352,10 @@ def test_processes_given_different_configs_stop_in_one_line_instead_of_hanging(t
             p.kill()
     assert codes == [2, 2], [p.output[-2000:] for p in procs]
     errors = [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
-    assert errors[1] == ["mindpipe: error: train.steps=12 on process 1, but train.steps=8 on process 0: "
-                         "every process of a training run must be given the same config (they would wait "
-                         "on each other at the first step they differ in)"], procs[1].output[-2000:]
-    assert errors[0] == ["mindpipe: error: the config of process 1 differs from process 0's (its error "
-                         "line names the difference): every process of a training run must be given the "
-                         "same config"]
-    assert not (tmp_path / "run").exists()
-
-
-def test_processes_building_different_models_stop_in_one_line(tmp_path, cache):
-    """The same config, but --model naming another factory on process 1: the processes
-    compare their models' parameter shapes once built, before the first step."""
-    models = str(Path(__file__).parent / "byom_models.py")
-    procs = _launch([*MH, "model.vocab_size=64", *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"], "env",
-                    cache=cache, cwd=tmp_path,
-                    own=(["--model", f"{models}:make_llama"], ["--model", f"{models}:PlainListNet"]))
-    try:
-        codes = [p.wait(120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [2, 2], [p.output[-2000:] for p in procs]
-    assert "mindpipe: error: the model of process 1 differs from process 0's" in procs[0].output
-    line = next(x for x in procs[1].output.splitlines() if x.startswith("mindpipe: error:"))
-    assert "on process 1, but parameter " in line and "must build the same model" in line, line
+    assert len(errors[1]) == 1 and needle in errors[1][0], procs[1].output[-2000:]
+    assert errors[0] == [f"mindpipe: error: the {what} of process 1 differs from process 0's (its error line "
+                         f"names the difference): every process of a training run must "
+                         f"{'be given the same config' if what == 'config' else 'build the same model'}"]
     assert not (tmp_path / "run").exists()
 
 
