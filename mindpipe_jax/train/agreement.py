@@ -58,6 +58,7 @@ def _agree(mine: dict, fix: str, noun: str) -> None:
     from jax.experimental import multihost_utils
 
     blob = json.dumps(mine, sort_keys=True).encode()
+    mine = json.loads(blob)  # compared as process 0's arrives: tuples as lists
     digest = np.frombuffer(hashlib.sha256(blob).digest(), np.uint8)
     digests = np.asarray(multihost_utils.process_allgather(digest))
     differ = [p for p in range(len(digests)) if not np.array_equal(digests[p], digests[0])]
