@@ -74,7 +74,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.agreement import agree_on_config
+from mindpipe_jax.train.agreement import agree_on_config, agree_on_model
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     remove_incomplete,
@@ -165,6 +165,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
                      virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, tr.seed)
+    built = fingerprint(spec)
+    agree_on_model(built["params"], "supernet run", built["genes"])  # another model on a process would hang
     if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing
         check_user_model_keys(cfg.model)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)

@@ -44,12 +44,14 @@ def agree_on_config(cfg: Config, what: str = "run") -> None:
     _agree(_compared(cfg), f"every process of a {what} must be given the same config", "config")
 
 
-def agree_on_model(fingerprint: dict[str, list[int]], what: str = "run") -> None:
+def agree_on_model(fingerprint: dict[str, list[int]], what: str = "run", genes: dict | None = None) -> None:
     """As ``agree_on_config`` for the model each process built (its parameter paths and
-    shapes, ``ModelSpec.fingerprint``): a ``--model`` or factory that builds another model
-    on one process would hang the run as another config does."""
-    _agree({f"parameter {path}": shape for path, shape in fingerprint.items()},
-           f"every process of a {what} must build the same model", "model")
+    shapes, ``ModelSpec.fingerprint``; a supernet's ``genes`` too): a ``--model`` or
+    factory that builds another model on one process would hang the run as another
+    config does."""
+    entries = {f"parameter {path}": shape for path, shape in fingerprint.items()}
+    entries.update({f"gene {name}": choices for name, choices in (genes or {}).items()})
+    _agree(entries, f"every process of a {what} must build the same model", "model")
 
 
 def _agree(mine: dict, fix: str, noun: str) -> None:
@@ -72,7 +74,7 @@ def _agree(mine: dict, fix: str, noun: str) -> None:
     me = jax.process_index()
     if me in differ:
         key = next(k for k in sorted(set(first) | set(mine)) if first.get(k) != mine.get(k))
-        sep = " " if key.startswith("parameter ") else "="
+        sep = " " if noun == "model" else "="
 
         def shown(value):
             return "absent" if value is None and sep == " " else _shown(value)
