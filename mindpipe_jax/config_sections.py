@@ -8,6 +8,7 @@ The supernet and tuner sections are in ``config_supernet_tuner``; the whole
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -315,6 +316,8 @@ class TrainConfig:
         _check(self.virtual_shards & (self.virtual_shards - 1) == 0,
                f"train.virtual_shards={self.virtual_shards} must be a power of two")
         _check(bool(self.out_dir), "train.out_dir must not be empty")
+        if self.out_dir.startswith("~"):  # a TOML string is no shell word: "~/runs" made a "~" directory
+            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,16 @@ def test_options_and_overrides_mix_in_any_order(capsys):
 # --- example configs -------------------------------------------------------------------------
 
 
+def test_an_out_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """A config file's out_dir = "~/runs/x" is no shell word, so nothing expanded it: the
+    run went into a directory named "~" under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\nout_dir = "~/runs/x"\n')
+    assert load_config(config).train.out_dir == str(tmp_path / "home" / "runs" / "x")
+    assert Config().replace("train.out_dir=~/y").train.out_dir == str(tmp_path / "home" / "y")
+
+
 def test_default_toml_is_exactly_the_built_in_defaults():
     assert load_config(CONFIGS / "default.toml") == Config()
 

@@ -120,7 +120,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     line, for a missing or foreign directory, a dense run, a checkpoint of another
     supernet, a damaged checkpoint or a bad override.
     """
-    run_dir = Path(run_dir).absolute()
+    run_dir = Path(run_dir).expanduser().absolute()
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
                           else f"{str(run_dir)!r} is not a directory")
