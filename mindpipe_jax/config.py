@@ -29,6 +29,7 @@ from mindpipe_jax.config_load import (
     check_no_effect,
     check_supernet_keys,
     check_train_keys,
+    config_argument,
     from_dict,
     load_config,
     path_kind,
@@ -58,5 +59,6 @@ __all__ = [
     "SUPERNET_SEMANTICS", "semantics_error", "source_for_path",
     "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "DistributedConfig",
     "SupernetConfig", "TunerConfig", "Config",
-    "from_dict", "load_config", "check_no_effect", "check_supernet_keys", "check_train_keys", "path_kind",
+    "from_dict", "config_argument", "load_config", "check_no_effect", "check_supernet_keys",
+    "check_train_keys", "path_kind",
 ]

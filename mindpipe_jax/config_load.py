@@ -373,6 +373,23 @@ def from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(_explain_dacite(err, data)) from None
 
 
+def config_argument(config: Any) -> Config:
+    """The ``config`` argument of ``mindpipe_jax.train`` / ``train_supernet``: a Config, or
+    None for the defaults; anything else is a one-line ConfigError saying how to make
+    one (a file's path raised ``str.replace``'s TypeError)."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, Path)):
+        how = f"mindpipe_jax.load_config({str(config)!r}) reads that file"
+    elif isinstance(config, dict):
+        how = "mindpipe_jax.config.from_dict(...) builds one from a dict of sections"
+    else:
+        how = "mindpipe_jax.Config().replace(\"section.key=value\", ...) builds one"
+    raise ConfigError(f"config must be a mindpipe_jax.Config or None, got {type(config).__name__}; {how}")
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (optional), apply ``key=value`` overrides, validate."""
     tree: dict[str, Any] = Config().to_dict()

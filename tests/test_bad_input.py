@@ -492,6 +492,23 @@ def test_bad_config_file(tmp_path):
         mp.load_config(unknown)
 
 
+@pytest.mark.parametrize("config,needle", [
+    ("run.toml", "got str; mindpipe_jax.load_config('run.toml') reads that file"),
+    ({"train": {"steps": 1}}, "got dict; mindpipe_jax.config.from_dict(...) builds one"),
+    (5, "got int; mindpipe_jax.Config().replace("),
+])
+@pytest.mark.parametrize("entry", ["train", "train_supernet"])
+def test_a_config_that_is_not_a_config_is_one_line(entry, config, needle, tmp_path, monkeypatch):
+    """A config file's path given where a Config goes raised str.replace's TypeError from
+    inside the entry point (a dict or a number, an AttributeError)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        getattr(mp, entry)(None, None, config, "train.steps=1")
+    message = str(err.value)
+    assert message.startswith("config must be a mindpipe_jax.Config or None, ") and needle in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_data_path_selects_its_source(tmp_path):
     assert mp.load_config(None, ["data.path=corpus.txt"]).data.source == "text"
     assert mp.load_config(None, ["data.path=ids.npy"]).data.source == "tokens"

@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config, check_supernet_keys
+from mindpipe_jax.config import Config, check_supernet_keys, config_argument
 from mindpipe_jax.data import Loader
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
@@ -132,7 +132,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     current step with a checkpoint and returns with ``stopped`` set (no search).
     """
     with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
-        cfg = config or Config()
+        cfg = config_argument(config)
         if overrides:
             cfg = cfg.replace(*overrides)
         if cfg.parallel.tensor == 0:

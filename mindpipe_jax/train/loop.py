@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mindpipe_jax.config import Config, DataConfig
+from mindpipe_jax.config import Config, DataConfig, config_argument
 from mindpipe_jax.data import TokenSplits, array_tokens, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
@@ -157,7 +157,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     measures (``tuner.epara.MeasuredThroughput``).
     """
     with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
-        cfg = config or Config()
+        cfg = config_argument(config)
         if overrides:
             cfg = cfg.replace(*overrides)
         if cfg.train.deterministic and cfg.parallel.tensor == 0:
