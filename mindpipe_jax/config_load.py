@@ -80,6 +80,9 @@ def _apply_overrides(tree: dict[str, Any], overrides: typing.Iterable[str],
                      explicit: dict[str, int] | None = None) -> dict[str, Any]:
     """Set each ``key=value`` in ``tree``; record the keys set in ``explicit`` (layer 1)."""
     for item in overrides:
+        if not isinstance(item, str):  # Config.replace("a=1", "b=2"), not replace(["a=1"]) or replace(5)
+            raise ConfigError(f"override {item!r} must be a string section.key=value, got "
+                              f"{type(item).__name__}; pass each override as its own argument")
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:

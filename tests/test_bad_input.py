@@ -509,6 +509,19 @@ def test_a_config_that_is_not_a_config_is_one_line(entry, config, needle, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("train.steps", "override 'train.steps' must look like section.key=value"),
+    (["train.steps=1"], "override ['train.steps=1'] must be a string section.key=value, got list; pass each"),
+    (5, "override 5 must be a string section.key=value, got int"),
+])
+def test_an_override_that_is_not_a_key_value_string_is_one_line(override, needle):
+    """A list of overrides passed as one argument (or a number) raised an AttributeError
+    ('list' object has no attribute 'partition')."""
+    with pytest.raises(ConfigError) as err:
+        mp.Config().replace(override)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def test_a_data_path_selects_its_source(tmp_path):
     assert mp.load_config(None, ["data.path=corpus.txt"]).data.source == "text"
     assert mp.load_config(None, ["data.path=ids.npy"]).data.source == "tokens"
