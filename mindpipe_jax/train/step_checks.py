@@ -17,6 +17,7 @@ from mindpipe_jax.config_values import _shown
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models import GPT, MoEGPT
 from mindpipe_jax.parallel.mesh import unused_axes
+from mindpipe_jax.parallel.pipeline.runtime.experts import NOT_SPLIT, expert_dim
 from mindpipe_jax.train.state import buffers, user_code_error
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -62,13 +63,9 @@ def expert_dims(spec) -> dict[str, int]:
     """Per parameter path of ``spec``, the size of the dimension stored over the
     ``expert`` mesh axis (the rules table's ``experts`` / ``expert`` logical names):
     how many experts that weight holds. Parameters without one are left out."""
-    sizes = {}
     flat = jax.tree_util.tree_flatten_with_path(spec.abstract_params)[0]
-    for path, leaf in flat:
-        for dim, entry in enumerate(tuple(leaf.sharding.spec)):
-            if "expert" in (entry if isinstance(entry, tuple) else (entry,)):
-                sizes["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = leaf.shape[dim]
-    return sizes
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf.shape[dim]
+            for path, leaf in flat if (dim := expert_dim(leaf.sharding)) != NOT_SPLIT}
 
 
 def _check_declared_experts(declared: int, spec) -> None:
