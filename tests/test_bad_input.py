@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -42,6 +44,7 @@ from byom_models import (
     WholeSequential,
     WithBuffers,
 )
+from cli_procs import cli_env
 from flax import nnx
 
 import mindpipe_jax as mp
@@ -462,6 +465,30 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(case, via, tmp_path, fin
     needles = (needle,) if isinstance(needle, str) else needle
     assert "\n" not in message and any(n in message for n in needles), message
     assert _snapshot(tmp_path) == before  # nothing written, nothing modified
+
+
+def test_a_checkpoint_with_every_array_cut_short_is_one_line_from_a_process(finished_run, tmp_path,
+                                                                           compile_cache):
+    """Every array read of the restore fails. Orbax's other reads, abandoned by the first
+    failure, were finalized as the process exited, each printing its traceback: some 260
+    lines after the one-line error (seen only from a process of its own)."""
+    run = tmp_path / "cut"
+    shutil.copytree(finished_run, run)
+    state = run / "checkpoints" / "2" / "state"
+    arrays = [f for f in state.rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert len(arrays) > 1
+    for f in arrays:
+        f.write_bytes(_truncate(f.read_bytes()))
+    before = _snapshot(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "mindpipe_jax", "train", *TINY, "train.steps=4",
+                           f"train.out_dir={run}", "train.resume=true"],
+                          env=cli_env(compile_cache), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"mindpipe: error: checkpoint {str(run / 'checkpoints' / '2')!r} could not "
+                                  f"be restored"), done.stderr
+    assert _snapshot(tmp_path) == before
 
 
 def test_at_least_twenty_kinds_of_mistake_through_both_entry_points():

@@ -28,7 +28,7 @@ from mindpipe_jax.supernet.run_setup import (
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
 from mindpipe_jax.train.agreement import agree_on_config
-from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore, verify_checksums
+from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
 def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> SearchResult:
@@ -163,16 +163,8 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
                           f"{ours} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
     target = _abstract_state(spec, create, mesh)
-    where = str(ckpt_dir / str(step))
-    try:
-        state, _, saved_meta = restore(ckpt_dir, step, target)
-    except Exception as err:  # truncated or missing array files, garbled metadata
-        detail = (str(err).strip().splitlines() or [""])[0][:160]
-        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: {detail}); "
-                          f"it is damaged") from None
-    if (leaf := verify_checksums(state, saved_meta)) is not None:
-        raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
-                          f"match the checksum saved with them")
+    earlier = "search an earlier step (--step N, search_checkpoint(step=N))"
+    state, _, saved_meta = restore_verified(ckpt_dir, step, target, advice=earlier)
     splits = _resolve_data(data, cfg)
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     sn = cfg.supernet

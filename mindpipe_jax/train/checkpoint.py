@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -39,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError, DiskFullError
+from mindpipe_jax.train import abandoned_reads
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -408,16 +410,31 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     return changes
 
 
-def restore_verified(ckpt_dir: Path, step: int, abstract_state):
-    """Restore a committed step, reading only; a damaged one is a user-facing error."""
+_LOCAL_FILE = re.compile(r' (at|of) local file "[^"]*"')
+_RESUME_ADVICE = ("delete that step directory to resume from an earlier checkpoint, "
+                  "or choose a new train.out_dir")
+
+
+def restore_verified(ckpt_dir: Path, step: int, abstract_state, advice: str = _RESUME_ADVICE):
+    """Restore a committed step, reading only; a damaged one is a user-facing error
+    ending in ``advice`` (what the caller can do instead)."""
     where = str(ckpt_dir / str(step))
-    advice = "delete that step directory to resume from an earlier checkpoint, or choose a new train.out_dir"
+    abandoned_reads.drop_their_reports()
     try:
         state, data_state, meta = restore(ckpt_dir, step, abstract_state)
     except Exception as err:  # truncated or missing array files, garbled metadata
-        detail = (str(err).strip().splitlines() or [""])[0].split(" See full")[0][:160]
-        raise ConfigError(f"checkpoint {where!r} could not be restored ({type(err).__name__}: "
-                          f"{detail}); it is damaged: {advice}") from None
+        while err.__cause__ is not None:  # orbax wraps TensorStore's error, which names the array
+            err = err.__cause__
+        detail = (str(err).strip().splitlines() or [""])[0]
+        detail = detail.split(" See full")[0].split(" [tensorstore_spec")[0]
+        detail = _LOCAL_FILE.sub("", detail)[:300]  # the path is in the message already
+        failure = (f"checkpoint {where!r} could not be restored ({type(err).__name__}: "
+                   f"{detail}); it is damaged: {advice}")
+    else:
+        failure = None
+    if failure is not None:
+        abandoned_reads.settle()
+        raise ConfigError(failure)
     if (leaf := verify_checksums(state, meta)) is not None:
         raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
                           f"match the checksum saved with them; {advice}")
