@@ -20,7 +20,8 @@ names, so import from ``mindpipe_jax.config``:
   ``distributed`` sections and their constants (``MESH_AXES``, ...);
 - ``config_supernet_tuner``: the ``supernet`` (SPara) and ``tuner`` (EPara) sections;
 - ``config_load``: ``Config``, the overrides, ``from_dict``, ``load_config`` and the
-  checks across keys (``check_no_effect``, ``check_train_keys``, ``check_supernet_keys``);
+  checks across keys (``check_no_effect``, ``check_train_keys``, ``check_supernet_keys``,
+  ``check_validation_split``);
 - ``config_toml``: ``to_toml``, a ``Config`` written as TOML (imports this module).
 """
 
@@ -29,6 +30,7 @@ from mindpipe_jax.config_load import (
     check_no_effect,
     check_supernet_keys,
     check_train_keys,
+    check_validation_split,
     config_argument,
     from_dict,
     load_config,
@@ -60,5 +62,5 @@ __all__ = [
     "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "DistributedConfig",
     "SupernetConfig", "TunerConfig", "Config",
     "from_dict", "config_argument", "load_config", "check_no_effect", "check_supernet_keys",
-    "check_train_keys", "path_kind",
+    "check_train_keys", "check_validation_split", "path_kind",
 ]

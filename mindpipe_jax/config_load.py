@@ -207,9 +207,23 @@ _SUPERNET_MODEL_UNREAD = {
 }
 
 
+def check_validation_split(cfg: Config) -> None:
+    """A dense run that evaluates needs the validation split ``data.val_fraction=0``
+    leaves out (without this, the data loader's "split 'val' has 0 tokens")."""
+    if cfg.data.val_fraction == 0 and cfg.train.eval_every > 0:
+        raise ConfigError(f"data.val_fraction=0 leaves no validation data, and train.eval_every="
+                          f"{cfg.train.eval_every} evaluates on it: set train.eval_every=0 to train on all "
+                          f"the data without evaluating, or data.val_fraction > 0")
+
+
 def check_supernet_keys(cfg: Config) -> None:
     """What a supernet run never reads, refused when set away from its default (the
-    counterpart of ``check_train_keys``): they were accepted and ignored."""
+    counterpart of ``check_train_keys``): they were accepted and ignored. And
+    ``data.val_fraction=0``: the search ranks subnets by their validation loss."""
+    if cfg.data.val_fraction == 0:
+        raise ConfigError("data.val_fraction=0 leaves no validation data, and a supernet run ranks its "
+                          "subnets by validation loss (the search, the tuner's trials): set "
+                          "data.val_fraction > 0")
     default = Config()
     for section, unread in (("train", _SUPERNET_UNREAD), ("model", _SUPERNET_MODEL_UNREAD)):
         for name, why in unread.items():

@@ -118,8 +118,9 @@ class DataConfig:
 
     def __post_init__(self):
         _check_numbers(self, "data")
-        _check(0.0 < self.val_fraction < 1.0,
-               f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        _check(0.0 <= self.val_fraction < 1.0,
+               f"data.val_fraction={self.val_fraction} must be in [0, 1) (0: no validation split, for a "
+               f"run with train.eval_every=0)")
         _check(self.vocab_size >= 0, f"data.vocab_size={self.vocab_size} must be >= 0")
         _check(self.source not in ("text", "tokens") or bool(self.path),
                f"data.path is required for data.source={self.source!r}")

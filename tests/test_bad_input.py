@@ -219,6 +219,11 @@ CASES = [
     ("corrupt checkpoint metadata", ["train.out_dir={tmp}/bad_meta", "train.steps=4", "train.resume=true"],
      "unreadable", None),
     ("resume value", ["train.resume=yes"], "valid: true, false, 'auto'", None),
+    ("validation fraction", ["data.val_fraction=1.0"], "data.val_fraction=1.0 must be in [0, 1)", None),
+    # Without a validation split (data.val_fraction=0: train on all the data), a run that
+    # evaluates failed in the loader ("split 'val' has 0 tokens").
+    ("no validation split but evaluating", ["data.val_fraction=0", "train.eval_every=5"],
+     "data.val_fraction=0 leaves no validation data, and train.eval_every=5 evaluates on it", None),
     ("resume with nothing to resume", ["train.out_dir={tmp}/never_ran", "train.resume=true"],
      "nothing to resume", None),
     ("resume from an interrupted first save", ["train.out_dir={tmp}/partial", "train.resume=true"],

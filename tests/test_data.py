@@ -117,6 +117,35 @@ def test_text_directory_with_one_file_falls_back_to_position(tmp_path):
     assert len(s.train) > 0 and len(s.val) > 0
 
 
+def test_val_fraction_zero_trains_on_every_token_of_each_source(tmp_path):
+    """``data.val_fraction=0`` (a run with ``train.eval_every=0``): no validation split,
+    and the training split holds everything (a directory too, not its position split)."""
+    text = bytes(range(256)) * 40
+    (tmp_path / "corpus.txt").write_bytes(text)
+    (tmp_path / "dir" / "sub").mkdir(parents=True)
+    bodies = {f"sub/f{i}.txt": f"file {i}\n".encode() * 20 for i in range(30)}
+    for rel, body in bodies.items():
+        (tmp_path / "dir" / rel).write_bytes(body)
+    ids = np.arange(5000) % 1000
+    np.save(tmp_path / "ids.npy", ids)
+    cases = {"text file": (DataConfig(source="text", path=str(tmp_path / "corpus.txt"), val_fraction=0.0),
+                           len(text)),
+             "text directory": (DataConfig(source="text", path=str(tmp_path / "dir"), val_fraction=0.0),
+                                sum(len(b) + 1 for b in bodies.values())),
+             "token file": (DataConfig(source="tokens", path=str(tmp_path / "ids.npy"), vocab_size=1000,
+                                       val_fraction=0.0), len(ids)),
+             "synthetic": (DataConfig(source="synthetic", synthetic_tokens=4096, val_fraction=0.0), 4096)}
+    for name, (cfg, total) in cases.items():
+        s = load_tokens(cfg, 1024)
+        assert len(s.val) == 0 and len(s.train) == total, name
+    assert np.array_equal(array_tokens(ids, DataConfig(val_fraction=0.0), 1024).train, ids)
+    with pytest.raises(ConfigError, match=r"data.val_fraction=-0.1 must be in \[0, 1\)"):
+        DataConfig(val_fraction=-0.1)
+    (tmp_path / "one.txt").write_bytes(b"a")
+    with pytest.raises(ConfigError, match="has 1 token, too few to train on"):
+        load_tokens(DataConfig(source="text", path=str(tmp_path / "one.txt"), val_fraction=0.0), 256)
+
+
 def test_npy_tokens_round_trip(tmp_path):
     ids = np.random.default_rng(0).integers(0, 1000, 5000).astype(np.int64)
     f = tmp_path / "ids.npy"

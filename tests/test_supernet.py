@@ -425,6 +425,10 @@ BAD = {
     # model.* keys the supernet does not build with: it trained a dense supernet, silently.
     "experts": (lambda: mp.train_supernet(config=mp.Config().replace("model.n_experts=4")),
                 "model.n_experts=4 has no effect on a supernet run"),
+    # The search ranks subnets by validation loss (data.val_fraction=0 is for a dense run
+    # that does not evaluate).
+    "no validation split": (lambda: mp.train_supernet(config=mp.Config().replace("data.val_fraction=0")),
+                            "data.val_fraction=0 leaves no validation data, and a supernet run ranks"),
     "collective matmul": (lambda: mp.train_supernet(config=mp.Config().replace(
         "model.collective_matmul=true", "parallel.tensor=2", "parallel.data=4")),
         "model.collective_matmul=true has no effect on a supernet run"),

@@ -338,6 +338,7 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     # supernet run does not build with (a dense supernet was tuned, silently).
     (["supernet.subnets_per_step=8"], "supernet.subnets_per_step=8 has no effect on `mindpipe tune`"),
     (["--supernet", "model.n_experts=4"], "model.n_experts=4 has no effect on a supernet run"),
+    (["--supernet", "data.val_fraction=0"], "data.val_fraction=0 leaves no validation data"),
     # A setting no layout can run: its reason given whole (it was cut at 60 characters).
     (["model.dtype=float16"], "(model.dtype=float16 does not compile on CPU devices (XLA's CPU matmuls take "
                               "no float16 inputs with float32 accumulation); use model.dtype=bfloat16 or "

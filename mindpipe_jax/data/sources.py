@@ -151,7 +151,7 @@ def _split_files(root: Path, listing: list[tuple[str, int, int]], val_fraction: 
     rels = [rel for rel, _, _ in listing]
     sizes = [size for _, size, _ in listing]
     train_idx, val_idx = partition_files(rels, val_fraction)
-    if not train_idx or not val_idx:
+    if not train_idx or (not val_idx and val_fraction > 0):
         everything = files.concat(root, rels)
         return split_by_position(everything, val_fraction, what)
     expected = {"train": files.concat_length([sizes[i] for i in train_idx]),

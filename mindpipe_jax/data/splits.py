@@ -42,10 +42,14 @@ def split_by_position(tokens: np.ndarray, val_fraction: float, what: str) -> tup
 
 
 def check_split_sizes(what: str, n_train: int, n_val: int, val_fraction: float) -> None:
-    """Refuse data too short to give both splits at least one (input, target) pair."""
-    if n_train >= MIN_SPLIT_TOKENS and n_val >= MIN_SPLIT_TOKENS:
+    """Refuse data too short to give both splits at least one (input, target) pair
+    (only the training split with ``val_fraction`` 0: no validation split is asked for)."""
+    if n_train >= MIN_SPLIT_TOKENS and (n_val >= MIN_SPLIT_TOKENS or val_fraction == 0):
         return
     total = n_train + n_val
+    if val_fraction == 0:
+        raise ConfigError(f"{what} has {total} token{'s' * (total != 1)}, too few to train on; it needs at "
+                          f"least {MIN_SPLIT_TOKENS}")
     # The shortest input whose last val_fraction still holds MIN_SPLIT_TOKENS tokens.
     needed = max(2 * MIN_SPLIT_TOKENS, int(np.ceil(MIN_SPLIT_TOKENS / val_fraction)))
     raise ConfigError(

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mindpipe_jax.config import Config, DataConfig, config_argument
+from mindpipe_jax.config import Config, DataConfig, check_validation_split, config_argument
 from mindpipe_jax.data import TokenSplits, array_tokens, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
@@ -162,6 +162,8 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
             cfg = cfg.replace(*overrides)
         if cfg.train.deterministic and cfg.parallel.tensor == 0:
             cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
+        if not isinstance(data, TokenSplits):  # split by data.val_fraction
+            check_validation_split(cfg)
         setup_runtime(cfg.parallel, cfg.distributed)
         agree_on_config(cfg, "training run")  # processes given different configs would hang
         # train.out_dir: writable (checked before anything is computed) and locked against
