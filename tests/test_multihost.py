@@ -70,10 +70,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: list[str], how: str, *, cache: Path, cwd: Path, timeout_s: int = 60,
+def _launch(args: list[str], how: str, *, cache: Path, cwd: Path | tuple[Path, Path], timeout_s: int = 60,
             port: int | None = None, own: tuple[list[str], list[str]] = ([], [])) -> list[Train]:
     """Processes 0 and 1 of a 2-process run, told the coordinator as ``how`` says;
-    ``own``: overrides given to process 0 and to process 1 only."""
+    ``own``: overrides given to process 0 and to process 1 only; ``cwd``: one working
+    directory, or one for each."""
+    cwds = cwd if isinstance(cwd, tuple) else (cwd, cwd)
     port = port or _free_port()
     procs = []
     for pid in (0, 1):
@@ -88,7 +90,7 @@ def _launch(args: list[str], how: str, *, cache: Path, cwd: Path, timeout_s: int
             extra_args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
                           f"distributed.process_id={pid}"]
         procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args, *own[pid]],
-                           env=cli_env(cache, **env), cwd=cwd))
+                           env=cli_env(cache, **env), cwd=cwds[pid]))
     return procs
 
 
@@ -357,6 +359,43 @@ def test_processes_given_different_configs_or_models_stop_in_one_line_instead_of
                          f"names the difference): every process of a training run must "
                          f"{'be given the same config' if what == 'config' else 'build the same model'}"]
     assert not (tmp_path / "run").exists()
+
+
+# What only one process sees: a relative path resolved in each process's own working
+# directory, as on hosts that do not share a filesystem. Process 1 stopped with its line
+# while process 0 went on into the first collective and waited there for good (and
+# process 1 aborted with a page of C++ stack as the coordination service saw it go).
+ONE_SIDED = {
+    "data path": (["data.source=text", "data.path=corpus.txt", "train.out_dir=run"],
+                  "data.path 'corpus.txt' does not exist", "training run"),
+    "run directory": (["train.out_dir=run"], "/host1/run' exists and is not a directory", "run"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ONE_SIDED))
+def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hanging(what, tmp_path, cache):
+    args, message, job = ONE_SIDED[what]
+    cwds = (tmp_path / "host0", tmp_path / "host1")
+    for cwd in cwds:
+        cwd.mkdir()
+    if what == "data path":
+        (cwds[0] / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    else:
+        (cwds[1] / "run").write_text("a file where host 0 has nothing")
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    own_data = [a for a in MH if not a.startswith("data.")] if what == "data path" else MH
+    procs = _launch([*own_data, *DATA_TENSOR, *args], "env", cache=cache, cwd=cwds)
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    errors = [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
+    assert len(errors[1]) == 1 and message in errors[1][0], procs[1].output[-2000:]
+    assert errors[0] == [f"mindpipe: error: process 1 stopped the {job}: {errors[1][0].split(': ', 2)[2]}"]
+    assert "Check failure stack trace" not in procs[1].output
+    assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == before  # process 0 wrote nothing
 
 
 def test_the_coordinator_binds_the_address_given_when_it_is_an_ip_address():

@@ -27,7 +27,7 @@ from mindpipe_jax.supernet.run_setup import (
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
-from mindpipe_jax.train.agreement import agree_on_config
+from mindpipe_jax.train.agreement import agree_on_config, all_or_none
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
@@ -107,28 +107,10 @@ def _show(value) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
-def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,
-                      log=None) -> tuple[SearchResult, Config, int]:
-    """The evolutionary search on a saved supernet: ``(result, config, step)``.
-
-    ``run_dir``: the ``train.out_dir`` of ``train_supernet(..., checkpoint=True)`` /
-    ``mindpipe supernet``; ``step``: which committed checkpoint (default: the newest).
-    ``overrides`` change how the search runs (``supernet.search_*``, ``parallel.*``, the
-    validation data, ...), never the supernet itself. ``model``: the factory of a
-    custom supernet (default: the reference ``SuperGPT`` of the saved config); ``data``
-    as in ``train_supernet`` (default: the saved ``data`` section). ConfigError, one
-    line, for a missing or foreign directory, a dense run, a checkpoint of another
-    supernet, a damaged checkpoint or a bad override.
-    """
-    run_dir = Path(run_dir).expanduser().absolute()
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
-                          else f"{str(run_dir)!r} is not a directory")
-    cfg = _run_config(run_dir, overrides)
-    if cfg.parallel.tensor == 0:
-        cfg = cfg.replace("parallel.tensor=1")
-    setup_runtime(cfg.parallel, cfg.distributed)
-    agree_on_config(cfg, "search")  # processes given different overrides would hang
+def _saved_supernet(run_dir: Path, step: int | None, cfg: Config, model, data):
+    """The checkpoint directory and step to search, the mesh, the supernet (spec and
+    ``create``) matched against the checkpoint's fingerprint, and the data splits;
+    one-line ConfigErrors for what does not match."""
     ckpt_dir = run_dir / "checkpoints"
     found = read_meta(ckpt_dir)
     if found is None:
@@ -162,10 +144,38 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
                           f"{ours} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
+    return ckpt_dir, step, mesh, spec, create, _resolve_data(data, cfg)
+
+
+def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,
+                      log=None) -> tuple[SearchResult, Config, int]:
+    """The evolutionary search on a saved supernet: ``(result, config, step)``.
+
+    ``run_dir``: the ``train.out_dir`` of ``train_supernet(..., checkpoint=True)`` /
+    ``mindpipe supernet``; ``step``: which committed checkpoint (default: the newest).
+    ``overrides`` change how the search runs (``supernet.search_*``, ``parallel.*``, the
+    validation data, ...), never the supernet itself. ``model``: the factory of a
+    custom supernet (default: the reference ``SuperGPT`` of the saved config); ``data``
+    as in ``train_supernet`` (default: the saved ``data`` section). ConfigError, one
+    line, for a missing or foreign directory, a dense run, a checkpoint of another
+    supernet, a damaged checkpoint or a bad override.
+    """
+    run_dir = Path(run_dir).expanduser().absolute()
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
+                          else f"{str(run_dir)!r} is not a directory")
+    cfg = _run_config(run_dir, overrides)
+    if cfg.parallel.tensor == 0:
+        cfg = cfg.replace("parallel.tensor=1")
+    setup_runtime(cfg.parallel, cfg.distributed)
+    agree_on_config(cfg, "search")  # processes given different overrides would hang
+    # What one process may see alone (the run directory, a data path): checked on every
+    # process, then all of them stop if any failed (a collective follows: the restore).
+    with all_or_none("search"):
+        ckpt_dir, step, mesh, spec, create, splits = _saved_supernet(run_dir, step, cfg, model, data)
     target = _abstract_state(spec, create, mesh)
     earlier = "search an earlier step (--step N, search_checkpoint(step=N))"
     state, _, saved_meta = restore_verified(ckpt_dir, step, target, advice=earlier)
-    splits = _resolve_data(data, cfg)
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     sn = cfg.supernet
     say(f"search of {run_dir} at step {step}: {spec.space.num_architectures:,} architectures | population "

@@ -74,7 +74,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.agreement import agree_on_config, agree_on_model
+from mindpipe_jax.train.agreement import agree_on_config, agree_on_model, all_or_none
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     remove_incomplete,
@@ -170,10 +170,11 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing
         check_user_model_keys(cfg.model)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
-    splits = _resolve_data(data, cfg)
-    out_dir = ckpt_dir = resume_step = None
-    if checkpoint:
-        out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, spec)
+    with all_or_none("supernet run"):  # a data path or checkpoint one process does not see
+        splits = _resolve_data(data, cfg)
+        out_dir = ckpt_dir = resume_step = None
+        if checkpoint:
+            out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, spec)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")
     if resume_step is not None:

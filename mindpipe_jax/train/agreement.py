@@ -7,10 +7,19 @@ joins: a hang until an outer timeout (seen: the run stopped at step 3 for good).
 process sends a digest of its config, and where any differs from process 0's, process
 0's config is sent to all, the processes that differ name the first differing key, and
 every process stops with a one-line ``ConfigError`` (exit 2) before anything is written.
+
+The same hang follows a mistake only one process sees: a data path or a run directory
+that exists on one host, not on another. That process stops with its one line, and the
+others go on into the first collective it never joins (seen: the other process waited
+past any timeout, and the stopped one aborted with a page of C++ stack as the
+coordination service saw it go). ``all_or_none`` runs such a stretch of the start-up on
+every process and then shares its outcome: a ``ConfigError`` on any process stops every
+process, each naming the one that failed and its message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -85,4 +94,35 @@ def _agree(mine: dict, fix: str, noun: str) -> None:
                       f"the difference): {fix}")
 
 
-__all__ = ["agree_on_config", "agree_on_model"]
+_MESSAGE_BYTES = 2048  # a failing process's error line, as sent to the others
+
+
+@contextlib.contextmanager
+def all_or_none(what: str = "run"):
+    """Run the ``with`` block on every process; a ``ConfigError`` it raises on any of them
+    is raised on all (the others: "process N stopped the {what}: {its message}") instead
+    of the others going on alone. Collective: every process must enter the block at the
+    same point, and the block must run no collective itself (a process that failed
+    before one would leave the others waiting in it)."""
+    failure = None
+    try:
+        yield
+    except ConfigError as err:
+        failure = err
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        line = np.zeros(_MESSAGE_BYTES + 1, np.uint8)  # [0]: failed; then the message, NUL-padded
+        if failure is not None:
+            text = str(failure).encode()[:_MESSAGE_BYTES]
+            line[0], line[1:1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+        lines = np.asarray(multihost_utils.process_allgather(line))
+        failed = [p for p in range(len(lines)) if lines[p, 0]]
+        if failure is None and failed:
+            first = lines[failed[0], 1:].tobytes().rstrip(b"\0").decode(errors="replace")
+            raise ConfigError(f"process {failed[0]} stopped the {what}: {first}")
+    if failure is not None:
+        raise failure
+
+
+__all__ = ["agree_on_config", "agree_on_model", "all_or_none"]

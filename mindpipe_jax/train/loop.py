@@ -43,7 +43,7 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
-from mindpipe_jax.train.agreement import agree_on_config, agree_on_model
+from mindpipe_jax.train.agreement import agree_on_config, agree_on_model, all_or_none
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     prepare_out_dir,
@@ -191,13 +191,15 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     layout = build_layout(cfg, factory_for, gain)
     agree_on_model(layout.spec.fingerprint(), "training run")  # another model on a process would hang
     tr = cfg.train
-    splits = _resolve_data(data, cfg)
+    with all_or_none("training run"):  # a data path one process cannot read stops them all
+        splits = _resolve_data(data, cfg)
     # Evaluations keep the first run's batch (the same rows) across batch switches.
     val_rows = tuned.get("initial_batch", 0) or tr.global_batch
     feed = make_feed(splits, layout, val_rows=val_rows)
     fingerprint = layout.spec.fingerprint()
     layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
-    out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
+    with all_or_none("training run"):  # as a checkpoint one process does not see
+        out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
     resumed = Resumed()  # an online repartition's split a checkpoint carries, or one a stop put off
     if resume_step is not None:

@@ -223,27 +223,24 @@ class RunDirLock:
 def hold_run_dir(out_dir: str | Path, *, say=None):
     """``check_writable`` on every process, then ``RunDirLock`` on process 0 for the
     ``with`` block; in a multi-process run the processes agree on the outcome, so all
-    of them stop (exit 2) when process 0 cannot take the lock. An exception inside the
-    block releases the lock and removes the directories it created (if still empty)."""
+    of them stop (exit 2) when any cannot use the directory or process 0 cannot take the
+    lock. An exception inside the block releases the lock and removes the directories it
+    created (if still empty)."""
     import jax
-    import numpy as np
 
-    out_dir = check_writable(out_dir)
-    lock = RunDirLock(out_dir, say=say) if jax.process_index() == 0 else None
-    error = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except ConfigError as err:
-            error = err
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        locked = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
-        if not locked and error is None:
-            error = ConfigError(f"process 0 could not lock train.out_dir {str(out_dir)!r}; its error "
-                                f"line says why")
-    if error is not None:
-        raise error
+    from mindpipe_jax.train.agreement import all_or_none
+
+    lock = None
+    try:
+        with all_or_none("run"):
+            out_dir = check_writable(out_dir)
+            if jax.process_index() == 0:
+                lock = RunDirLock(out_dir, say=say)
+                lock.acquire()
+    except BaseException:  # another process could not use the directory (a no-op where not held)
+        if lock is not None:
+            lock.release(remove_created=True)
+        raise
     try:
         yield lock
     except BaseException as exc:
