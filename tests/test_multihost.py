@@ -369,7 +369,17 @@ ONE_SIDED = {
     "data path": (["data.source=text", "data.path=corpus.txt", "train.out_dir=run"],
                   "data.path 'corpus.txt' does not exist", "training run"),
     "run directory": (["train.out_dir=run"], "/host1/run' exists and is not a directory", "run"),
+    "model code": (["--model", "host_model.py:make", "train.out_dir=run"],
+                   "raised ModuleNotFoundError: No module named 'a_library_host1_lacks'", "training run"),
 }
+HOST_MODEL = """
+from flax import nnx
+
+
+def make(rngs):
+    {missing}
+    return nnx.Sequential(nnx.Embed(256, 16, rngs=rngs), nnx.Linear(16, 256, rngs=rngs))
+"""
 
 
 @pytest.mark.parametrize("what", sorted(ONE_SIDED))
@@ -380,8 +390,11 @@ def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hangi
         cwd.mkdir()
     if what == "data path":
         (cwds[0] / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    else:
+    elif what == "run directory":
         (cwds[1] / "run").write_text("a file where host 0 has nothing")
+    else:
+        for cwd, missing in zip(cwds, ("", "import a_library_host1_lacks"), strict=True):
+            (cwd / "host_model.py").write_text(HOST_MODEL.format(missing=missing))
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
     own_data = [a for a in MH if not a.startswith("data.")] if what == "data path" else MH
     procs = _launch([*own_data, *DATA_TENSOR, *args], "env", cache=cache, cwd=cwds)

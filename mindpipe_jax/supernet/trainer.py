@@ -164,7 +164,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         check_layout(mesh, subnets_per_step=sn.subnets_per_step, vmap_width=sn.vmap_width,
                      virtual_shards=tr.virtual_shards, global_batch=tr.global_batch)
     factory = model if model is not None else supernet_factory(cfg)
-    spec, create = supernet_spec(factory, tr.seed)
+    with all_or_none("supernet run"):  # the user's model code failing on one process (an import it lacks)
+        spec, create = supernet_spec(factory, tr.seed)
     built = fingerprint(spec)
     agree_on_model(built["params"], "supernet run", built["genes"])  # another model on a process would hang
     if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing

@@ -188,7 +188,8 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     def factory_for(run_cfg: Config):
         return model if model is not None else (lambda rngs: build_model(run_cfg.model, rngs))
 
-    layout = build_layout(cfg, factory_for, gain)
+    with all_or_none("training run"):  # the user's model code failing on one process (an import it lacks)
+        layout = build_layout(cfg, factory_for, gain)
     agree_on_model(layout.spec.fingerprint(), "training run")  # another model on a process would hang
     tr = cfg.train
     with all_or_none("training run"):  # a data path one process cannot read stops them all
