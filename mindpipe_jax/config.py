@@ -35,6 +35,7 @@ from mindpipe_jax.config_load import (
     from_dict,
     load_config,
     path_kind,
+    refuse_override_as,
 )
 from mindpipe_jax.config_sections import (
     MAX_SIMULATED_DEVICES,
@@ -62,5 +63,5 @@ __all__ = [
     "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "DistributedConfig",
     "SupernetConfig", "TunerConfig", "Config",
     "from_dict", "config_argument", "load_config", "check_no_effect", "check_supernet_keys",
-    "check_train_keys", "check_validation_split", "path_kind",
+    "check_train_keys", "check_validation_split", "path_kind", "refuse_override_as",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 import tomllib
 import typing
@@ -390,6 +391,18 @@ def from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(_explain_dacite(err, data)) from None
 
 
+_OVERRIDE = re.compile(r"^\s*[A-Za-z_]+\.[A-Za-z_]+\s*=")
+
+
+def refuse_override_as(argument: str, value: Any) -> None:
+    """A ``section.key=value`` string passed as ``mindpipe_jax.train``'s ``config`` or
+    ``data`` (positional arguments one place off) is refused saying where it goes, not
+    read as a file that does not exist."""
+    if isinstance(value, str) and _OVERRIDE.match(value):
+        raise ConfigError(f"{argument}={value!r} is an override, and overrides come after the model, "
+                          f"data and config: train(model, data, config, {value!r}, ...)")
+
+
 def config_argument(config: Any) -> Config:
     """The ``config`` argument of ``mindpipe_jax.train`` / ``train_supernet``: a Config, or
     None for the defaults; anything else is a one-line ConfigError saying how to make
@@ -398,6 +411,7 @@ def config_argument(config: Any) -> Config:
         return Config()
     if isinstance(config, Config):
         return config
+    refuse_override_as("config", config)
     if isinstance(config, (str, Path)):
         how = f"mindpipe_jax.load_config({str(config)!r}) reads that file"
     elif isinstance(config, dict):

@@ -541,6 +541,20 @@ def test_a_config_that_is_not_a_config_is_one_line(entry, config, needle, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("entry", ["train", "train_supernet"])
+def test_an_override_one_argument_early_says_where_overrides_go(entry, tmp_path, monkeypatch):
+    """``mp.train(model, "train.steps=3")`` (the data's place) looked for a data file named
+    so; ``mp.train(model, data, "train.steps=3")`` told how to load it as a config file."""
+    monkeypatch.chdir(tmp_path)
+    run = getattr(mp, entry)
+    for args, argument in (((None, "train.steps=3"), "data"), ((None, None, "train.steps=3"), "config")):
+        with pytest.raises(ConfigError) as err:
+            run(*args)
+        assert str(err.value) == (f"{argument}='train.steps=3' is an override, and overrides come after the "
+                                  f"model, data and config: train(model, data, config, 'train.steps=3', ...)")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("override,needle", [
     ("train.steps", "override 'train.steps' must look like section.key=value"),
     (["train.steps=1"], "override ['train.steps=1'] must be a string section.key=value, got list; pass each"),

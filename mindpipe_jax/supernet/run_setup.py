@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config, DataConfig
+from mindpipe_jax.config import Config, DataConfig, refuse_override_as
 from mindpipe_jax.data import TokenSplits, load_tokens
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.model import SuperGPT
@@ -132,6 +132,7 @@ def _resolve_data(data, cfg: Config) -> TokenSplits:
     if isinstance(data, DataConfig):
         return load_tokens(data, cfg.model.vocab_size)
     if isinstance(data, (str, Path)):
+        refuse_override_as("data", data)
         source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
         return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)), cfg.model.vocab_size)
     raise ConfigError(f"data must be None, a path, a DataConfig or TokenSplits, got {type(data).__name__}")

@@ -36,7 +36,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mindpipe_jax.config import Config, DataConfig, check_validation_split, config_argument
+from mindpipe_jax.config import (
+    Config,
+    DataConfig,
+    check_validation_split,
+    config_argument,
+    refuse_override_as,
+)
 from mindpipe_jax.data import TokenSplits, array_tokens, load_tokens
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
@@ -93,6 +99,7 @@ def _resolve_data(data, cfg: Config) -> TokenSplits:
     if isinstance(data, DataConfig):
         return load_tokens(data, cfg.model.vocab_size)
     if isinstance(data, (str, Path)):
+        refuse_override_as("data", data)
         source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
         return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)),
                            cfg.model.vocab_size)
