@@ -236,8 +236,9 @@ def run_plan(args: argparse.Namespace) -> int:
         viz.check_picture_path(args.out)
         viz.require_matplotlib()
 
-    from mindpipe_jax.parallel.mesh import setup_runtime
+    from mindpipe_jax.parallel.mesh import refuse_processes, setup_runtime
 
+    refuse_processes(cfg.distributed, "mindpipe plan")
     setup_runtime(par, cfg.distributed)  # before any other JAX operation, as train does
     from mindpipe_jax.parallel.pipeline.plan.partition import (
         choose_split_last,

@@ -500,6 +500,30 @@ def test_at_least_twenty_kinds_of_mistake_through_both_entry_points():
     assert len({c[0] for c in CASES if not c[3]}) >= 20
 
 
+@pytest.mark.parametrize("argv,launcher", [
+    (["tune", "--measure", "1"], {"MINDPIPE_COORDINATOR": "127.0.0.1:12355", "MINDPIPE_NUM_PROCESSES": "2",
+                                  "MINDPIPE_PROCESS_ID": "1"}),
+    (["tune", "--supernet"], {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "127.0.0.1"}),
+    (["plan", "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=4"],
+     {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "127.0.0.1"}),
+])
+def test_plan_and_tune_launched_as_several_processes_say_they_run_as_one(argv, launcher, monkeypatch,
+                                                                         tmp_path, capsys):
+    """Each process timed and decided on its own: two `mindpipe tune` processes could pick
+    different trials (and wait on each other in one), process 1 of `mindpipe plan` died
+    with a cross-host transfer's traceback. Refused before they connect."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mindpipe: error: `mindpipe {argv[0]}` runs as one process (it times programs on this "
+                   f"process's devices and decides from those times), and it was launched as process 1 of 2: "
+                   f"run it once without distributed settings (distributed.*, MINDPIPE_*, SLURM_NTASKS > 1), "
+                   f"then give what it picks to every process of `mindpipe train`\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_launcher_variables_that_are_not_numbers(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("MINDPIPE_COORDINATOR", "127.0.0.1:12355")
     monkeypatch.setenv("MINDPIPE_NUM_PROCESSES", "two")

@@ -90,6 +90,20 @@ def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(shape), MESH_ORDER, axis_types=auto)
 
 
+def refuse_processes(cfg: DistributedConfig, command: str) -> None:
+    """``mindpipe plan`` and ``mindpipe tune`` time programs on the devices of the process
+    that runs them and decide from those times: launched as several processes, each
+    decided from its own (the tuner's next trial, a cost; process 1 of ``plan`` died on a
+    cross-host transfer). Refused in one line on every process, before they connect."""
+    settings = distributed_settings(cfg)
+    if settings is not None and settings["num_processes"] > 1:
+        raise ConfigError(f"`{command}` runs as one process (it times programs on this process's devices "
+                          f"and decides from those times), and it was launched as process "
+                          f"{settings['process_id']} of {settings['num_processes']}: run it once without "
+                          f"distributed settings (distributed.*, MINDPIPE_*, SLURM_NTASKS > 1), then give "
+                          f"what it picks to every process of `mindpipe train`")
+
+
 def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | None:
     """The coordinator/process settings a launcher gave us, or None for one process.
 

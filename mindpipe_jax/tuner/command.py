@@ -169,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Every check before JAX starts or anything is written.
     cfg = load_config(args.config, args.overrides)
+    from mindpipe_jax.parallel.mesh import refuse_processes
+
+    refuse_processes(cfg.distributed, "mindpipe tune")
     if args.supernet:
         return run_supernet(args, cfg)
     given = [k for k in _SUPERNET_ONLY if getattr(args, k) is not None]
