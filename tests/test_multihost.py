@@ -44,7 +44,7 @@ from cli_procs import Train, cli_env, kill_after_first_commit
 from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
-from mindpipe_jax.train.checkpoint import committed_steps, restore
+from mindpipe_jax.train.checkpoint import COMMIT_MARKER, committed_steps, restore
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec
 
 # One xdist worker runs this file's tests one after another: each starts two processes,
@@ -409,6 +409,35 @@ def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hangi
     assert errors[0] == [f"mindpipe: error: process 1 stopped the {job}: {errors[1][0].split(': ', 2)[2]}"]
     assert "Check failure stack trace" not in procs[1].output
     assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == before  # process 0 wrote nothing
+
+
+def test_a_run_directory_the_processes_do_not_share_is_refused_before_a_checkpoint_is_read(tmp_path, cache):
+    """train.out_dir on each host's own disk: process 0 sees its checkpoints, process 1
+    none. Resuming (train.resume=auto), process 0 read them (orbax reads collectively)
+    while process 1 started fresh: both crashed on mismatched collectives (gloo: "Received
+    data size doesn't match expected size", SIGABRT)."""
+    cwds = (tmp_path / "host0", tmp_path / "host1")
+    for cwd in cwds:
+        cwd.mkdir()
+    step = cwds[0] / "run" / "checkpoints" / "4"
+    step.mkdir(parents=True)
+    (step / COMMIT_MARKER).write_text("")  # what makes a step committed: nothing is read before the check
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    procs = _launch([*MH, *DATA_TENSOR, "train.out_dir=run", "train.resume=auto"], "env", cache=cache,
+                    cwd=cwds)
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    for cwd, p in zip(cwds, procs, strict=True):
+        errors = [line for line in p.output.splitlines() if line.startswith("mindpipe: error:")]
+        assert errors == [f"mindpipe: error: the processes of the training run see different checkpoints "
+                          f"in {str(cwd / 'run' / 'checkpoints')!r} (the newest on process 0: step 4, "
+                          f"process 1: none): put train.out_dir on a filesystem every process shares (each "
+                          f"writes its shards of a checkpoint there)"], p.output[-2000:]
+    assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == before
 
 
 def test_the_coordinator_binds_the_address_given_when_it_is_an_ip_address():

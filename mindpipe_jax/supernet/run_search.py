@@ -27,7 +27,7 @@ from mindpipe_jax.supernet.run_setup import (
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
-from mindpipe_jax.train.agreement import agree_on_config, all_or_none
+from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, all_or_none
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
@@ -169,8 +169,10 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         cfg = cfg.replace("parallel.tensor=1")
     setup_runtime(cfg.parallel, cfg.distributed)
     agree_on_config(cfg, "search")  # processes given different overrides would hang
-    # What one process may see alone (the run directory, a data path): checked on every
-    # process, then all of them stop if any failed (a collective follows: the restore).
+    # Reading a checkpoint is collective (orbax): every process must see the same ones.
+    agree_on_checkpoint(run_dir / "checkpoints", "search")
+    # What else one process may see alone (a data path): checked on every process, then
+    # all of them stop if any failed (a collective follows: the restore).
     with all_or_none("search"):
         ckpt_dir, step, mesh, spec, create, splits = _saved_supernet(run_dir, step, cfg, model, data)
     target = _abstract_state(spec, create, mesh)

@@ -74,7 +74,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.agreement import agree_on_config, agree_on_model, all_or_none
+from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, agree_on_model, all_or_none
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     remove_incomplete,
@@ -148,6 +148,8 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
         # and locked against a second run for this run's life (see train.rundir).
         with hold_run_dir(cfg.train.out_dir) if checkpoint else contextlib.nullcontext(), \
                 use_rules(cfg.parallel.rules):
+            if checkpoint:  # reading a checkpoint is collective (orbax): all must see the same ones
+                agree_on_checkpoint(Path(cfg.train.out_dir).absolute() / "checkpoints", "supernet run")
             return _train_supernet(cfg, model, data, search=search, log=log, checkpoint=checkpoint)
 
 

@@ -94,6 +94,28 @@ def _agree(mine: dict, fix: str, noun: str) -> None:
                       f"the difference): {fix}")
 
 
+def agree_on_checkpoint(ckpt_dir, what: str = "run") -> None:
+    """Every process sees the same newest committed checkpoint in ``ckpt_dir`` (or none)
+    before any reads one: orbax reads collectively. A ``train.out_dir`` that is not on a
+    filesystem the processes share showed process 0 its checkpoints and the others none;
+    resuming, process 0 read them while the others went on, and both crashed on
+    mismatched collectives (gloo's "Received data size doesn't match", SIGABRT)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    from mindpipe_jax.train.checkpoint import committed_steps
+
+    steps = committed_steps(ckpt_dir)
+    seen = np.asarray(multihost_utils.process_allgather(np.int64(steps[-1] if steps else -1)))
+    if (seen == seen[0]).all():
+        return
+    views = ", ".join(f"process {p}: {f'step {s}' if s >= 0 else 'none'}" for p, s in enumerate(seen))
+    raise ConfigError(f"the processes of the {what} see different checkpoints in {str(ckpt_dir)!r} (the "
+                      f"newest on {views}): put train.out_dir on a filesystem every process shares (each "
+                      f"writes its shards of a checkpoint there)")
+
+
 _MESSAGE_BYTES = 2048  # a failing process's error line, as sent to the others
 
 
@@ -125,4 +147,4 @@ def all_or_none(what: str = "run"):
         raise failure
 
 
-__all__ = ["agree_on_config", "agree_on_model", "all_or_none"]
+__all__ = ["agree_on_checkpoint", "agree_on_config", "agree_on_model", "all_or_none"]

@@ -49,7 +49,7 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
-from mindpipe_jax.train.agreement import agree_on_config, agree_on_model, all_or_none
+from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, agree_on_model, all_or_none
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     prepare_out_dir,
@@ -176,6 +176,8 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
         with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules):
+            # Reading a checkpoint is collective (orbax): every process must see the same ones.
+            agree_on_checkpoint(Path(cfg.train.out_dir).absolute() / "checkpoints", "training run")
             return _train(cfg, model, data, step_model, tuning)
 
 
@@ -206,7 +208,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     feed = make_feed(splits, layout, val_rows=val_rows)
     fingerprint = layout.spec.fingerprint()
     layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
-    with all_or_none("training run"):  # as a checkpoint one process does not see
+    with all_or_none("training run"):  # a run directory only one process can use
         out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
     resumed = Resumed()  # an online repartition's split a checkpoint carries, or one a stop put off
