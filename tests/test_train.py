@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import struct
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -54,6 +56,51 @@ def test_a_value_not_measured_this_step_is_null_and_left_out_of_tensorboard(tmp_
     assert not [r for r in caplog.records if "NaN" in r.getMessage()], caplog.text
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record == {"step": 1, "loss": 2.5, "b_noise": None, "grad_norm": 0.5, "note": "x"}
+
+
+def _tensorboard_scalars(log_dir: Path, tag: str) -> dict[int, float]:
+    """``tag``'s scalars as TensorBoard shows them: the event files read in the order
+    they were written, a START session log at step s hiding what came before it at
+    steps >= s (its purge)."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    events = []
+    for path in log_dir.iterdir():
+        raw, at, found = path.read_bytes(), 0, []
+        while at < len(raw):  # TFRecords: length (u64), its CRC, the bytes, their CRC
+            (length,) = struct.unpack("<Q", raw[at:at + 8])
+            found.append(Event.FromString(raw[at + 12:at + 12 + length]))
+            at += 12 + length + 4
+        events += found
+    shown: dict[int, float] = {}
+    for event in sorted(events, key=lambda e: e.wall_time):
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            shown = {s: v for s, v in shown.items() if s < event.step}
+        for value in event.summary.value:
+            if value.tag == tag:
+                shown[event.step] = value.simple_value
+    return shown
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    """A run killed at step 6 after its checkpoint at 3, resumed: TensorBoard showed the
+    killed attempt's steps 4-6 beside the resumed ones (two curves from the checkpoint
+    on), while metrics.jsonl dropped them. (Resumed within the same second, as here,
+    the second event file truncated the first: tensorboardX names them by the second.)"""
+    from mindpipe_jax.train.metrics import MetricsWriter
+
+    killed = MetricsWriter(tmp_path, tensorboard=True, enabled=True)
+    for step in range(1, 7):
+        killed.write(step, {"loss": 10.0 + step})
+    killed.close()
+    resumed = MetricsWriter(tmp_path, tensorboard=True, enabled=True, resume_step=3)
+    for step in range(4, 8):
+        resumed.write(step, {"loss": 20.0 + step})
+    resumed.close()
+    expected = {1: 11.0, 2: 12.0, 3: 13.0, 4: 24.0, 5: 25.0, 6: 26.0, 7: 27.0}
+    assert _tensorboard_scalars(tmp_path / "tensorboard", "loss") == expected
+    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in logged} == expected
 
 
 def test_resume_is_bitwise_identical(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import jax
@@ -61,7 +62,14 @@ class MetricsWriter:
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+            # The steps after ``resume_step`` are trained again: TensorBoard hides what an
+            # earlier attempt logged for them (its purge marker), as JSONL drops it above;
+            # else both attempts' curves overlap from the checkpoint on. The file name
+            # gets the time in ns: tensorboardX names it by the second and host, so an
+            # attempt started within the same second truncated the earlier one's file.
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=(resume_step or 0) + 1,
+                                     filename_suffix=f".{time.time_ns()}")
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
