@@ -121,28 +121,36 @@ _MESSAGE_BYTES = 2048  # a failing process's error line, as sent to the others
 
 @contextlib.contextmanager
 def all_or_none(what: str = "run"):
-    """Run the ``with`` block on every process; a ``ConfigError`` it raises on any of them
-    is raised on all (the others: "process N stopped the {what}: {its message}") instead
-    of the others going on alone. Collective: every process must enter the block at the
-    same point, and the block must run no collective itself (a process that failed
-    before one would leave the others waiting in it)."""
+    """Run the ``with`` block on every process; an exception it raises on any of them
+    stops all of them, instead of the others going on alone. The failing process raises
+    its own; the others a ``ConfigError`` ("process N stopped the {what}: {its message}")
+    where that was one (a user's mistake: exit 2 everywhere), else a ``RuntimeError``
+    naming it (a bug: its traceback is in that process's output). Collective: every
+    process must enter the block at the same point, and the block must run no
+    collective itself (a process that failed before one would leave the others in it)."""
     failure = None
     try:
         yield
-    except ConfigError as err:
+    except Exception as err:  # noqa: BLE001 -- shared with the other processes, then raised
         failure = err
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        line = np.zeros(_MESSAGE_BYTES + 1, np.uint8)  # [0]: failed; then the message, NUL-padded
+        # [0]: 0 went through, 1 a ConfigError, 2 another exception; then the message.
+        line = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
         if failure is not None:
-            text = str(failure).encode()[:_MESSAGE_BYTES]
-            line[0], line[1:1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+            mistake = isinstance(failure, ConfigError)
+            text = (str(failure) if mistake else f"{type(failure).__name__}: {failure}").encode()
+            text = text[:_MESSAGE_BYTES]
+            line[0], line[1:1 + len(text)] = 1 if mistake else 2, np.frombuffer(text, np.uint8)
         lines = np.asarray(multihost_utils.process_allgather(line))
         failed = [p for p in range(len(lines)) if lines[p, 0]]
         if failure is None and failed:
-            first = lines[failed[0], 1:].tobytes().rstrip(b"\0").decode(errors="replace")
-            raise ConfigError(f"process {failed[0]} stopped the {what}: {first}")
+            p = failed[0]
+            message = lines[p, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
+            if lines[p, 0] == 1:
+                raise ConfigError(f"process {p} stopped the {what}: {message}")
+            raise RuntimeError(f"process {p} failed in the {what} ({message}); its output has the traceback")
     if failure is not None:
         raise failure
 
