@@ -324,6 +324,26 @@ def test_a_peer_dying_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_pa
     assert first.last_step < 12
 
 
+def _stopped_with_errors(procs: list[Train]) -> list[list[str]]:
+    """Each process's ``mindpipe: error:`` lines, once both have exited with status 2."""
+    try:
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    return [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
+
+
+def _two_hosts(tmp_path: Path) -> tuple[Path, Path]:
+    """A working directory per process: what a relative path names differs, as on hosts
+    that do not share a filesystem."""
+    cwds = (tmp_path / "host0", tmp_path / "host1")
+    for cwd in cwds:
+        cwd.mkdir()
+    return cwds
+
+
 MODELS = str(Path(__file__).parent / "byom_models.py")
 DIFFERENT = {
     # Process 0 ended after its last step while process 1 waited in the next step's
@@ -347,13 +367,7 @@ def test_processes_given_different_configs_or_models_stop_in_one_line_instead_of
     own, needle = DIFFERENT[what]
     procs = _launch([*MH, *DATA_TENSOR, f"train.out_dir={tmp_path / 'run'}"], "env", cache=cache,
                     cwd=tmp_path, own=own)
-    try:
-        codes = [p.wait(120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [2, 2], [p.output[-2000:] for p in procs]
-    errors = [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
+    errors = _stopped_with_errors(procs)
     assert len(errors[1]) == 1 and needle in errors[1][0], procs[1].output[-2000:]
     assert errors[0] == [f"mindpipe: error: the {what} of process 1 differs from process 0's (its error line "
                          f"names the difference): every process of a training run must "
@@ -385,9 +399,7 @@ def make(rngs):
 @pytest.mark.parametrize("what", sorted(ONE_SIDED))
 def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hanging(what, tmp_path, cache):
     args, message, job = ONE_SIDED[what]
-    cwds = (tmp_path / "host0", tmp_path / "host1")
-    for cwd in cwds:
-        cwd.mkdir()
+    cwds = _two_hosts(tmp_path)
     if what == "data path":
         (cwds[0] / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     elif what == "run directory":
@@ -398,13 +410,7 @@ def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hangi
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
     own_data = [a for a in MH if not a.startswith("data.")] if what == "data path" else MH
     procs = _launch([*own_data, *DATA_TENSOR, *args], "env", cache=cache, cwd=cwds)
-    try:
-        codes = [p.wait(120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [2, 2], [p.output[-2000:] for p in procs]
-    errors = [[line for line in p.output.splitlines() if line.startswith("mindpipe: error:")] for p in procs]
+    errors = _stopped_with_errors(procs)
     assert len(errors[1]) == 1 and message in errors[1][0], procs[1].output[-2000:]
     assert errors[0] == [f"mindpipe: error: process 1 stopped the {job}: {errors[1][0].split(': ', 2)[2]}"]
     assert "Check failure stack trace" not in procs[1].output
@@ -416,23 +422,14 @@ def test_a_run_directory_the_processes_do_not_share_is_refused_before_a_checkpoi
     none. Resuming (train.resume=auto), process 0 read them (orbax reads collectively)
     while process 1 started fresh: both crashed on mismatched collectives (gloo: "Received
     data size doesn't match expected size", SIGABRT)."""
-    cwds = (tmp_path / "host0", tmp_path / "host1")
-    for cwd in cwds:
-        cwd.mkdir()
+    cwds = _two_hosts(tmp_path)
     step = cwds[0] / "run" / "checkpoints" / "4"
     step.mkdir(parents=True)
     (step / COMMIT_MARKER).write_text("")  # what makes a step committed: nothing is read before the check
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
     procs = _launch([*MH, *DATA_TENSOR, "train.out_dir=run", "train.resume=auto"], "env", cache=cache,
                     cwd=cwds)
-    try:
-        codes = [p.wait(120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [2, 2], [p.output[-2000:] for p in procs]
-    for cwd, p in zip(cwds, procs, strict=True):
-        errors = [line for line in p.output.splitlines() if line.startswith("mindpipe: error:")]
+    for cwd, p, errors in zip(cwds, procs, _stopped_with_errors(procs), strict=True):
         assert errors == [f"mindpipe: error: the processes of the training run see different checkpoints "
                           f"in {str(cwd / 'run' / 'checkpoints')!r} (the newest on process 0: step 4, "
                           f"process 1: none): put train.out_dir on a filesystem every process shares (each "
