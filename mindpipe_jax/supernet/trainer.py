@@ -173,10 +173,13 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing
         check_user_model_keys(cfg.model)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
-    with all_or_none("supernet run"):  # a data path or checkpoint one process does not see
+    with all_or_none("supernet run"):  # a data path one process cannot read stops them all
         splits = _resolve_data(data, cfg)
-        out_dir = ckpt_dir = resume_step = None
-        if checkpoint:
+    out_dir = ckpt_dir = resume_step = None
+    if checkpoint:
+        # Its own stretch: a resume reads the checkpoint's meta collectively (orbax), which
+        # a process stopped by its data above would not join.
+        with all_or_none("supernet run"):
             out_dir, ckpt_dir, resume_step, saved_meta = _prepare_out_dir(cfg, spec)
     loader = Loader(splits.train, seq_len=cfg.model.seq_len, batch_size=tr.global_batch, seed=tr.seed,
                     name="train")

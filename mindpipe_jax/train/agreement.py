@@ -126,8 +126,9 @@ def all_or_none(what: str = "run"):
     its own; the others a ``ConfigError`` ("process N stopped the {what}: {its message}")
     where that was one (a user's mistake: exit 2 everywhere), else a ``RuntimeError``
     naming it (a bug: its traceback is in that process's output). Collective: every
-    process must enter the block at the same point, and the block must run no
-    collective itself (a process that failed before one would leave the others in it)."""
+    process must enter the block at the same point, and a collective inside the block
+    must be one every process reaches alike (a process that failed before it would
+    leave the others waiting there): end the block before it where that may differ."""
     failure = None
     try:
         yield

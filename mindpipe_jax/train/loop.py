@@ -208,7 +208,9 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     feed = make_feed(splits, layout, val_rows=val_rows)
     fingerprint = layout.spec.fingerprint()
     layout.make_step()  # checks schedule and contract (the layout keeps the step it built)
-    with all_or_none("training run"):  # a run directory only one process can use
+    # Its own stretch: a resume reads the checkpoint's meta collectively (orbax), alike on
+    # every process (they agreed on the checkpoints they see: agree_on_checkpoint).
+    with all_or_none("training run"):
         out_dir, ckpt_dir, resume_step, saved_meta = prepare_out_dir(cfg, fingerprint)
     primary = jax.process_index() == 0
     resumed = Resumed()  # an online repartition's split a checkpoint carries, or one a stop put off
