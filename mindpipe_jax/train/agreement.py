@@ -13,8 +13,9 @@ that exists on one host, not on another. That process stops with its one line, a
 others go on into the first collective it never joins (seen: the other process waited
 past any timeout, and the stopped one aborted with a page of C++ stack as the
 coordination service saw it go). ``all_or_none`` runs such a stretch of the start-up on
-every process and then shares its outcome: a ``ConfigError`` on any process stops every
-process, each naming the one that failed and its message.
+every process and then shares its outcome: an exception on any process stops every
+process, the others naming the one that failed and its message. And
+``agree_on_checkpoint``: every process sees the same checkpoints before any reads one.
 """
 
 from __future__ import annotations
