@@ -20,17 +20,16 @@ names, so import from ``mindpipe_jax.config``:
   ``distributed`` sections and their constants (``MESH_AXES``, ...);
 - ``config_supernet_tuner``: the ``supernet`` (SPara) and ``tuner`` (EPara) sections;
 - ``config_load``: ``Config``, the overrides, ``from_dict``, ``load_config`` and the
-  checks across keys (``check_no_effect``, ``check_train_keys``, ``check_supernet_keys``,
-  ``check_validation_split``);
+  check across keys on every build (``check_no_effect``);
+- ``config_commands``: what each command reads (``check_train_keys``,
+  ``check_supernet_keys``, ``check_validation_split``);
 - ``config_toml``: ``to_toml``, a ``Config`` written as TOML (imports this module).
 """
 
+from mindpipe_jax.config_commands import check_supernet_keys, check_train_keys, check_validation_split
 from mindpipe_jax.config_load import (
     Config,
     check_no_effect,
-    check_supernet_keys,
-    check_train_keys,
-    check_validation_split,
     config_argument,
     from_dict,
     load_config,

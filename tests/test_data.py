@@ -17,6 +17,7 @@ from mindpipe_jax.data import (
     eval_batches,
     files,
     load_tokens,
+    resolve_data,
     sources,
 )
 from mindpipe_jax.data.splits import is_val_file
@@ -176,6 +177,31 @@ def test_token_ids_in_memory_split_as_the_same_npy_file(tmp_path):
                         (ids[:3], "too few to split")):
         with pytest.raises(ConfigError, match=needle):
             array_tokens(bad, DataConfig(), 1000)
+
+
+def test_the_entry_points_data_argument_is_read_one_way(tmp_path):
+    """``resolve_data``: what ``mp.train``, ``train_supernet`` and ``search_checkpoint``
+    take as ``data``. The supernet entry points had their own reading, which took no
+    array and let ``TokenSplits`` of a larger vocabulary than the model's through."""
+    import jax.numpy as jnp
+
+    from mindpipe_jax.config import Config
+
+    cfg = Config().replace("model.vocab_size=1000")
+    ids = np.random.default_rng(0).integers(0, 1000, 5000).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    want = load_tokens(DataConfig(source="tokens", path=str(tmp_path / "ids.npy")), 1000)
+    for given in (ids, list(ids), jnp.asarray(ids), str(tmp_path / "ids.npy"), tmp_path / "ids.npy",
+                  DataConfig(source="tokens", path=str(tmp_path / "ids.npy")), want):
+        got = resolve_data(given, cfg)
+        np.testing.assert_array_equal(got.train, want.train)
+        np.testing.assert_array_equal(got.val, want.val)
+    wider = TokenSplits(train=want.train, val=want.val, vocab_size=1024, name="wider")
+    for bad, needle in ((wider, "data vocab_size 1024 exceeds model.vocab_size 1000"),
+                        ("train.steps=3", "data='train.steps=3' is an override"),
+                        ({"train": ids}, "data must be None, a path, a DataConfig, TokenSplits or an array")):
+        with pytest.raises(ConfigError, match=needle):
+            resolve_data(bad, cfg)
 
 
 def test_bin_tokens_round_trip_and_vocab_from_model(tmp_path):

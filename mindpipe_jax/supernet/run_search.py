@@ -14,14 +14,13 @@ import jax
 import numpy as np
 
 from mindpipe_jax.config import Config, from_dict
-from mindpipe_jax.data import TokenSplits, eval_batches
+from mindpipe_jax.data import TokenSplits, eval_batches, resolve_data
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.supernet.plan import check_axes, data_devices, mesh_label
 from mindpipe_jax.supernet.run_setup import (
     KIND,
     _abstract_state,
-    _resolve_data,
     fingerprint,
     supernet_factory,
 )
@@ -144,7 +143,7 @@ def _saved_supernet(run_dir: Path, step: int | None, cfg: Config, model, data):
         raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
                           f"{ours} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
-    return ckpt_dir, step, mesh, spec, create, _resolve_data(data, cfg)
+    return ckpt_dir, step, mesh, spec, create, resolve_data(data, cfg)
 
 
 def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,

@@ -19,8 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mindpipe_jax.config import Config, DataConfig, refuse_override_as
-from mindpipe_jax.data import TokenSplits, load_tokens
+from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.pipelined import PipelinedStep
@@ -122,20 +121,6 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
            else f"{type(spec.module).__name__} has no sliced path")
     return ConfiguredStep(piped.plan, piped, f"through the pipeline ({par.schedule}, {par.microbatches} "
                                              f"microbatches per subnet), masked ({why}{compiled})")
-
-
-def _resolve_data(data, cfg: Config) -> TokenSplits:
-    if data is None:
-        return load_tokens(cfg.data, cfg.model.vocab_size)
-    if isinstance(data, TokenSplits):
-        return data
-    if isinstance(data, DataConfig):
-        return load_tokens(data, cfg.model.vocab_size)
-    if isinstance(data, (str, Path)):
-        refuse_override_as("data", data)
-        source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
-        return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)), cfg.model.vocab_size)
-    raise ConfigError(f"data must be None, a path, a DataConfig or TokenSplits, got {type(data).__name__}")
 
 
 def fingerprint(spec: SupernetSpec) -> dict:

@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config, check_supernet_keys, config_argument
-from mindpipe_jax.data import Loader
+from mindpipe_jax.data import Loader, resolve_data
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
@@ -61,7 +61,6 @@ from mindpipe_jax.supernet.run_setup import (
     KIND,
     _abstract_state,
     _prepare_out_dir,
-    _resolve_data,
     configured_step,
     fingerprint,
     supernet_factory,
@@ -174,7 +173,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         check_user_model_keys(cfg.model)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
     with all_or_none("supernet run"):  # a data path one process cannot read stops them all
-        splits = _resolve_data(data, cfg)
+        splits = resolve_data(data, cfg)
     out_dir = ckpt_dir = resume_step = None
     if checkpoint:
         # Its own stretch: a resume reads the checkpoint's meta collectively (orbax), which

@@ -38,12 +38,10 @@ from tqdm import tqdm
 
 from mindpipe_jax.config import (
     Config,
-    DataConfig,
     check_validation_split,
     config_argument,
-    refuse_override_as,
 )
-from mindpipe_jax.data import TokenSplits, array_tokens, load_tokens
+from mindpipe_jax.data import TokenSplits, resolve_data
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
@@ -86,27 +84,6 @@ class TrainResult:
     @property
     def step(self) -> int:
         return int(_host(self.state["step"]))
-
-
-def _resolve_data(data, cfg: Config) -> TokenSplits:
-    if data is None:
-        return load_tokens(cfg.data, cfg.model.vocab_size)
-    if isinstance(data, TokenSplits):
-        if data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"data vocab_size {data.vocab_size} exceeds model.vocab_size "
-                              f"{cfg.model.vocab_size}")
-        return data
-    if isinstance(data, DataConfig):
-        return load_tokens(data, cfg.model.vocab_size)
-    if isinstance(data, (str, Path)):
-        refuse_override_as("data", data)
-        source = "tokens" if str(data).endswith((".npy", ".bin")) else "text"
-        return load_tokens(dataclasses.replace(cfg.data, source=source, path=str(data)),
-                           cfg.model.vocab_size)
-    if isinstance(data, (np.ndarray, jax.Array, list, tuple)):
-        return array_tokens(data, cfg.data, cfg.model.vocab_size)
-    raise ConfigError(f"data must be None, a path, a DataConfig, TokenSplits or an array of token ids, got "
-                      f"{type(data).__name__}")
 
 
 def _model_flops_per_token(model, cfg: Config) -> float:
@@ -202,7 +179,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     agree_on_model(layout.spec.fingerprint(), "training run")  # another model on a process would hang
     tr = cfg.train
     with all_or_none("training run"):  # a data path one process cannot read stops them all
-        splits = _resolve_data(data, cfg)
+        splits = resolve_data(data, cfg)
     # Evaluations keep the first run's batch (the same rows) across batch switches.
     val_rows = tuned.get("initial_batch", 0) or tr.global_batch
     feed = make_feed(splits, layout, val_rows=val_rows)
