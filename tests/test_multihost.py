@@ -31,6 +31,7 @@ bounded.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -71,10 +72,11 @@ def _free_port() -> int:
 
 
 def _launch(args: list[str], how: str, *, cache: Path, cwd: Path | tuple[Path, Path], timeout_s: int = 60,
-            port: int | None = None, own: tuple[list[str], list[str]] = ([], [])) -> list[Train]:
-    """Processes 0 and 1 of a 2-process run, told the coordinator as ``how`` says;
-    ``own``: overrides given to process 0 and to process 1 only; ``cwd``: one working
-    directory, or one for each."""
+            port: int | None = None, own: tuple[list[str], list[str]] = ([], []),
+            command: str = "train") -> list[Train]:
+    """Processes 0 and 1 of a 2-process ``mindpipe <command>``, told the coordinator as
+    ``how`` says; ``own``: overrides given to process 0 and to process 1 only; ``cwd``:
+    one working directory, or one for each."""
     cwds = cwd if isinstance(cwd, tuple) else (cwd, cwd)
     port = port or _free_port()
     procs = []
@@ -90,7 +92,7 @@ def _launch(args: list[str], how: str, *, cache: Path, cwd: Path | tuple[Path, P
             extra_args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
                           f"distributed.process_id={pid}"]
         procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args, *own[pid]],
-                           env=cli_env(cache, **env), cwd=cwds[pid]))
+                           env=cli_env(cache, **env), cwd=cwds[pid], command=command))
     return procs
 
 
@@ -258,6 +260,27 @@ def test_deterministic_mode_is_bitwise_across_processes(tmp_path, cache):
     _finish(_launch([*MH, *DETERMINISTIC, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path))
     single = _single_process(tmp_path, DETERMINISTIC)
     _compare(_state(single, DETERMINISTIC), _state(out, DETERMINISTIC), bitwise=True)
+
+
+SUPERNET = ["parallel.data=4", "parallel.tensor=1", "parallel.subnet=2", "supernet.subnets_per_step=2",
+            "supernet.search_population=4", "supernet.search_generations=1", "supernet.search_top_k=2",
+            "train.steps=2"]
+
+
+def test_a_supernet_trained_then_searched_across_two_processes(tmp_path, cache):
+    """The search that ends `mindpipe supernet` stopped both processes with a traceback
+    (jit refused its NumPy subnets and validation rows with shardings over both
+    processes), as did `mindpipe search`. Now both finish, process 0 alone prints, and
+    searching the saved run again as two processes finds what the run's search found."""
+    out = tmp_path / "cluster"
+    trained = _finish(_launch([*MH, *SUPERNET, f"train.out_dir={out}"], "env", cache=cache, cwd=tmp_path,
+                              command="supernet"))
+    searched = _finish(_launch([str(out)], "env", cache=cache, cwd=tmp_path, command="search"))
+    best = [re.search(r"best subnet (\[[\d, ]+\])", output[0]) for output in (trained, searched)]
+    assert all(best) and best[0].group(1) == best[1].group(1), (trained[0][-2000:], searched[0][-2000:])
+    assert "done: 2 steps" in trained[0] and "done: searched step 2" in searched[0]
+    for output in (trained[1], searched[1]):
+        assert not [ln for ln in output.splitlines() if ln.startswith(("step ", "done:", "supernet:"))]
 
 
 # The online tuner with the default step model: a batch not yet run is predicted from

@@ -79,10 +79,10 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
 
     # The parameters come as stored (split over fsdp/tensor): gathered over fsdp going in,
     # left split over tensor for the partitioner.
+    by_subnet, by_rows = NamedSharding(mesh, P(None, "subnet")), NamedSharding(mesh, P(None, DATA_AXES))
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, axis_names=manual_axis_names(mesh, AXES),
                                in_specs=(P(), P(None, "subnet"), P(None, DATA_AXES)), out_specs=P()),
-                 in_shardings=(param_shardings(mesh, spec), NamedSharding(mesh, P(None, "subnet")),
-                               NamedSharding(mesh, P(None, DATA_AXES))))
+                 in_shardings=(param_shardings(mesh, spec), by_subnet, by_rows))
 
     def evaluate(params, subnets, batches) -> np.ndarray:
         subnets = spec.space.validate(subnets)
@@ -95,10 +95,18 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
             raise ConfigError(f"validation batches of {rows} rows must be divisible by "
                               f"train.virtual_shards={v}")
         cells = {k: np.asarray(x).reshape(x.shape[0], v, rows // v, *x.shape[2:]) for k, x in batches.items()}
-        losses = fn(params, grid, cells)
+        # Global arrays made from the host copies every process holds alike (a NumPy input
+        # with a sharding over several processes is refused by jit).
+        losses = fn(params, _global(grid, by_subnet), {k: _global(x, by_rows) for k, x in cells.items()})
         return np.asarray(jax.device_get(losses)).reshape(-1)[:n]
 
     return evaluate
+
+
+def _global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``host`` (the same on every process) as one array laid out by ``sharding``: each
+    process places the pieces its devices hold."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @dataclasses.dataclass
