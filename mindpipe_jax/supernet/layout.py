@@ -84,3 +84,11 @@ def tensor_split(params, mesh, spec: SupernetSpec):
         return jax.lax.with_sharding_constraint(x, P(*entries))
 
     return jax.tree.map(one, params, layout)
+
+
+def global_array(host, sharding: NamedSharding) -> jax.Array:
+    """``host`` (a NumPy array every process holds alike: the deterministic loader's
+    global batch, the search's subnets and validation rows) as one array laid out by
+    ``sharding``: each process places exactly the pieces its devices hold, whatever the
+    process/device layout (jit refuses a NumPy input sharded over several processes)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

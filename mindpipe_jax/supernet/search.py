@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import manual_axis_names
-from mindpipe_jax.supernet.layout import param_shardings
+from mindpipe_jax.supernet.layout import global_array, param_shardings
 from mindpipe_jax.supernet.plan import AXES, DATA_AXES, data_devices
 from mindpipe_jax.supernet.sampler import rng_for
 from mindpipe_jax.supernet.space import SearchSpace
@@ -95,18 +95,11 @@ def make_evaluator(spec: SupernetSpec, mesh, *, vmap_width: int, virtual_shards:
             raise ConfigError(f"validation batches of {rows} rows must be divisible by "
                               f"train.virtual_shards={v}")
         cells = {k: np.asarray(x).reshape(x.shape[0], v, rows // v, *x.shape[2:]) for k, x in batches.items()}
-        # Global arrays made from the host copies every process holds alike (a NumPy input
-        # with a sharding over several processes is refused by jit).
-        losses = fn(params, _global(grid, by_subnet), {k: _global(x, by_rows) for k, x in cells.items()})
+        cells = {k: global_array(x, by_rows) for k, x in cells.items()}
+        losses = fn(params, global_array(grid, by_subnet), cells)
         return np.asarray(jax.device_get(losses)).reshape(-1)[:n]
 
     return evaluate
-
-
-def _global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """``host`` (the same on every process) as one array laid out by ``sharding``: each
-    process places the pieces its devices hold."""
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @dataclasses.dataclass

@@ -53,6 +53,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
+from mindpipe_jax.supernet.layout import global_array
 from mindpipe_jax.supernet.model import SuperGPT
 from mindpipe_jax.supernet.pipelined import check_pipelined
 from mindpipe_jax.supernet.plan import DATA_AXES, mesh_label
@@ -105,12 +106,6 @@ class SupernetResult:
     @property
     def space(self):
         return self.spec.space
-
-
-def _global_array(host: np.ndarray, sharding: NamedSharding):
-    # Every process holds the whole global batch (the loader is deterministic), so each
-    # places exactly the rows its devices own, whatever the process/device layout.
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def train_supernet(model=None, data=None, config: Config | None = None, *overrides: str,
@@ -240,7 +235,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         with signals:
             for step in range(start, tr.steps):
                 plan = make_plan(sampler(step))
-                batch = {k: _global_array(v, rows) for k, v in next(loader).items()}
+                batch = {k: global_array(v, rows) for k, v in next(loader).items()}
                 state, metrics = step_fn(state, plan, batch)
                 window.push(metrics)
                 waves_sum, since, done = waves_sum + plan.num_waves, since + 1, step + 1
