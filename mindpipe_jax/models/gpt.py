@@ -188,7 +188,13 @@ class Embed(nnx.Module):
         self.dropout = cfg.dropout
 
     def __call__(self, tokens, key=None):
-        h = jnp.take(self.tokens[...], tokens, axis=0) + self.positions[: tokens.shape[1]]
+        # The table in its compute layout inside the differentiated function, so its
+        # gradient (a scatter-add of batch-split rows) is summed in that layout and then
+        # sliced to storage. Left free, XLA 0.10 planned the scatter straight into fsdp
+        # storage shards and logged an "involuntary full rematerialization" whenever fsdp
+        # met another batch axis (the compiled collectives are the same either way).
+        table = constrain(self.tokens[...], ("vocab", "embed"))
+        h = jnp.take(table, tokens, axis=0) + self.positions[: tokens.shape[1]]
         h = _dropout(h.astype(self.dtype), self.dropout, key)
         return constrain(h, ("batch", "length", "embed"))
 
