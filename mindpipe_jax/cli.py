@@ -155,18 +155,22 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
-    cfg = load_config(args.config, overrides)
-    check_train_keys(cfg)  # the supernet section, virtual_shards without deterministic
-    if args.model:  # before the model's module is imported (train checks it too)
-        from mindpipe_jax.train.step_checks import check_user_model_keys
-        check_user_model_keys(cfg.model)
-    import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
+    from mindpipe_jax.train.agreement import stops_everywhere
 
-    model = None
-    if args.model:  # imported after setup_runtime: the module may touch JAX at import
-        from mindpipe_jax.models.loading import load_model_ref
-        mp.setup_runtime(cfg.parallel, cfg.distributed)
-        model = load_model_ref(args.model)
+    # A config file or module on this host only stops the other processes too.
+    with stops_everywhere("training run", overrides):
+        cfg = load_config(args.config, overrides)
+        check_train_keys(cfg)  # the supernet section, virtual_shards without deterministic
+        if args.model:  # before the model's module is imported (train checks it too)
+            from mindpipe_jax.train.step_checks import check_user_model_keys
+            check_user_model_keys(cfg.model)
+        import mindpipe_jax as mp  # train() runs setup_runtime before any other JAX operation
+
+        model = None
+        if args.model:  # imported after setup_runtime: the module may touch JAX at import
+            from mindpipe_jax.models.loading import load_model_ref
+            mp.setup_runtime(cfg.parallel, cfg.distributed)
+            model = load_model_ref(args.model)
     try:
         result = mp.train(model=model, config=cfg)
     except Exception as err:

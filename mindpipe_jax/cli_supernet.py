@@ -76,7 +76,10 @@ def add_parsers(sub, fmt) -> None:
 
 def run_supernet(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *(["train.resume=true"] if args.resume else [])]
-    cfg = load_config(args.config, overrides)
+    from mindpipe_jax.train.agreement import stops_everywhere
+
+    with stops_everywhere("supernet run", overrides):  # a config file on this host only stops all
+        cfg = load_config(args.config, overrides)
     from mindpipe_jax.supernet import train_supernet  # runs setup_runtime before any other JAX operation
 
     result = train_supernet(config=cfg, checkpoint=True)  # prints progress and the search table

@@ -440,6 +440,41 @@ def test_a_mistake_only_one_process_sees_stops_both_in_one_line_instead_of_hangi
     assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == before  # process 0 wrote nothing
 
 
+# Found before the processes connect: process 1 stopped at once while process 0 waited
+# out distributed.timeout_s for it and then ended with "not all 2 processes joined"
+# (exit 4, 300 s by default). How each process reaches the coordinator alternates
+# between the launcher's environment and distributed.* overrides.
+BEFORE_CONNECTING = {
+    "train config file": ("train", ["--config", "job.toml", *MH], "env",
+                          "config file 'job.toml' does not exist", "training run"),
+    "supernet config file": ("supernet", ["--config", "job.toml", *MH], "overrides",
+                             "config file 'job.toml' does not exist", "supernet run"),
+    "search run directory": ("search", ["runs/super"], "env", "/host1/runs/super' does not exist", "search"),
+    # Found once process 1 had connected (the module is imported after setup_runtime).
+    "model file": ("train", ["--model", "host_model.py:make", *MH], "overrides",
+                   "file 'host_model.py' does not exist", "training run"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BEFORE_CONNECTING))
+def test_a_config_only_one_host_has_stops_both_in_one_line_instead_of_a_timeout(what, tmp_path, cache):
+    command, args, how, message, job = BEFORE_CONNECTING[what]
+    cwds = _two_hosts(tmp_path)
+    (cwds[0] / "job.toml").write_text("[train]\nsteps = 2\n")
+    (cwds[0] / "host_model.py").write_text(HOST_MODEL.format(missing=""))
+    (cwds[0] / "runs" / "super").mkdir(parents=True)
+    (cwds[0] / "runs" / "super" / "config.json").write_text(json.dumps(mp.Config().to_dict()))
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    t0 = time.monotonic()
+    procs = _launch(args, how, cache=cache, cwd=cwds, command=command, timeout_s=120)
+    errors = _stopped_with_errors(procs)
+    assert time.monotonic() - t0 < 90  # not the 120 s start-up timeout
+    assert len(errors[1]) == 1 and message in errors[1][0], procs[1].output[-2000:]
+    assert errors[0] == [f"mindpipe: error: process 1 stopped the {job}: {errors[1][0].split(': ', 2)[2]}"]
+    assert "Traceback" not in procs[0].output + procs[1].output
+    assert {p.relative_to(tmp_path) for p in tmp_path.rglob("*")} == before
+
+
 def test_a_run_directory_the_processes_do_not_share_is_refused_before_a_checkpoint_is_read(tmp_path, cache):
     """train.out_dir on each host's own disk: process 0 sees its checkpoints, process 1
     none. Resuming (train.resume=auto), process 0 read them (orbax reads collectively)

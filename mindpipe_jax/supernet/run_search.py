@@ -26,7 +26,13 @@ from mindpipe_jax.supernet.run_setup import (
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
-from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, all_or_none
+from mindpipe_jax.train.agreement import (
+    agree_on_checkpoint,
+    agree_on_config,
+    all_or_none,
+    joined_by_all,
+    stops_everywhere,
+)
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
@@ -160,13 +166,15 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     supernet, a damaged checkpoint or a bad override.
     """
     run_dir = Path(run_dir).expanduser().absolute()
-    if not run_dir.is_dir():
-        raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
-                          else f"{str(run_dir)!r} is not a directory")
-    cfg = _run_config(run_dir, overrides)
+    with stops_everywhere("search", overrides):  # a run directory on this host only stops all
+        if not run_dir.is_dir():
+            raise ConfigError(f"run directory {str(run_dir)!r} does not exist" if not run_dir.exists()
+                              else f"{str(run_dir)!r} is not a directory")
+        cfg = _run_config(run_dir, overrides)
     if cfg.parallel.tensor == 0:
         cfg = cfg.replace("parallel.tensor=1")
     setup_runtime(cfg.parallel, cfg.distributed)
+    joined_by_all("search", cfg.distributed.timeout_s)
     agree_on_config(cfg, "search")  # processes given different overrides would hang
     # Reading a checkpoint is collective (orbax): every process must see the same ones.
     agree_on_checkpoint(run_dir / "checkpoints", "search")

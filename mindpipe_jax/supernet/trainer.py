@@ -74,7 +74,14 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
     supernet_spec,
 )
-from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, agree_on_model, all_or_none
+from mindpipe_jax.train.agreement import (
+    agree_on_checkpoint,
+    agree_on_config,
+    agree_on_model,
+    all_or_none,
+    joined_by_all,
+    stops_everywhere,
+)
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     remove_incomplete,
@@ -126,16 +133,18 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
     current step with a checkpoint and returns with ``stopped`` set (no search).
     """
     with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
-        cfg = config_argument(config)
-        if overrides:
-            cfg = cfg.replace(*overrides)
-        if cfg.parallel.tensor == 0:
-            cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
-        check_supernet_keys(cfg)
-        if cfg.train.resume and not checkpoint:
-            raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
-                              f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
+        with stops_everywhere("supernet run", overrides):  # a mistake of this process only stops all
+            cfg = config_argument(config)
+            if overrides:
+                cfg = cfg.replace(*overrides)
+            if cfg.parallel.tensor == 0:
+                cfg = cfg.replace("parallel.tensor=1")  # auto must not pick an axis SPara does not use
+            check_supernet_keys(cfg)
+            if cfg.train.resume and not checkpoint:
+                raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
+                                  f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
         setup_runtime(cfg.parallel, cfg.distributed)
+        joined_by_all("supernet run", cfg.distributed.timeout_s)
         agree_on_config(cfg, "supernet run")  # processes given different configs would hang
         check_platform(cfg.model, jax.devices()[0].platform)
         # With checkpoints, train.out_dir is checked writable before anything is computed

@@ -16,13 +16,22 @@ coordination service saw it go). ``all_or_none`` runs such a stretch of the star
 every process and then shares its outcome: an exception on any process stops every
 process, the others naming the one that failed and its message. And
 ``agree_on_checkpoint``: every process sees the same checkpoints before any reads one.
+
+A mistake found before the processes connect (a config file or run directory on one
+host only) left the others waiting out ``distributed.timeout_s`` for a peer that had
+already gone. ``joined_by_all`` is the first collective of every multi-process start;
+``stop_everywhere`` has a process whose config could not be read join the others there
+anyway (the launcher's environment, or the ``distributed.*`` overrides, say how) and stop
+them with its error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -141,20 +150,95 @@ def all_or_none(what: str = "run"):
         # [0]: 0 went through, 1 a ConfigError, 2 another exception; then the message.
         line = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
         if failure is not None:
-            mistake = isinstance(failure, ConfigError)
-            text = (str(failure) if mistake else f"{type(failure).__name__}: {failure}").encode()
-            text = text[:_MESSAGE_BYTES]
-            line[0], line[1:1 + len(text)] = 1 if mistake else 2, np.frombuffer(text, np.uint8)
+            text = _outcome(failure).encode()[:_MESSAGE_BYTES + 1]
+            line[:len(text)] = np.frombuffer(text, np.uint8)
         lines = np.asarray(multihost_utils.process_allgather(line))
         failed = [p for p in range(len(lines)) if lines[p, 0]]
         if failure is None and failed:
             p = failed[0]
-            message = lines[p, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
-            if lines[p, 0] == 1:
-                raise ConfigError(f"process {p} stopped the {what}: {message}")
-            raise RuntimeError(f"process {p} failed in the {what} ({message}); its output has the traceback")
+            _raise_theirs(p, lines[p].tobytes().rstrip(b"\0").decode(errors="replace"), what)
     if failure is not None:
         raise failure
 
 
-__all__ = ["agree_on_checkpoint", "agree_on_config", "agree_on_model", "all_or_none"]
+_gates = itertools.count()  # every process passes the same gates in the same order
+
+
+def joined_by_all(what: str, timeout_s: int, failure: Exception | None = None) -> None:
+    """The first exchange of a multi-process start, right after ``setup_runtime``: a
+    process that arrives with a ``failure`` (``stop_everywhere``) stops every process.
+    Through the coordination service's key-value store, not a device collective: a
+    process that could not read its config may have another device count, and Gloo's
+    connection lines, printed as a first collective connects, garbled the error lines
+    printed just after it. Nothing to do with one process."""
+    if jax.process_count() == 1:
+        if failure is not None:
+            raise failure
+        return
+    from jax._src.distributed import global_state  # the client jax.distributed started
+
+    gate = f"mindpipe/start/{next(_gates)}"
+    mine = "" if failure is None else _outcome(failure)
+    global_state.client.key_value_set(f"{gate}/{jax.process_index()}", mine)
+    if failure is not None:
+        raise failure
+    for p in range(jax.process_count()):
+        theirs = global_state.client.blocking_key_value_get(f"{gate}/{p}", timeout_s * 1000)
+        if theirs:
+            _raise_theirs(p, theirs, what)
+
+
+def _outcome(failure: Exception) -> str:
+    """A failure as sent to the other processes: ``1`` (a ConfigError) or ``2`` (anything
+    else, named), then its message."""
+    if isinstance(failure, ConfigError):
+        return "1" + str(failure)[:_MESSAGE_BYTES]
+    return "2" + f"{type(failure).__name__}: {failure}"[:_MESSAGE_BYTES]
+
+
+def _raise_theirs(p: int, outcome: str, what: str) -> NoReturn:
+    """Stop this process for process ``p``'s failure (``_outcome``)."""
+    if outcome[0] == "1":
+        raise ConfigError(f"process {p} stopped the {what}: {outcome[1:]}")
+    raise RuntimeError(f"process {p} failed in the {what} ({outcome[1:]}); its output has the traceback")
+
+
+def stop_everywhere(err: Exception, what: str, overrides=()) -> NoReturn:
+    """Raise ``err``, a mistake found before the runtime started (this process's config
+    file or run directory missing), after stopping the other processes of a multi-process
+    job with it at their ``joined_by_all``, if this process can reach them: the launcher's
+    environment (``MINDPIPE_*``, SLURM) or the ``distributed.*`` overrides among
+    ``overrides`` say how. Without that, the others stop when ``distributed.timeout_s``
+    ends their wait for it."""
+    from mindpipe_jax.parallel.mesh import distributed_settings, setup_runtime
+
+    cfg = Config()
+    # How this process joins: whichever of those overrides parse (one may be the mistake).
+    for override in overrides:
+        if override.startswith(("distributed.", "parallel.simulate_cpu_devices=")):
+            with contextlib.suppress(ConfigError):
+                cfg = cfg.replace(override)
+    if not jax.distributed.is_initialized():  # (it is where a --model import failed)
+        try:
+            reachable = distributed_settings(cfg.distributed) is not None
+        except ConfigError:
+            reachable = False
+        if not reachable:
+            raise err
+        setup_runtime(cfg.parallel, cfg.distributed)
+    joined_by_all(what, cfg.distributed.timeout_s, err)
+    raise err  # (joined_by_all raised it)
+
+
+@contextlib.contextmanager
+def stops_everywhere(what: str, overrides=()):
+    """The start-up before ``setup_runtime`` (reading the config, checks of it): a
+    ``ConfigError`` in it is raised through ``stop_everywhere``."""
+    try:
+        yield
+    except ConfigError as err:
+        stop_everywhere(err, what, overrides)
+
+
+__all__ = ["agree_on_checkpoint", "agree_on_config", "agree_on_model", "all_or_none", "joined_by_all",
+           "stop_everywhere", "stops_everywhere"]

@@ -47,7 +47,14 @@ from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
 from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
-from mindpipe_jax.train.agreement import agree_on_checkpoint, agree_on_config, agree_on_model, all_or_none
+from mindpipe_jax.train.agreement import (
+    agree_on_checkpoint,
+    agree_on_config,
+    agree_on_model,
+    all_or_none,
+    joined_by_all,
+    stops_everywhere,
+)
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     prepare_out_dir,
@@ -141,14 +148,16 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     measures (``tuner.epara.MeasuredThroughput``).
     """
     with StartupInterrupts():  # Ctrl-C before the loop: KeyboardInterrupt, never swallowed
-        cfg = config_argument(config)
-        if overrides:
-            cfg = cfg.replace(*overrides)
-        if cfg.train.deterministic and cfg.parallel.tensor == 0:
-            cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
-        if not isinstance(data, TokenSplits):  # split by data.val_fraction
-            check_validation_split(cfg)
+        with stops_everywhere("training run", overrides):  # a mistake of this process only stops all
+            cfg = config_argument(config)
+            if overrides:
+                cfg = cfg.replace(*overrides)
+            if cfg.train.deterministic and cfg.parallel.tensor == 0:
+                cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
+            if not isinstance(data, TokenSplits):  # split by data.val_fraction
+                check_validation_split(cfg)
         setup_runtime(cfg.parallel, cfg.distributed)
+        joined_by_all("training run", cfg.distributed.timeout_s)
         agree_on_config(cfg, "training run")  # processes given different configs would hang
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
