@@ -173,6 +173,9 @@ CASES = [
      "model.n_experts=6", None),
     ("top_k above n_experts", ["model.n_experts=4", "model.top_k=5"], "model.top_k=5", None),
     ("capacity factor", ["model.n_experts=4", "model.capacity_factor=0.0"], "capacity_factor=0.0", None),
+    # ~2 TB by the compiler's count: killed by the kernel (status 137, no message) before.
+    ("a step larger than the host's memory", ["model.seq_len=4096", "train.global_batch=2048"],
+     "GiB free: it would be killed for it", "cli"),
     ("stage layers", ["parallel.pipe=2", "parallel.data=4", "parallel.stage_layers=[1, 2]"], "[1, 2]",
      None),
     ("heads vs d_model", ["model.d_model=30", "model.n_heads=4"], "model.d_model=30", None),

@@ -16,7 +16,7 @@ import numpy as np
 from mindpipe_jax.config import Config, from_dict
 from mindpipe_jax.data import TokenSplits, eval_batches, resolve_data
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.supernet.plan import check_axes, data_devices, mesh_label
 from mindpipe_jax.supernet.run_setup import (
     KIND,
@@ -26,13 +26,7 @@ from mindpipe_jax.supernet.run_setup import (
 )
 from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
-from mindpipe_jax.train.agreement import (
-    agree_on_checkpoint,
-    agree_on_config,
-    all_or_none,
-    joined_by_all,
-    stops_everywhere,
-)
+from mindpipe_jax.train.agreement import agree_on_checkpoint, all_or_none, start_together, stops_everywhere
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
@@ -173,9 +167,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         cfg = _run_config(run_dir, overrides)
     if cfg.parallel.tensor == 0:
         cfg = cfg.replace("parallel.tensor=1")
-    setup_runtime(cfg.parallel, cfg.distributed)
-    joined_by_all("search", cfg.distributed.timeout_s)
-    agree_on_config(cfg, "search")  # processes given different overrides would hang
+    start_together(cfg, "search")
     # Reading a checkpoint is collective (orbax): every process must see the same ones.
     agree_on_checkpoint(run_dir / "checkpoints", "search")
     # What else one process may see alone (a data path): checked on every process, then

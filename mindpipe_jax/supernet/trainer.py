@@ -51,7 +51,7 @@ from mindpipe_jax.config import Config, check_supernet_keys, config_argument
 from mindpipe_jax.data import Loader, resolve_data
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.dispatch import DispatchWindow
-from mindpipe_jax.parallel.mesh import make_mesh, setup_runtime
+from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.supernet.layout import global_array
 from mindpipe_jax.supernet.model import SuperGPT
@@ -76,10 +76,9 @@ from mindpipe_jax.supernet.spara import (
 )
 from mindpipe_jax.train.agreement import (
     agree_on_checkpoint,
-    agree_on_config,
     agree_on_model,
     all_or_none,
-    joined_by_all,
+    start_together,
     stops_everywhere,
 )
 from mindpipe_jax.train.checkpoint import (
@@ -143,9 +142,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             if cfg.train.resume and not checkpoint:
                 raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
                                   f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
-        setup_runtime(cfg.parallel, cfg.distributed)
-        joined_by_all("supernet run", cfg.distributed.timeout_s)
-        agree_on_config(cfg, "supernet run")  # processes given different configs would hang
+        start_together(cfg, "supernet run")
         check_platform(cfg.model, jax.devices()[0].platform)
         # With checkpoints, train.out_dir is checked writable before anything is computed
         # and locked against a second run for this run's life (see train.rundir).

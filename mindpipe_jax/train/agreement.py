@@ -230,6 +230,18 @@ def stop_everywhere(err: Exception, what: str, overrides=()) -> NoReturn:
     raise err  # (joined_by_all raised it)
 
 
+def start_together(cfg: Config, what: str) -> None:
+    """``setup_runtime`` for ``cfg``, then, with several processes, stop all of them if
+    any could not read its config (``joined_by_all``) or was given another config than
+    process 0 (``agree_on_config``): they would wait on each other at the first step
+    they differ in."""
+    from mindpipe_jax.parallel.mesh import setup_runtime
+
+    setup_runtime(cfg.parallel, cfg.distributed)
+    joined_by_all(what, cfg.distributed.timeout_s)
+    agree_on_config(cfg, what)
+
+
 @contextlib.contextmanager
 def stops_everywhere(what: str, overrides=()):
     """The start-up before ``setup_runtime`` (reading the config, checks of it): a
@@ -241,4 +253,4 @@ def stops_everywhere(what: str, overrides=()):
 
 
 __all__ = ["agree_on_checkpoint", "agree_on_config", "agree_on_model", "all_or_none", "joined_by_all",
-           "stop_everywhere", "stops_everywhere"]
+           "start_together", "stop_everywhere", "stops_everywhere"]

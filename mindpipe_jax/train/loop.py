@@ -36,23 +36,17 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mindpipe_jax.config import (
-    Config,
-    check_validation_split,
-    config_argument,
-)
+from mindpipe_jax.config import Config, check_validation_split, config_argument
 from mindpipe_jax.data import TokenSplits, resolve_data
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
-from mindpipe_jax.parallel.mesh import setup_runtime
 from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.train.agreement import (
     agree_on_checkpoint,
-    agree_on_config,
     agree_on_model,
     all_or_none,
-    joined_by_all,
+    start_together,
     stops_everywhere,
 )
 from mindpipe_jax.train.checkpoint import (
@@ -63,6 +57,7 @@ from mindpipe_jax.train.checkpoint import (
     restore_verified,
 )
 from mindpipe_jax.train.clock import Interval, aside
+from mindpipe_jax.train.memory_fit import compile_fitting
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
 from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
@@ -156,9 +151,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
                 cfg = cfg.replace("parallel.tensor=1")  # auto never picks what deterministic mode refuses
             if not isinstance(data, TokenSplits):  # split by data.val_fraction
                 check_validation_split(cfg)
-        setup_runtime(cfg.parallel, cfg.distributed)
-        joined_by_all("training run", cfg.distributed.timeout_s)
-        agree_on_config(cfg, "training run")  # processes given different configs would hang
+        start_together(cfg, "training run")
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
         with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules):
@@ -220,6 +213,12 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
             split = f"parallel.stage_layers={resumed.split}"
             layout = dataclasses.replace(layout, cfg=layout.cfg.replace(split))
 
+    try:  # before any file: a step that cannot fit in memory is a mistake to refuse
+        compile_s = compile_fitting(layout, state_resident=resume_step is not None)
+    except BaseException:
+        feed.close()
+        raise
+
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()
     if primary:
@@ -258,7 +257,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.
         state = run(state, layout, feed, flops=_model_flops_per_token(model, cfg),
-                    tuner=tuner, reconfigure=reconfigure, preparer=preparer)
+                    tuner=tuner, reconfigure=reconfigure, preparer=preparer, first_compile_s=compile_s)
     finally:
         with FinalSave(jax.process_count() > 1):  # the loop is over: a Ctrl-C now lets this finish
             if preparer is not None:
@@ -321,13 +320,15 @@ class _Run:
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
-    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None, preparer=None):
+    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None, preparer=None,
+                 first_compile_s: float | None = None):
         self.layout, self.feed = layout, feed
         tr = layout.cfg.train
         # train_s in each record: seconds since this call began (first compile, steps, tuner
         # switches and recompiles included), less evaluation and checkpoint saving.
         clock = Interval()
         step_fn, compile_s = layout.compile()
+        compile_s = first_compile_s if first_compile_s is not None else compile_s
         eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
         primary = jax.process_index() == 0

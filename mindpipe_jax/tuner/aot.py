@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.train.memory_fit import step_bytes
 from mindpipe_jax.tuner.facts import ModelFacts
 from mindpipe_jax.tuner.space import Candidate, check_candidate
 
@@ -117,18 +118,6 @@ class Feasibility:
         return cls(**{**d, "candidate": Candidate(**d["candidate"])})
 
 
-def peak_bytes(stats) -> float:
-    """A compiled step's peak bytes per device from its ``memory_analysis()``, the state
-    donated: arguments + temporaries + outputs - aliases."""
-    return _peak(stats)[0]
-
-
-def _peak(stats) -> tuple[float, float, float, float, float]:
-    arg, out = float(stats.argument_size_in_bytes), float(stats.output_size_in_bytes)
-    temp, alias = float(stats.temp_size_in_bytes), float(stats.alias_size_in_bytes)
-    return arg + temp + out - alias, arg, temp, out, alias
-
-
 def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=None,
                       devices=None, facts: ModelFacts | None = None) -> Feasibility:
     """Compile ``cand``'s step on abstract shapes and judge it against the budget
@@ -146,7 +135,7 @@ def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=N
         first = (str(err).strip().splitlines() or [""])[0][:200]
         return Feasibility(cand, False, reason=f"compile failed: {type(err).__name__}: {first}")
     compile_s = time.perf_counter() - t0
-    peak, arg, temp, out, alias = _peak(compiled.memory_analysis())
+    peak, arg, temp, out, alias = step_bytes(compiled.memory_analysis())
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, list) else costs
     fits = peak <= budget_bytes
