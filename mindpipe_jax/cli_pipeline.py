@@ -282,7 +282,8 @@ def _compiled_memory(cfg, mesh, model=None):
     import jax
 
     from mindpipe_jax.errors import ConfigError
-    from mindpipe_jax.tuner.aot import build_step, peak_bytes
+    from mindpipe_jax.train.memory_fit import peak_bytes
+    from mindpipe_jax.tuner.aot import build_step
 
     need, have = math.prod(mesh.shape.values()), jax.device_count()
     if need != have:

@@ -126,7 +126,7 @@ def test_plan_compiled_reports_the_compiled_steps_memory(capsys):
     import re
 
     from mindpipe_jax.cli import main
-    from mindpipe_jax.tuner.aot import peak_bytes
+    from mindpipe_jax.train.memory_fit import peak_bytes
 
     layout = [*SMALL, "parallel.data=4"]
     assert main(["plan", *layout, "--repeats", "1", "--compiled", "--remat", "full"]) == 0

@@ -156,6 +156,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, dense_run, tmp_pat
         search_checkpoint(tmp_path / "unsaved")
 
 
+def test_a_supernet_step_larger_than_the_hosts_memory_is_one_line_before_anything_is_written(tmp_path):
+    """Its masked step is compiled ahead of the first step, and checked as the train
+    step is (train/memory_fit.py): here ~TBs by the compiler's count, where the kernel
+    killed the run at its first step without a word (status 137)."""
+    out = tmp_path / "big"
+    code, stdout, stderr = _cli("supernet", *TINY, *SUPERNET, "model.seq_len=4096", "train.global_batch=2048",
+                                "data.synthetic_tokens=16777216", f"train.out_dir={out}")
+    assert code == 2, (stdout, stderr)
+    assert stderr.count("\n") == 1 and "GiB free: it would be killed for it" in stderr, stderr
+    assert not out.exists()
+
+
 def test_a_users_supernet_is_named_with_the_way_to_search_it(tmp_path):
     """`mindpipe search` rebuilds only the reference SuperGPT: on a run of a supernet of the
     user's own it said "another supernet than SuperGPT ... pass the model that wrote it",

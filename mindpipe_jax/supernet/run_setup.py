@@ -35,6 +35,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
 )
 from mindpipe_jax.train.checkpoint import prepare_out_dir, read_meta
+from mindpipe_jax.train.memory_fit import check_step_fits
 
 KIND = "supernet"  # meta["kind"] of a supernet checkpoint (dense runs have none)
 
@@ -85,6 +86,7 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
         rows = NamedSharding(mesh, P(DATA_AXES))
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
         masked = masked.lower(state, plan(subnets).arrays(), {"inputs": tokens, "targets": tokens}).compile()
+        check_step_fits(masked, mesh, state_resident=True)  # before its first step (it was a SIGKILL)
 
     def run(state, step_plan, batch):
         return masked(state, step_plan.arrays(), batch)
@@ -115,7 +117,8 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
         state, subnets = compile_with
         rows = NamedSharding(mesh, P(DATA_AXES))
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-        piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens})
+        check_step_fits(piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens}),
+                        mesh, state_resident=True)
         compiled = f", compiled in {time.perf_counter() - t0:.1f}s"
     why = ("supernet.ladder_levels=0" if not sn.ladder_levels
            else f"{type(spec.module).__name__} has no sliced path")

@@ -206,7 +206,11 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     # Sliced where the supernet offers it; a custom supernet without a sliced path trains
     # masked (compiled here, ahead of time).
-    configured = configured_step(spec, mesh, cfg, compile_with=(state, sampler(0)))
+    try:  # a step that cannot fit in memory is refused here (check_step_fits)
+        configured = configured_step(spec, mesh, cfg, compile_with=(state, sampler(0)))
+    except BaseException:
+        loader.close()
+        raise
     make_plan, step_fn, compiled = configured.plan, configured.run, configured.description
     say(f"supernet: {spec.space.num_architectures:,} architectures ({spec.space.size:,} vectors) | "
         f"{sn.subnets_per_step} subnets/step, {sn.semantics}, {sn.strategy} | mesh {mesh_label(mesh)} | "

@@ -177,13 +177,18 @@ def joined_by_all(what: str, timeout_s: int, failure: Exception | None = None) -
         return
     from jax._src.distributed import global_state  # the client jax.distributed started
 
+    client = global_state.client
+    if client is None:  # processes JAX connected some other way: a device collective then
+        with all_or_none(what):
+            if failure is not None:
+                raise failure
+        return
     gate = f"mindpipe/start/{next(_gates)}"
-    mine = "" if failure is None else _outcome(failure)
-    global_state.client.key_value_set(f"{gate}/{jax.process_index()}", mine)
+    client.key_value_set(f"{gate}/{jax.process_index()}", "" if failure is None else _outcome(failure))
     if failure is not None:
         raise failure
     for p in range(jax.process_count()):
-        theirs = global_state.client.blocking_key_value_get(f"{gate}/{p}", timeout_s * 1000)
+        theirs = client.blocking_key_value_get(f"{gate}/{p}", timeout_s * 1000)
         if theirs:
             _raise_theirs(p, theirs, what)
 
