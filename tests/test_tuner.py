@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -306,6 +307,10 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     assert "entropyput" in text and "measured" in text and "best: " in text
+    # Without --budget-mb the budget is what a device holds: here the host's free memory over 8.
+    budget = re.search(r"^memory budget: ([\d,]+) MiB per device \(this host's [\d.]+ GiB free, shared by 8 "
+                       r"devices; --budget-mb sets another\)$", text, re.M)
+    assert budget and 0 < int(budget[1].replace(",", "")) < 2**20, text[:500]
     rows = json.loads(table.read_text())["rows"]
     assert len(rows) == 4  # (d8, d4 t2; tensor 4 and 8 exceed n_heads=2) x 2 batches
     first = rows[0]

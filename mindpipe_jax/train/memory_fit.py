@@ -12,6 +12,8 @@ what would shrink it.
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from mindpipe_jax.errors import ConfigError
@@ -45,6 +47,23 @@ def host_free_bytes(meminfo: str = "/proc/meminfo") -> float | None:
     except (OSError, KeyError, ValueError):
         return None
     return kib * 1024.0
+
+
+def device_budget_bytes(devices) -> tuple[float, str]:
+    """What one of ``devices`` (this process's) can hold for a step, and where that figure
+    comes from: an accelerator's allocator limit, or on CPUs the host's free memory shared
+    by the devices; ``inf`` where neither is known."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    if local[0].platform == "cpu":
+        free = host_free_bytes()
+        if free is None:
+            return math.inf, "unknown"
+        return free / len(local), f"this host's {free / _GIB:.1f} GiB free, shared by {len(local)} devices"
+    try:
+        limit = (local[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 -- a device that keeps no statistics
+        limit = None
+    return (float(limit), f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
 
 
 def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None) -> None:

@@ -70,7 +70,9 @@ def add_parser(sub, add_config_args, formatter) -> argparse.ArgumentParser:
     p.add_argument("--remat", metavar="LIST", default="none,full",
                    help=f"remat policies, of {', '.join(REMATS)} (default: none,full)")
     p.add_argument("--budget-mb", metavar="N", default=None,
-                   help="memory budget per device in MB (2^20 bytes); default: unlimited")
+                   help="memory budget per device in MB (2^20 bytes); default: what a device "
+                        "holds (an accelerator's limit; on CPUs the host's free memory shared by "
+                        "its devices)")
     p.add_argument("--max-compile", metavar="N", default="8",
                    help="candidates to compile for the memory check, best predicted first (default: 8)")
     p.add_argument("--measure", metavar="N", default="3",
@@ -242,6 +244,14 @@ def run(args: argparse.Namespace) -> int:
                                   f"signal is still below its noise); raise --probe-steps or give --b-noise")
             print(f"noise probe: {probe_steps} steps at batch {min(batches)}, loss {probe.losses[0]:.3f} -> "
                   f"{probe.losses[-1]:.3f}, B_noise ~ {b_noise:.1f}", flush=True)
+    if args.budget_mb is None:  # what the devices hold: a layout past it would be killed
+        import jax
+
+        from mindpipe_jax.train.memory_fit import device_budget_bytes
+        budget, source = device_budget_bytes(jax.devices())
+        if budget < math.inf:
+            print(f"memory budget: {budget / 2**20:,.0f} MiB per device ({source}; --budget-mb sets "
+                  f"another)", flush=True)
     result = tune(cfg, budget_bytes=budget, global_batches=batches, axes=axes, microbatches=micro,
                   schedules=schedules, remats=remats, max_compile=max_compile, measure=measure,
                   trial_steps=trial_steps, b_noise=b_noise, cache_path=args.cache, model=model,
