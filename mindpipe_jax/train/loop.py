@@ -213,11 +213,8 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
             split = f"parallel.stage_layers={resumed.split}"
             layout = dataclasses.replace(layout, cfg=layout.cfg.replace(split))
 
-    try:  # before any file: a step that cannot fit in memory is a mistake to refuse
-        compile_s = compile_fitting(layout, state_resident=resume_step is not None)
-    except BaseException:
-        feed.close()
-        raise
+    # Before any file: a step that cannot fit in memory is a mistake to refuse.
+    compile_s = compile_fitting(layout, state_resident=resume_step is not None, on_error=feed.close)
 
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()
@@ -328,7 +325,8 @@ class _Run:
         # switches and recompiles included), less evaluation and checkpoint saving.
         clock = Interval()
         step_fn, compile_s = layout.compile()
-        compile_s = first_compile_s if first_compile_s is not None else compile_s
+        if first_compile_s is not None:  # compiled before the call (_train's memory check): count it
+            clock.t0 -= (compile_s := first_compile_s)
         eval_fn = layout.eval_fn(feed)
         peak = peak_flops_per_device(tr.peak_tflops)
         primary = jax.process_index() == 0

@@ -105,10 +105,16 @@ def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float |
             f"{limit / _GIB:.2f} GiB; {_SHRINK}")
 
 
-def compile_fitting(layout, *, state_resident: bool) -> float:
+def compile_fitting(layout, *, state_resident: bool, on_error=None) -> float:
     """Compile ``layout``'s own step (kept by the layout) and refuse it on every process
-    where it cannot fit on any (``check_step_fits``); the seconds the compile took."""
-    step_fn, seconds = layout.compile()
-    with all_or_none("training run"):
-        check_step_fits(getattr(step_fn, "compiled", step_fn), layout.mesh, state_resident=state_resident)
+    where it cannot fit on any (``check_step_fits``); the seconds the compile took.
+    ``on_error``: called before an exception leaves (to close what the caller opened)."""
+    try:
+        step_fn, seconds = layout.compile()
+        with all_or_none("training run"):
+            check_step_fits(getattr(step_fn, "compiled", step_fn), layout.mesh, state_resident=state_resident)
+    except BaseException:
+        if on_error is not None:
+            on_error()
+        raise
     return seconds
