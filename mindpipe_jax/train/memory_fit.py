@@ -49,21 +49,32 @@ def host_free_bytes(meminfo: str = "/proc/meminfo") -> float | None:
     return kib * 1024.0
 
 
+def _local(devices) -> list:
+    """This process's devices among ``devices``."""
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+def _allocator_limit(device) -> float | None:
+    """An accelerator's allocator limit in bytes, or None where it keeps no statistics."""
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 -- a device that keeps no statistics
+        return None
+    return float(limit) if limit else None
+
+
 def device_budget_bytes(devices) -> tuple[float, str]:
     """What one of ``devices`` (this process's) can hold for a step, and where that figure
     comes from: an accelerator's allocator limit, or on CPUs the host's free memory shared
     by the devices; ``inf`` where neither is known."""
-    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    local = _local(devices) or list(devices)
     if local[0].platform == "cpu":
         free = host_free_bytes()
         if free is None:
             return math.inf, "unknown"
         return free / len(local), f"this host's {free / _GIB:.1f} GiB free, shared by {len(local)} devices"
-    try:
-        limit = (local[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 -- a device that keeps no statistics
-        limit = None
-    return (float(limit), f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
+    limit = _allocator_limit(local[0])
+    return (limit, f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
 
 
 def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None) -> None:
@@ -79,7 +90,7 @@ def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float |
     if stats is None:
         return
     peak, _, temp, out, alias = step_bytes(stats)
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    local = _local(mesh.devices.flat)
     if not local:
         return
     if local[0].platform == "cpu":
@@ -94,10 +105,7 @@ def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float |
                 f"{each / _GIB:.2f} GiB of {what}, by the compiler's count) and this host has "
                 f"{free / _GIB:.1f} GiB free: it would be killed for it; {_SHRINK}")
         return
-    try:
-        limit = (local[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 -- a device that keeps no statistics
-        limit = None
+    limit = _allocator_limit(local[0])
     if limit and peak > limit:
         raise ConfigError(
             f"the train step needs {peak / _GIB:.2f} GiB per device (state, activations and "
