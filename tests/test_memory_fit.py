@@ -12,7 +12,13 @@ import pytest
 from jax.sharding import Mesh
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.train.memory_fit import check_step_fits, host_free_bytes, peak_bytes
+from mindpipe_jax.train.memory_fit import (
+    check_step_fits,
+    fit_problem,
+    host_free_bytes,
+    peak_bytes,
+    state_bytes,
+)
 
 GIB = 2**30
 
@@ -47,6 +53,29 @@ def test_a_state_already_in_memory_is_not_counted_twice():
         check_step_fits(_compiled(), _mesh(4), state_resident=True, free_bytes=7.9 * GIB)
 
 
+def test_a_switch_counts_the_state_it_replaces_and_the_copy_beside_it():
+    # The tuner's switch: the current state (2 GiB on this process) stays until the copy is
+    # made. The step's 4 x 3 GiB less the 2 GiB freed before it runs: 10 GiB more; the copy
+    # alone 4 x 1 GiB.
+    assert fit_problem(_compiled(), _mesh(4), state_resident=False, replacing_bytes=2 * GIB,
+                       free_bytes=10 * GIB) is None
+    problem = fit_problem(_compiled(), _mesh(4), state_resident=False, replacing_bytes=2 * GIB,
+                          free_bytes=9.9 * GIB)
+    assert problem.startswith("the switch needs 10.0 GiB more memory than the run holds now"), problem
+    # A state that shrinks a lot (the new layout shards it more): the copy binds.
+    big = _compiled(arg=3.0, temp=0.5, out=3.0, alias=3.0)
+    problem = fit_problem(big, _mesh(4), state_resident=False, replacing_bytes=40 * GIB,
+                          free_bytes=11.9 * GIB)
+    assert "needs 12.0 GiB" in problem and "copy 12.00 GiB" in problem
+
+
+def test_state_bytes_counts_this_process_shards():
+    mesh = _mesh(4)
+    sharded = jax.device_put(np.zeros((8, 4), np.float32), jax.NamedSharding(mesh, jax.P("data")))
+    replicated = jax.device_put(np.zeros((8,), np.float32), jax.NamedSharding(mesh, jax.P()))
+    assert state_bytes({"a": sharded, "b": [replicated]}) == 8 * 4 * 4 + 4 * 8 * 4
+
+
 def test_an_accelerator_is_judged_by_its_own_limit():
     class Gpu:
         platform, device_kind, process_index = "gpu", "NVIDIA H100", 0
@@ -63,6 +92,10 @@ def test_an_accelerator_is_judged_by_its_own_limit():
     check_step_fits(_compiled(), mesh(3 * GIB), state_resident=False, free_bytes=0.0)  # host RAM is not it
     with pytest.raises(ConfigError, match=r"3\.00 GiB per device .* a NVIDIA H100 holds 2\.50 GiB"):
         check_step_fits(_compiled(), mesh(2.5 * GIB), state_resident=False)
+    # A switch: the copy (1 GiB) beside the current state (6 GiB over the two: 3 each) is 4 GiB.
+    problem = fit_problem(_compiled(), mesh(3.5 * GIB), state_resident=False, replacing_bytes=6 * GIB)
+    assert "4.00 GiB per device (state, activations and temporaries, and the current state while it is " \
+           "copied" in problem, problem
 
 
 def test_a_backend_without_the_analysis_is_not_checked():

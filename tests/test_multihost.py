@@ -18,7 +18,8 @@ compared with the same config trained in this single process:
   devices, stage 1 on process 1's), the same comparison;
 * deterministic mode on data=8: bitwise equal;
 * the online tuner switching the batch mid-run: process 0's decision taken by both
-  (the same switch at the same step as one process), then equal to one process;
+  (the same switch at the same step as one process), then equal to one process; and a
+  switch whose step one process cannot fit in memory refused by both;
 * a coordinator port taken by another program: one line and exit 4 on both
   processes, well within the timeout; the coordinator binds the IP address given.
 
@@ -31,6 +32,7 @@ bounded.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -73,10 +75,10 @@ def _free_port() -> int:
 
 def _launch(args: list[str], how: str, *, cache: Path, cwd: Path | tuple[Path, Path], timeout_s: int = 60,
             port: int | None = None, own: tuple[list[str], list[str]] = ([], []),
-            command: str = "train") -> list[Train]:
+            command: str = "train", own_env: tuple[dict, dict] = ({}, {})) -> list[Train]:
     """Processes 0 and 1 of a 2-process ``mindpipe <command>``, told the coordinator as
-    ``how`` says; ``own``: overrides given to process 0 and to process 1 only; ``cwd``:
-    one working directory, or one for each."""
+    ``how`` says; ``own``: overrides given to process 0 and to process 1 only (``own_env``:
+    environment variables); ``cwd``: one working directory, or one for each."""
     cwds = cwd if isinstance(cwd, tuple) else (cwd, cwd)
     port = port or _free_port()
     procs = []
@@ -92,7 +94,7 @@ def _launch(args: list[str], how: str, *, cache: Path, cwd: Path | tuple[Path, P
             extra_args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
                           f"distributed.process_id={pid}"]
         procs.append(Train([*args, *CHILD, f"distributed.timeout_s={timeout_s}", *extra_args, *own[pid]],
-                           env=cli_env(cache, **env), cwd=cwds[pid], command=command))
+                           env=cli_env(cache, **env, **own_env[pid]), cwd=cwds[pid], command=command))
     return procs
 
 
@@ -304,6 +306,38 @@ def test_a_tuner_switch_is_taken_alike_on_both_processes(tmp_path, cache):
     assert switched and switched == [(h["step"], h["tuner"]["to"]) for h in single.history if "tuner" in h]
     assert switched[0][1].endswith("B32") and records[-1]["tuner/batch"] == 32
     _compare(_state(single, TUNED), _state(out, TUNED), bitwise=False)
+
+
+# Imported first by process 1 of the next test (its PYTHONPATH): the first step's memory
+# check passes, and from then on the host has 1 MiB free, as if another job had taken it.
+SHORT_OF_MEMORY = """
+import importlib
+memory_fit = importlib.import_module("mindpipe_jax.train.memory_fit")  # (mindpipe_jax.train: the function)
+checks = []
+def host_free_bytes(meminfo="/proc/meminfo"):
+    checks.append(1)
+    return float("inf") if len(checks) == 1 else 2.0**20
+memory_fit.host_free_bytes = host_free_bytes
+"""
+
+
+def test_a_switch_one_process_cannot_fit_is_refused_on_both(tmp_path, cache):
+    """The tuner's B32 compiles on both processes; process 1 finds its step too large for
+    its host's memory, and both stay at B16 (process 0 alone switching would leave them in
+    different programs: a hang at the next step) and finish the run."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SHORT_OF_MEMORY)
+    path = {"PYTHONPATH": f"{hook}{os.pathsep}{cli_env()['PYTHONPATH']}"}
+    out = tmp_path / "cluster"
+    outputs = _finish(_launch([*MH, *TUNED, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path,
+                              own_env=({}, path)))
+    assert re.search(r"step 4 \| tuner: not switching to .*B32: process 1 stopped the tuner's switch: the "
+                     r"switch needs [0-9.]+ [KMG]iB more memory", outputs[0]), outputs[0][-3000:]
+    records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "tuner_refused" in r] == [4]
+    assert not any("tuner" in r for r in records) and records[-1]["tuner/batch"] == 16
+    assert committed_steps(out / "checkpoints")[-1] == STEPS
 
 
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_timeout(tmp_path, cache):

@@ -507,6 +507,34 @@ def test_resume_after_a_switch_continues_with_the_switched_config(batch_switch_r
     assert resumed.history[-1]["tuner/b_noise"] == full.history[-1]["tuner/b_noise"]
 
 
+def test_a_switch_that_cannot_fit_in_memory_is_refused_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Free memory that has shrunk since the run began (another job took it): the B32 the
+    stub prefers compiles, its step is found too large beside the run, and the run goes on
+    at B16 with that candidate dropped (not compiled again at the next decision). Before,
+    the state moved first and the step ran out of memory: on CPUs the kernel's SIGKILL."""
+    from mindpipe_jax.train import memory_fit
+
+    checks = []
+
+    def free_bytes():  # the first step's check passes; the switch's finds 1 MiB free
+        checks.append(len(checks))
+        return float("inf") if len(checks) == 1 else 2.0**20
+
+    monkeypatch.setattr(memory_fit, "host_free_bytes", free_bytes)
+    config = [*BATCH_SWITCH, "train.steps=15", f"train.out_dir={tmp_path / 'run'}"]
+    result = mp.train(None, None, mp.Config(), *config, step_model=PreferStub(lambda c: c.global_batch == 32))
+    out = capsys.readouterr().out
+    refusals = [h for h in result.history if "tuner_refused" in h]
+    assert [h["step"] for h in refusals] == [5] and refusals[0]["tuner_refused"]["to"].endswith("B32")
+    assert len(checks) == 2  # the decision at step 10 no longer weighs B32
+    assert re.search(r"step 5 \| tuner: not switching to .*B32: the switch needs [0-9.]+ [KMG]iB more memory "
+                     r"than the run holds now .* this host has 1\.0 MiB free", out), out
+    assert not any("tuner" in h for h in result.history)
+    assert result.config.train.global_batch == 16 and result.step == 15
+    assert {h["batch"] for h in result.history if "loss" in h} == {16}
+    assert all(math.isfinite(h["loss"]) for h in result.history if "loss" in h)
+
+
 class FlipStub(PreferStub):
     """B32 predicted at 2.2x B16's samples/s the first time it is asked about, 8x after.
     Times the efficiency ratio eff(32)/eff(16) = (B_noise + 16)/(B_noise + 32), in

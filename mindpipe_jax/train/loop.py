@@ -30,7 +30,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,7 +52,6 @@ from mindpipe_jax.train.agreement import (
 from mindpipe_jax.train.checkpoint import (
     Checkpointer,
     prepare_out_dir,
-    read_meta,
     remove_incomplete,
     restore_verified,
 )
@@ -60,12 +59,13 @@ from mindpipe_jax.train.clock import Interval, aside
 from mindpipe_jax.train.memory_fit import compile_fitting
 from mindpipe_jax.train.metrics import MetricsWriter, format_line, mfu, peak_flops_per_device
 from mindpipe_jax.train.prepare import Preparer
-from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched, switch
+from mindpipe_jax.train.reconfigure import Layout, build_layout, make_feed, rebatched
 from mindpipe_jax.train.repartition import Resumed, on_resume, replan
 from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state, resume_lines
 from mindpipe_jax.train.step import nonfinite_leaf_names
+from mindpipe_jax.train.tuned import OnlineTuning, Switcher, SwitchRefused, saved_tuning
 
 
 @dataclasses.dataclass
@@ -105,32 +105,6 @@ def _host(tree):
     return jax.device_get(jax.tree.map(local, tree))
 
 
-def _saved_tuning(cfg: Config) -> dict:
-    """The tuner's state in the checkpoint ``train.resume=true`` continues from, or {}."""
-    if not cfg.train.resume:
-        return {}
-    found = read_meta(Path(cfg.train.out_dir).absolute() / "checkpoints")
-    return (found[1].get("tuner") or {}) if found else {}
-
-
-class OnlineTuning(Protocol):
-    """What the loop needs from an online tuner (``tuner.epara.EParaTuning``). The loop
-    does not import ``tuner/`` (imports point from tuner to train): ``mindpipe_jax.train``
-    plugs it in."""
-
-    def resume(self, cfg: Config, saved: dict, model=None) -> tuple[Config, dict]:
-        """``cfg`` as the tuned run was when ``saved`` (a checkpoint's tuner state) was
-        written, and that state; on another device count both re-planned for it (and for
-        ``model``, a user's as ``train`` takes it; None: ``cfg.model``'s)."""
-
-    def initial_gain(self, cfg: Config) -> float:
-        """The learning-rate gain a fresh tuned run starts with."""
-
-    def make(self, cfg: Config, mesh, saved: dict, lr_gain: float, step_model, model=None):
-        """The tuner object the loop feeds and asks (``tuner.epara.OnlineTuner``), judging
-        layouts for ``model`` (a user's; None: ``cfg.model``'s)."""
-
-
 def train(model=None, data=None, config: Config | None = None, *overrides: str,
           step_model=None, tuning: OnlineTuning | None = None) -> TrainResult:
     """Train ``model`` (an ``nnx.Module``, a factory ``rngs -> Module``, or None for the
@@ -161,7 +135,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
 
 
 def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) -> TrainResult:
-    tuned = _saved_tuning(cfg)
+    tuned = saved_tuning(cfg)
     if (tuned or cfg.tuner.enabled) and tuning is None:
         raise ConfigError("tuner.enabled=true (or resuming a tuned run) needs the online tuner: call "
                           "mindpipe_jax.train, which plugs it in, not mindpipe_jax.train.loop.train")
@@ -236,17 +210,9 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {}),
             **({"repartition": resumed.chosen} if resumed.chosen else {})}  # later checkpoints carry it on
     tuner = tuning.make(cfg, layout.mesh, tuned, gain, step_model, model) if cfg.tuner.enabled else None
-    ran: dict = {}  # candidate -> the layout it ran on, compiled step kept: switching back is free
     # candidates compiled ahead in the background (tuner.prepare)
     preparer = Preparer(factory_for) if tuner is not None and cfg.tuner.prepare else None
-
-    def reconfigure(state, layout: Layout, feed, decision):
-        ran[decision.before] = layout
-        reuse = ran.get(decision.after)
-        if reuse is None and preparer is not None:
-            reuse = preparer.take(decision.after)
-        return switch(state, layout, feed, decision.after.apply(layout.cfg), decision.lr_gain,
-                      factory_for=factory_for, splits=splits, val_rows=val_rows, reuse=reuse)
+    switcher = Switcher(factory_for, splits, val_rows, preparer)
 
     run = _Run(cfg, ckpt, meta, writer, leaf_names=nonfinite_leaf_names(layout.spec.abstract_params),
                skipped=int(saved_meta.get("skipped_steps", 0)), repartition_owed=resumed.owed_after)
@@ -254,7 +220,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
         # No mesh is set around the loop: the step compiles and evaluation traces under
         # their own layout's mesh, and a switch builds the next model spec outside any.
         state = run(state, layout, feed, flops=_model_flops_per_token(model, cfg),
-                    tuner=tuner, reconfigure=reconfigure, preparer=preparer, first_compile_s=compile_s)
+                    tuner=tuner, switcher=switcher, preparer=preparer, first_compile_s=compile_s)
     finally:
         with FinalSave(jax.process_count() > 1):  # the loop is over: a Ctrl-C now lets this finish
             if preparer is not None:
@@ -317,7 +283,7 @@ class _Run:
                 step=step, group=group,
                 last_checkpoint=None if last is None else self.ckpt.directory / str(last))
 
-    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, reconfigure=None, preparer=None,
+    def __call__(self, state, layout: Layout, feed, *, flops, tuner=None, switcher=None, preparer=None,
                  first_compile_s: float | None = None):
         self.layout, self.feed = layout, feed
         tr = layout.cfg.train
@@ -388,16 +354,23 @@ class _Run:
                 # the new layout, loader position and tuner state, so resuming is exact.
                 decision = tuner.decide(done) if tune_now and not stop and done < tr.steps else None
                 if decision is not None:
-                    with aside(since_log, since_fetch):
-                        state, layout, self.feed = reconfigure(state, layout, self.feed, decision)
-                        step_fn, compile_s = layout.compile()
-                        eval_fn = layout.eval_fn(self.feed)
-                    self.layout = layout
-                    tuner.accept(decision, layout.cfg, compile_s)
-                    self.meta["config"] = layout.cfg.to_dict()
-                    self.meta.pop("repartition", None)  # a tuned layout splits its stages evenly
-                    record.update({"tuner": decision.to_dict(), **tuner.metrics()})
-                    say(f"{decision.line()} | compiled in {compile_s:.1f}s")
+                    try:
+                        with aside(since_log, since_fetch):
+                            state, layout, self.feed, compile_s = switcher(state, layout, self.feed,
+                                                                           decision, layout.cfg)
+                            step_fn, _ = layout.compile()  # the program the switcher compiled
+                            eval_fn = layout.eval_fn(self.feed)
+                    except SwitchRefused as err:  # the run goes on as it was; the tuner drops that layout
+                        tuner.refuse(decision.after)
+                        record["tuner_refused"] = {"to": decision.after.label(), "why": str(err)}
+                        say(f"step {done} | tuner: not switching to {decision.after.label()}: {err}")
+                    else:
+                        self.layout = layout
+                        tuner.accept(decision, layout.cfg, compile_s)
+                        self.meta["config"] = layout.cfg.to_dict()
+                        self.meta.pop("repartition", None)  # a tuned layout splits its stages evenly
+                        record.update({"tuner": decision.to_dict(), **tuner.metrics()})
+                        say(f"{decision.line()} | compiled in {compile_s:.1f}s")
                 if tune_now and preparer is not None and (ahead := tuner.to_prepare()) is not None:
                     preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
                     say(f"step {done} | tuner: compiling {ahead.label()} in the background")

@@ -37,6 +37,14 @@ def step_bytes(stats) -> tuple[float, float, float, float, float]:
     return arg + temp + out - alias, arg, temp, out, alias
 
 
+def _size(n: float, digits: int = 1) -> str:
+    """Bytes as GiB, or MiB/KiB below one GiB (a small model's step is not "0.0 GiB")."""
+    for unit, scale in (("GiB", _GIB), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n / 1024:.{digits}f} KiB"
+
+
 def host_free_bytes(meminfo: str = "/proc/meminfo") -> float | None:
     """Memory a new allocation can still get on this host (Linux's MemAvailable plus free
     swap), or None where that is not known."""
@@ -77,40 +85,69 @@ def device_budget_bytes(devices) -> tuple[float, str]:
     return (limit, f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
 
 
-def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None) -> None:
-    """ConfigError (one line) when ``compiled``, the train step, cannot fit: on CPUs, its
-    bytes times this process's devices against what the host has free (``free_bytes``,
-    default ``host_free_bytes()``), less the state where it is in memory already
-    (``state_resident``: restored from a checkpoint); on an accelerator, its peak against a
-    device's limit. Silent where the compiler or the platform does not say."""
+def fit_problem(compiled, mesh, *, state_resident: bool, replacing_bytes: float = 0.0,
+                free_bytes: float | None = None) -> str | None:
+    """Why ``compiled``, a train step, cannot fit (one clause naming what it needs and what
+    there is), or None: on CPUs, its bytes times this process's devices against what the
+    host has free (``free_bytes``, default ``host_free_bytes()``), less the state where it
+    is in memory already (``state_resident``: restored from a checkpoint); on an
+    accelerator, its peak against a device's limit. ``replacing_bytes``: this process's
+    bytes of a state the step's replaces (a tuner's switch: the state is copied onto the
+    new layout beside the current one, which is freed before the step runs). None where
+    the compiler or the platform does not say."""
     try:
         stats = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 -- a backend without the analysis: nothing to check
-        return
+        return None
     if stats is None:
-        return
-    peak, _, temp, out, alias = step_bytes(stats)
+        return None
+    peak, arg, temp, out, alias = step_bytes(stats)
     local = _local(mesh.devices.flat)
     if not local:
-        return
+        return None
+    n = len(local)
     if local[0].platform == "cpu":
         free = host_free_bytes() if free_bytes is None else free_bytes
+        if free is None:
+            return None
+        if replacing_bytes:
+            need = max(peak * n - replacing_bytes, arg * n)  # the step, or the copy beside the old state
+            if need <= free:
+                return None
+            return (f"the switch needs {_size(need)} more memory than the run holds now (its step "
+                    f"{n} devices x {_size(peak, 2)} by the compiler's count, less the current "
+                    f"state's {_size(replacing_bytes, 2)} it replaces; the state's copy "
+                    f"{_size(arg * n, 2)} beside the current one) and this host has "
+                    f"{_size(free)} free")
         each = (temp + out - alias) if state_resident else peak
         what = "activations and temporaries beside the state" if state_resident else \
             "state, activations and temporaries"
-        need = each * len(local)
-        if free is not None and need > free:
-            raise ConfigError(
-                f"the train step needs {need / _GIB:.1f} GiB of memory ({len(local)} devices x "
-                f"{each / _GIB:.2f} GiB of {what}, by the compiler's count) and this host has "
-                f"{free / _GIB:.1f} GiB free: it would be killed for it; {_SHRINK}")
-        return
+        if each * n <= free:
+            return None
+        return (f"the train step needs {_size(each * n)} of memory ({n} devices x "
+                f"{_size(each, 2)} of {what}, by the compiler's count) and this host has "
+                f"{_size(free)} free: it would be killed for it")
     limit = _allocator_limit(local[0])
-    if limit and peak > limit:
-        raise ConfigError(
-            f"the train step needs {peak / _GIB:.2f} GiB per device (state, activations and "
-            f"temporaries, by the compiler's count) and a {local[0].device_kind} holds "
-            f"{limit / _GIB:.2f} GiB; {_SHRINK}")
+    need = max(peak, arg + replacing_bytes / n)  # the copy sits beside the old state until it is freed
+    if not limit or need <= limit:
+        return None
+    return (f"the train step needs {_size(need, 2)} per device (state, activations and temporaries"
+            f"{', and the current state while it is copied' if need > peak else ''}, by the compiler's "
+            f"count) and a {local[0].device_kind} holds {_size(limit, 2)}")
+
+
+def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None) -> None:
+    """ConfigError (one line) when ``compiled``, the train step, cannot fit (``fit_problem``),
+    with what would shrink it."""
+    problem = fit_problem(compiled, mesh, state_resident=state_resident, free_bytes=free_bytes)
+    if problem is not None:
+        raise ConfigError(f"{problem}; {_SHRINK}")
+
+
+def state_bytes(state) -> float:
+    """This process's bytes of ``state`` (a tree of arrays): its addressable shards."""
+    return float(sum(shard.data.nbytes for leaf in jax.tree.leaves(state)
+                     for shard in getattr(leaf, "addressable_shards", ())))
 
 
 def compile_fitting(layout, *, state_resident: bool, on_error=None) -> float:

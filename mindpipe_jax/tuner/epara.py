@@ -10,7 +10,9 @@ mesh shape (tuner/space.py) and, in a pipeline, microbatch counts from half to f
 times the current one — its step time and so its entropyput
 ``B / t(B) x efficiency(B)``, and returns a ``Decision`` when the best beats the
 current candidate by more than ``tuner.threshold``.
-Switching is the loop's job (train/reconfigure.py).
+Switching is the loop's job (train/tuned.py, train/reconfigure.py): it compiles the chosen
+layout first and refuses one whose step cannot fit in memory beside the run, which the
+tuner then drops (``refuse``).
 
 Step times come from a pluggable ``StepModel``: anything with
 ``step_time(candidate) -> seconds`` and ``observe(candidate, seconds)``, such as
@@ -369,6 +371,16 @@ class OnlineTuner:
             # (after the first step, whose time is discarded); the same step on every process
             self._probe_at = decision.step + 1 + self.cfg.tuner.probe
         self._ran.add(decision.after)
+
+    def refuse(self, c: Candidate) -> None:
+        """The loop could not switch to ``c`` (its step does not fit in memory here): it is
+        not weighed again in this run (every process drops it alike: the loop's refusal is
+        agreed). Its compile took the loop's time, not the steps' (nothing to discard)."""
+        if c != self.current and c in self.candidates:
+            self.candidates.remove(c)
+        self._ready.discard(c)
+        if self._next_up == c:
+            self._next_up = None
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps so ``train.resume=true`` continues as tuned (JSON)."""
