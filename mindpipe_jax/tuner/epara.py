@@ -416,7 +416,7 @@ def cost_model_for(cfg: Config, facts: ModelFacts | None = None):
 
 
 class EParaTuning:
-    """EPara's online tuner as the training loop takes it (``train.loop.OnlineTuning``)."""
+    """EPara's online tuner as the training loop takes it (``train.tuned.OnlineTuning``)."""
 
     def resume(self, cfg: Config, saved: dict, model=None) -> tuple[Config, dict]:
         """The run as it was tuned; on another device count, re-planned (tuner/elastic.py)
