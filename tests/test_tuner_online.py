@@ -535,6 +535,24 @@ def test_a_switch_that_cannot_fit_in_memory_is_refused_and_the_run_goes_on(tmp_p
     assert all(math.isfinite(h["loss"]) for h in result.history if "loss" in h)
 
 
+def test_a_layout_is_compiled_ahead_once_however_often_it_is_asked_for():
+    """The loop says "compiling ... in the background" when a compile starts: asked again
+    while it runs (the tuner names it at each decision until it is ready: three lines for
+    one compile, seen with tuner.meshes), nothing new starts and nothing is said."""
+    from mindpipe_jax.train.prepare import Preparer
+
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "tuner.enabled=true")
+    preparer = Preparer(_gpt)
+    try:
+        assert preparer.submit("b16", cfg, 1.0) is True
+        assert preparer.submit("b16", cfg, 1.0) is False
+        layout = preparer.take("b16")
+        assert layout is not None and layout.compile()[1] == 0.0  # compiled ahead: kept, 0 s now
+        assert preparer.submit("b16", cfg, 1.0) is True  # taken: a later request compiles again
+    finally:
+        preparer.close()
+
+
 class FlipStub(PreferStub):
     """B32 predicted at 2.2x B16's samples/s the first time it is asked about, 8x after.
     Times the efficiency ratio eff(32)/eff(16) = (B_noise + 16)/(B_noise + 32), in

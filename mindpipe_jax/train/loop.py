@@ -372,8 +372,8 @@ class _Run:
                         record.update({"tuner": decision.to_dict(), **tuner.metrics()})
                         say(f"{decision.line()} | compiled in {compile_s:.1f}s")
                 if tune_now and preparer is not None and (ahead := tuner.to_prepare()) is not None:
-                    preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain)
-                    say(f"step {done} | tuner: compiling {ahead.label()} in the background")
+                    if preparer.submit(ahead, ahead.apply(layout.cfg), tuner.lr_gain):  # (once)
+                        say(f"step {done} | tuner: compiling {ahead.label()} in the background")
                 par = layout.cfg.parallel
                 repartition_now = bool(par.repartition_after) and done in (
                     par.repartition_after, self.repartition_owed)

@@ -34,11 +34,14 @@ class Preparer:
         self._reported: set = set()
         self._busy_since_check = False
 
-    def submit(self, key, cfg: Config, lr_gain: float) -> None:
-        """Start building and compiling ``cfg``'s layout (tuned, with ``lr_gain``) for ``key``."""
-        if key not in self._jobs:
-            self._jobs[key] = self._pool.submit(self._build, cfg, lr_gain)
-            self._busy_since_check = True
+    def submit(self, key, cfg: Config, lr_gain: float) -> bool:
+        """Start building and compiling ``cfg``'s layout (tuned, with ``lr_gain``) for
+        ``key``; False where one was started for it already (it may still be compiling)."""
+        if key in self._jobs:
+            return False
+        self._jobs[key] = self._pool.submit(self._build, cfg, lr_gain)
+        self._busy_since_check = True
+        return True
 
     def _build(self, cfg: Config, lr_gain: float) -> Layout:
         layout = build_layout(cfg, self.factory_for, lr_gain)
