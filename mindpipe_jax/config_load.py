@@ -198,6 +198,12 @@ _NO_EFFECT: tuple[tuple[tuple[str, ...], typing.Callable[[Config], str | None], 
       "parallel.grad_sync", "parallel.grad_sync_dtype", "parallel.repartition_after", "parallel.fuse_ticks"),
      _pipe_is_one,
      "set parallel.pipe > 1"),
+    # A pipeline runs its stages' layers under its own per-stage policy (stand-ins trace
+    # the model with its remat switched off): the GPT's block remat never applies there.
+    (("model.remat",),
+     lambda c: (f"parallel.pipe={c.parallel.pipe} (a pipeline rematerialises its stages by "
+                f"parallel.stage_remat)") if c.parallel.pipe > 1 else None,
+     "set parallel.stage_remat to that policy instead"),
     (("parallel.split_last",),
      lambda c: _pipe_is_one(c) or (None if c.parallel.schedule in SPLIT_SCHEDULES
                                    else f"parallel.schedule={c.parallel.schedule!r} (no B/W split)"),

@@ -45,6 +45,14 @@ def test_on_cpus_every_device_of_the_process_counts_against_the_host():
         check_step_fits(_compiled(), _mesh(4), state_resident=False, free_bytes=11.9 * GIB)
 
 
+def test_the_advice_names_the_remat_key_of_the_layout():
+    with pytest.raises(ConfigError, match=r"set model\.remat=full"):
+        check_step_fits(_compiled(), _mesh(4), state_resident=False, free_bytes=0.0)
+    piped = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "data"))
+    with pytest.raises(ConfigError, match=r"set parallel\.stage_remat=full"):
+        check_step_fits(_compiled(), piped, state_resident=False, free_bytes=0.0)
+
+
 def test_a_state_already_in_memory_is_not_counted_twice():
     # Restored from a checkpoint, the state's 1 GiB per device is resident already: 2 GiB more each.
     check_step_fits(_compiled(), _mesh(4), state_resident=True, free_bytes=8 * GIB)

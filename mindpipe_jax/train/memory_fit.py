@@ -20,8 +20,14 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.agreement import all_or_none
 
 _GIB = 2**30
-_SHRINK = ("lower train.global_batch (or raise train.grad_accum), shorten model.seq_len, set "
-           "model.remat=full, or spread the batch over more devices")
+
+
+def _shrink(mesh) -> str:
+    """What would make a step smaller: the remat key is the pipeline's own through one."""
+    remat = "parallel.stage_remat=full" if dict(getattr(mesh, "shape", {})).get("pipe", 1) > 1 \
+        else "model.remat=full"
+    return (f"lower train.global_batch (or raise train.grad_accum), shorten model.seq_len, set {remat}, "
+            f"or spread the batch over more devices")
 
 
 def peak_bytes(stats) -> float:
@@ -141,7 +147,7 @@ def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float |
     with what would shrink it."""
     problem = fit_problem(compiled, mesh, state_resident=state_resident, free_bytes=free_bytes)
     if problem is not None:
-        raise ConfigError(f"{problem}; {_SHRINK}")
+        raise ConfigError(f"{problem}; {_shrink(mesh)}")
 
 
 def state_bytes(state) -> float:
