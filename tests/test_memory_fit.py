@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.memory_fit import (
+    check_programs_fit,
     check_step_fits,
     fit_problem,
     host_free_bytes,
@@ -75,6 +76,25 @@ def test_a_switch_counts_the_state_it_replaces_and_the_copy_beside_it():
     problem = fit_problem(big, _mesh(4), state_resident=False, replacing_bytes=40 * GIB,
                           free_bytes=11.9 * GIB)
     assert "needs 12.0 GiB" in problem and "copy 12.00 GiB" in problem
+
+
+def test_a_chain_of_programs_counts_what_each_holds_beside_the_state(monkeypatch):
+    # start: takes the state (2 GiB per device, resident), donates 1 GiB of it into its carry
+    # (3 GiB out), 1 GiB of temporaries: 3 GiB beside the state. A round: the carry in and
+    # out (donated) and 4 GiB of temporaries: 3 + 4 + 3 - 3 = 7, less the 1 GiB the carry
+    # took over from the state: 6. The finish: the carry in, the new state out: 3 + 0.5 + 2 - 1.
+    from mindpipe_jax.train import memory_fit
+
+    chain = [_compiled(arg=2.0, temp=1.0, out=3.0, alias=1.0),
+             _compiled(arg=3.0, temp=4.0, out=3.0, alias=3.0),
+             _compiled(arg=3.0, temp=0.5, out=2.0, alias=1.0)]
+    monkeypatch.setattr(memory_fit, "host_free_bytes", lambda: 24 * GIB)
+    check_programs_fit(chain, _mesh(4))
+    monkeypatch.setattr(memory_fit, "host_free_bytes", lambda: 23.9 * GIB)
+    with pytest.raises(ConfigError, match=r"needs 24\.0 GiB of memory \(4 devices x 6\.00 GiB of "
+                                          r"activations and temporaries beside the state.*; "
+                                          r"lower train\.global_batch, X$"):
+        check_programs_fit(chain, _mesh(4), advice="lower train.global_batch, X")
 
 
 def test_state_bytes_counts_this_process_shards():

@@ -156,15 +156,28 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, dense_run, tmp_pat
         search_checkpoint(tmp_path / "unsaved")
 
 
-def test_a_supernet_step_larger_than_the_hosts_memory_is_one_line_before_anything_is_written(tmp_path):
-    """Its masked step is compiled ahead of the first step, and checked as the train
-    step is (train/memory_fit.py): here ~TBs by the compiler's count, where the kernel
-    killed the run at its first step without a word (status 137)."""
+@pytest.mark.parametrize("path", [
+    ("supernet.ladder_levels=0",),  # masked: one program
+    # sliced: a program per shape met, compiled on first use; the largest checked ahead
+    ("supernet.ladder_levels=2",),
+    ("supernet.ladder_levels=2", "parallel.pipe=2", "parallel.subnet=2", "parallel.data=2",
+     "parallel.microbatches=2", "supernet.semantics=sync"),
+], ids=["masked", "sliced", "sliced-pipeline"])
+def test_a_supernet_step_larger_than_the_hosts_memory_is_one_line_before_anything_is_written(tmp_path, path):
+    """Its step is compiled ahead of the first step, and checked as the train step is
+    (train/memory_fit.py): here ~TBs by the compiler's count, where the kernel killed the
+    run at its first step without a word (status 137; `mindpipe supernet
+    model.seq_len=4096` on the default sliced path, 24 GiB resident). A sliced step
+    is checked at K copies of the largest subnet, the most a step can hold."""
     out = tmp_path / "big"
-    code, stdout, stderr = _cli("supernet", *TINY, *SUPERNET, "model.seq_len=4096", "train.global_batch=2048",
-                                "data.synthetic_tokens=16777216", f"train.out_dir={out}")
+    code, stdout, stderr = _cli("supernet", *TINY, *SUPERNET, *path, "model.seq_len=4096",
+                                "train.global_batch=2048", "data.synthetic_tokens=16777216",
+                                f"train.out_dir={out}")
     assert code == 2, (stdout, stderr)
     assert stderr.count("\n") == 1 and "GiB free: it would be killed for it" in stderr, stderr
+    remat = "parallel.stage_remat=full" if "parallel.pipe=2" in path else "model.remat=full"
+    assert "lower train.global_batch, supernet.vmap_width or supernet.subnets_per_step" in stderr, stderr
+    assert f"set {remat}," in stderr and "grad_accum" not in stderr, stderr
     assert not out.exists()
 
 

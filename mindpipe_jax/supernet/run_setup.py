@@ -35,7 +35,7 @@ from mindpipe_jax.supernet.spara import (
     state_shardings,
 )
 from mindpipe_jax.train.checkpoint import prepare_out_dir, read_meta
-from mindpipe_jax.train.memory_fit import check_step_fits
+from mindpipe_jax.train.memory_fit import check_programs_fit, check_step_fits
 
 KIND = "supernet"  # meta["kind"] of a supernet checkpoint (dense runs have none)
 
@@ -73,7 +73,9 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
     if sn.ladder_levels and supports_slicing(spec.module):
         sliced = SlicedStep(spec, mesh, levels=sn.ladder_levels, **sizes)
         bound = f"<= {sliced.max_programs} programs: " if sliced.max_programs else ""
-        return ConfiguredStep(sliced.plan, sliced, f"sliced ({bound}one per shape, compiled on first use)")
+        ahead = _largest_fits(sliced, spec, mesh, cfg, compile_with)
+        return ConfiguredStep(sliced.plan, sliced,
+                              f"sliced ({bound}one per shape, compiled on first use{ahead})")
     round_slots = mesh.shape["subnet"] * sn.vmap_width
 
     def plan(subnets):
@@ -86,7 +88,8 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
         rows = NamedSharding(mesh, P(DATA_AXES))
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
         masked = masked.lower(state, plan(subnets).arrays(), {"inputs": tokens, "targets": tokens}).compile()
-        check_step_fits(masked, mesh, state_resident=True)  # before its first step (it was a SIGKILL)
+        # before its first step (it was a SIGKILL)
+        check_step_fits(masked, mesh, state_resident=True, advice=_shrink(mesh))
 
     def run(state, step_plan, batch):
         return masked(state, step_plan.arrays(), batch)
@@ -106,10 +109,11 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
                  deterministic=tr.deterministic, virtual_shards=tr.virtual_shards)
     if sn.ladder_levels and supports_sliced_pipeline(spec.module):
         sliced = SlicedPipelinedStep(spec, mesh, par, levels=sn.ladder_levels, **sizes)
+        ahead = _largest_fits(sliced, spec, mesh, cfg, compile_with)
         return ConfiguredStep(sliced.plan, sliced,
                               f"through the pipeline ({par.schedule}, {par.microbatches} microbatches per "
                               f"subnet), sliced (each pass at its subnets' FFN width and heads, depth "
-                              f"masked; <= {sliced.max_programs} programs, compiled on first use)")
+                              f"masked; <= {sliced.max_programs} programs, compiled on first use{ahead})")
     piped = PipelinedStep(spec, mesh, par, **sizes)
     t0 = time.perf_counter()
     compiled = ""
@@ -118,12 +122,40 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
         rows = NamedSharding(mesh, P(DATA_AXES))
         tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
         check_step_fits(piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens}),
-                        mesh, state_resident=True)
+                        mesh, state_resident=True, advice=_shrink(mesh))
         compiled = f", compiled in {time.perf_counter() - t0:.1f}s"
     why = ("supernet.ladder_levels=0" if not sn.ladder_levels
            else f"{type(spec.module).__name__} has no sliced path")
     return ConfiguredStep(piped.plan, piped, f"through the pipeline ({par.schedule}, {par.microbatches} "
                                              f"microbatches per subnet), masked ({why}{compiled})")
+
+
+def _shrink(mesh) -> str:
+    """What makes a SPara step smaller (it has no train.grad_accum)."""
+    remat = "parallel.stage_remat=full" if mesh.shape["pipe"] > 1 else "model.remat=full"
+    return (f"lower train.global_batch, supernet.vmap_width or supernet.subnets_per_step, shorten "
+            f"model.seq_len, set {remat}, or spread the batch over more devices")
+
+
+def _largest_fits(step, spec: SupernetSpec, mesh, cfg: Config, compile_with) -> str:
+    """A sliced step compiles a program per shape as it meets them, so the first step
+    that meets one too large for memory was the kernel's SIGKILL mid-run (seen:
+    ``mindpipe supernet model.seq_len=4096``, 24 GiB resident on this host, status 137).
+    Compiled here for the step that holds the most: ``K`` copies of the space's largest
+    subnet (the largest shape, every subnet in one group: the longest pass through a
+    pipeline), and refused in one line if that cannot fit beside the state
+    (``check_programs_fit``). Under the sandwich strategy every step has the largest
+    subnet, so its programs are the ones the first step then finds compiled. Returns
+    what the run's first line adds; nothing without ``compile_with`` (the tuner's trials)."""
+    if compile_with is None:
+        return ""
+    t0 = time.perf_counter()
+    largest = np.repeat(spec.space.largest()[None], cfg.supernet.subnets_per_step, axis=0)
+    rows = NamedSharding(mesh, P(DATA_AXES))
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
+    lowered = step.lower(compile_with[0], step.plan(largest), {"inputs": tokens, "targets": tokens})
+    check_programs_fit([program.compile() for program in lowered], mesh, advice=_shrink(mesh))
+    return f"; the largest subnet's compiled in {time.perf_counter() - t0:.1f}s"
 
 
 def fingerprint(spec: SupernetSpec) -> dict:

@@ -202,6 +202,23 @@ class SlicedStep:
             carry = self._round(shape)(throttle(i + 1, carry), state["step"], rnd, subnets, batch)
         return self._finish(state["step"], carry, plan.used)
 
+    def lower(self, state, plan: SlicedPlan, batch) -> list:
+        """The programs a step of ``plan`` runs, lowered for these (possibly abstract)
+        arguments: start, one per shape (every round of a shape runs the same program),
+        finish. The step compiles the same programs on first use (a compile of these is
+        the one it then finds in JAX's cache); this is for inspection: memory, FLOPs."""
+        subnets = jnp.asarray(plan.subnets)
+        start = self._start.lower(state)
+        carry = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                             jax.eval_shape(self._start, state), start.compile().output_shardings)
+        programs, seen = [start], set()
+        for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
+            if shape not in seen:
+                seen.add(shape)
+                rnd = {"slot_subnet": slot_subnet, "slot_valid": slot_valid, "wave_end": np.asarray(wave_end)}
+                programs.append(self._round(shape).lower(carry, state["step"], rnd, subnets, batch))
+        return [*programs, self._finish.lower(state["step"], carry, plan.used)]
+
     def flops(self, state, plan: SlicedPlan, batch) -> float:
         """XLA's FLOP count of one step (``cost_analysis``), per device, summed over the
         programs the step calls (a round program once per round), with the scan over blocks

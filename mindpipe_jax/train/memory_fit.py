@@ -13,6 +13,7 @@ what would shrink it.
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 
@@ -142,12 +143,37 @@ def fit_problem(compiled, mesh, *, state_resident: bool, replacing_bytes: float 
             f"count) and a {local[0].device_kind} holds {_size(limit, 2)}")
 
 
-def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None) -> None:
+def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None,
+                    advice: str | None = None) -> None:
     """ConfigError (one line) when ``compiled``, the train step, cannot fit (``fit_problem``),
-    with what would shrink it."""
+    with what would shrink it (``advice``: another job's keys; default a dense run's)."""
     problem = fit_problem(compiled, mesh, state_resident=state_resident, free_bytes=free_bytes)
     if problem is not None:
-        raise ConfigError(f"{problem}; {_shrink(mesh)}")
+        raise ConfigError(f"{problem}; {advice or _shrink(mesh)}")
+
+
+def check_programs_fit(programs, mesh, *, advice: str | None = None) -> None:
+    """``check_step_fits`` for a step run as a chain of compiled ``programs`` (a supernet's
+    sliced paths: a start program taking the state, the rounds or passes, a finish program
+    giving the new state): the most any of them holds beside the state at once. The
+    first's arguments are the state (in memory already) and what it donates of it lives
+    on in the later programs' arguments (the carry), so neither is counted twice. Silent
+    where the compiler does not say."""
+    try:
+        stats = [program.memory_analysis() for program in programs]
+    except Exception:  # noqa: BLE001 -- a backend without the analysis: nothing to check
+        return
+    if not stats or any(s is None for s in stats):
+        return
+    _, arg, temp, out, alias = step_bytes(stats[0])
+    beside = max([temp + out - alias] + [step_bytes(s)[0] - alias for s in stats[1:]])
+
+    class Chain:  # the chain as one step: the state as its arguments, the rest beside it
+        def memory_analysis(self):
+            return types.SimpleNamespace(argument_size_in_bytes=arg, temp_size_in_bytes=beside,
+                                         output_size_in_bytes=0, alias_size_in_bytes=0)
+
+    check_step_fits(Chain(), mesh, state_resident=True, advice=advice)
 
 
 def state_bytes(state) -> float:
