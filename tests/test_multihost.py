@@ -20,6 +20,7 @@ compared with the same config trained in this single process:
 * the online tuner switching the batch mid-run: process 0's decision taken by both
   (the same switch at the same step as one process), then equal to one process; and a
   switch whose step one process cannot fit in memory refused by both;
+* a supernet step one process cannot fit in memory: both stop with one line;
 * a coordinator port taken by another program: one line and exit 4 on both
   processes, well within the timeout; the coordinator binds the IP address given.
 
@@ -308,36 +309,56 @@ def test_a_tuner_switch_is_taken_alike_on_both_processes(tmp_path, cache):
     _compare(_state(single, TUNED), _state(out, TUNED), bitwise=False)
 
 
-# Imported first by process 1 of the next test (its PYTHONPATH): the first step's memory
-# check passes, and from then on the host has 1 MiB free, as if another job had taken it.
+# Imported first by process 1 of the next tests (its PYTHONPATH): the first SHORT_AFTER
+# memory checks pass, and from then on the host has 1 MiB free, as if another job had
+# taken it.
 SHORT_OF_MEMORY = """
-import importlib
+import importlib, os
 memory_fit = importlib.import_module("mindpipe_jax.train.memory_fit")  # (mindpipe_jax.train: the function)
 checks = []
 def host_free_bytes(meminfo="/proc/meminfo"):
     checks.append(1)
-    return float("inf") if len(checks) == 1 else 2.0**20
+    return float("inf") if len(checks) <= int(os.environ["SHORT_AFTER"]) else 2.0**20
 memory_fit.host_free_bytes = host_free_bytes
 """
+
+
+def _short_of_memory(tmp_path: Path, after: int) -> dict:
+    """Process 1's environment for ``SHORT_OF_MEMORY`` after ``after`` checks."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SHORT_OF_MEMORY)
+    return {"PYTHONPATH": f"{hook}{os.pathsep}{cli_env()['PYTHONPATH']}", "SHORT_AFTER": str(after)}
 
 
 def test_a_switch_one_process_cannot_fit_is_refused_on_both(tmp_path, cache):
     """The tuner's B32 compiles on both processes; process 1 finds its step too large for
     its host's memory, and both stay at B16 (process 0 alone switching would leave them in
     different programs: a hang at the next step) and finish the run."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SHORT_OF_MEMORY)
-    path = {"PYTHONPATH": f"{hook}{os.pathsep}{cli_env()['PYTHONPATH']}"}
     out = tmp_path / "cluster"
     outputs = _finish(_launch([*MH, *TUNED, f"train.out_dir={out}"], "flags", cache=cache, cwd=tmp_path,
-                              own_env=({}, path)))
+                              own_env=({}, _short_of_memory(tmp_path, 1))))
     assert re.search(r"step 4 \| tuner: not switching to .*B32: process 1 stopped the tuner's switch: the "
                      r"switch needs [0-9.]+ [KMG]iB more memory", outputs[0]), outputs[0][-3000:]
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "tuner_refused" in r] == [4]
     assert not any("tuner" in r for r in records) and records[-1]["tuner/batch"] == 16
     assert committed_steps(out / "checkpoints")[-1] == STEPS
+
+
+def test_a_supernet_step_one_process_cannot_fit_stops_both_in_one_line(tmp_path, cache):
+    """Checked on process 1 only, a supernet step too large for its host stopped that
+    process alone, and process 0 went on into the first step's collectives."""
+    out = tmp_path / "cluster"
+    procs = _launch([*MH, *SUPERNET, f"train.out_dir={out}"], "env", cache=cache, cwd=tmp_path,
+                    command="supernet", own_env=({}, _short_of_memory(tmp_path, 0)))
+    codes = [p.wait(TIMEOUT_S) for p in procs]
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    errors = [[ln for ln in p.output.splitlines() if ln.startswith("mindpipe: error:")] for p in procs]
+    assert errors[0] == [f"mindpipe: error: process 1 stopped the supernet run: {errors[1][0][17:]}"], errors
+    assert errors[1][0].startswith("mindpipe: error: the train step needs ")
+    assert "1.0 MiB free" in errors[1][0], errors
+    assert not out.exists()
 
 
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_timeout(tmp_path, cache):

@@ -206,8 +206,9 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     say = log if (log is not None and jax.process_index() == 0) else (lambda *_: None)
     # Sliced where the supernet offers it; a custom supernet without a sliced path trains
     # masked (compiled here, ahead of time).
-    try:  # a step that cannot fit in memory is refused here (check_step_fits)
-        configured = configured_step(spec, mesh, cfg, compile_with=(state, sampler(0)))
+    try:  # a step that cannot fit in memory is refused here, on every process if on one
+        with all_or_none("supernet run"):
+            configured = configured_step(spec, mesh, cfg, compile_with=(state, sampler(0)))
     except BaseException:
         loader.close()
         raise
