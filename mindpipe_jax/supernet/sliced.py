@@ -209,8 +209,7 @@ class SlicedStep:
         the one it then finds in JAX's cache); this is for inspection: memory, FLOPs."""
         subnets = jnp.asarray(plan.subnets)
         start = self._start.lower(state)
-        carry = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                             jax.eval_shape(self._start, state), start.compile().output_shardings)
+        carry = self._abstract_carry(state, start.compile())
         programs, seen = [start], set()
         for shape, slot_subnet, slot_valid, wave_end in plan.rounds:
             if shape not in seen:
@@ -233,10 +232,7 @@ class SlicedStep:
 
         subnets = jnp.asarray(plan.subnets)
         start = self._start.lower(state).compile()
-        # The carry as the start program lays it out (eval_shape alone drops the shardings,
-        # and a round compiled for replicated parameters would not split over tensor).
-        carry = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                             jax.eval_shape(self._start, state), start.output_shardings)
+        carry = self._abstract_carry(state, start)
         total = count(start)
         # Every round of a shape runs the same program (its slots are arguments): one count each.
         per_shape: dict = {}
@@ -247,6 +243,13 @@ class SlicedStep:
                 per_shape[shape] = count(counting.lower(carry, state["step"], rnd, subnets, batch))
             total += per_shape[shape]
         return total + count(self._finish.lower(state["step"], carry, plan.used))
+
+    def _abstract_carry(self, state, start):
+        """The carry as the compiled ``start`` program lays it out (eval_shape alone drops
+        the shardings, and a round compiled for replicated parameters would not split
+        over tensor)."""
+        return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            jax.eval_shape(self._start, state), start.output_shardings)
 
     # --- the programs --------------------------------------------------------------------------
 

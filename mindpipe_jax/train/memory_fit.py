@@ -7,7 +7,8 @@ layout, whose step needs 12.7 GiB per device, 102 GiB for the eight, on a 24 GiB
 On an accelerator, XLA's allocator would raise RESOURCE_EXHAUSTED at the first step with
 a page of traceback. Here the compiler's own account (``memory_analysis``) is checked
 against what the devices have, and a step that cannot fit is one line naming both and
-what would shrink it.
+what would shrink it. The same check guards an online tuner's switch to another layout
+(train/tuned.py) and a supernet's sliced step, a chain of programs (``check_programs_fit``).
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def fit_problem(compiled, mesh, *, state_resident: bool, replacing_bytes: float 
     host has free (``free_bytes``, default ``host_free_bytes()``), less the state where it
     is in memory already (``state_resident``: restored from a checkpoint); on an
     accelerator, its peak against a device's limit. ``replacing_bytes``: this process's
-    bytes of a state the step's replaces (a tuner's switch: the state is copied onto the
-    new layout beside the current one, which is freed before the step runs). None where
-    the compiler or the platform does not say."""
+    bytes of the run's current state, which this step's state replaces (a tuner's switch:
+    the state is copied onto the new layout beside the current one, which is freed before
+    the step runs). None where the compiler or the platform does not say."""
     try:
         stats = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 -- a backend without the analysis: nothing to check
