@@ -192,7 +192,50 @@ def test_a_class_loss_drop_is_measured_once_and_its_other_layouts_only_timed():
     assert [kind for kind, _ in plain.calls] == ["trial"] * 3
 
 
+def test_a_trial_too_large_for_memory_is_skipped_and_the_next_measured_in_its_place():
+    """A trial's step is checked before it runs (the trainer's check): one that cannot fit
+    is a row with the reason, and the next candidate in order is measured instead (it was
+    the kernel's SIGKILL of the whole tuner)."""
+    from mindpipe_jax.train.memory_fit import DoesNotFit
+
+    seen = []
+
+    def fake(cand):
+        seen.append(cand)
+        if cand.subnet == 1:  # every device runs its subnets whole: the most activations
+            raise DoesNotFit("the train step needs 9.0 GiB of memory (...)", "lower train.global_batch")
+        return Measurement(0.01 * cand.rounds, 5.0, 4.0, 10)
+
+    result = tune_supernet(tiny(), 8, measure_fn=fake, measure=2, ks=(4,), widths=(1,))
+    measured = [r for r in result.rows if r.measurement is not None]
+    assert len(measured) == 2 and all(r.candidate.subnet > 1 for r in measured)
+    assert seen[0].subnet == 1 and len(seen) == 3  # the config's own first: refused, then two more
+    refused = [r for r in result.rows if r.reason and r.reason.startswith("does not fit in memory")]
+    assert [r.candidate for r in refused] == [seen[0]]
+    assert "rejected: does not fit in memory: the train step needs 9.0 GiB" in result.table()
+
+    def never_fits(cand):
+        raise DoesNotFit("the train step needs 9.0 GiB of memory (...)", "lower train.global_batch")
+
+    with pytest.raises(ConfigError, match=r"no candidate layout of this supernet job fits in memory; e\.g\. "
+                                          r"s1 d8 \| K4 W1 \| B16: does not fit in memory: the train step"):
+        tune_supernet(tiny(), 8, measure_fn=never_fits, measure=2, ks=(4,), widths=(1,))
+
+
 # --- real trials and the command line ----------------------------------------------------------------
+
+
+def test_mindpipe_tune_supernet_with_no_layout_that_fits_is_one_line(tmp_path, capsys, monkeypatch):
+    """Every trial's step checked before it runs: here ~TBs each, where the first trial
+    was the kernel's SIGKILL."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["tune", "--supernet", *TINY, "--subnets-per-step", "4", "--vmap-widths", "1",
+                 "model.seq_len=4096", "train.global_batch=2048", "data.synthetic_tokens=16777216"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "no candidate layout of this supernet job fits in memory; e.g. s1 d8 | K4 W1 | B2048: does not " \
+           "fit in memory: the train step needs" in err and "GiB free: it would be killed for it" in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_mindpipe_tune_supernet_measures_real_steps_and_writes_the_pick(tmp_path, capsys):

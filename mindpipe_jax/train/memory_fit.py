@@ -144,13 +144,23 @@ def fit_problem(compiled, mesh, *, state_resident: bool, replacing_bytes: float 
             f"count) and a {local[0].device_kind} holds {_size(limit, 2)}")
 
 
+class DoesNotFit(ConfigError):
+    """A step that cannot fit in memory (``check_step_fits``); ``problem``: what it needs
+    and what there is, without the advice (a tuner's table row)."""
+
+    def __init__(self, problem: str, advice: str):
+        super().__init__(f"{problem}; {advice}")
+        self.problem = problem
+
+
 def check_step_fits(compiled, mesh, *, state_resident: bool, free_bytes: float | None = None,
                     advice: str | None = None) -> None:
-    """ConfigError (one line) when ``compiled``, the train step, cannot fit (``fit_problem``),
-    with what would shrink it (``advice``: another job's keys; default a dense run's)."""
+    """``DoesNotFit`` (a ConfigError, one line) when ``compiled``, the train step, cannot fit
+    (``fit_problem``), with what would shrink it (``advice``: another job's keys; default a
+    dense run's)."""
     problem = fit_problem(compiled, mesh, state_resident=state_resident, free_bytes=free_bytes)
     if problem is not None:
-        raise ConfigError(f"{problem}; {advice or _shrink(mesh)}")
+        raise DoesNotFit(problem, advice or _shrink(mesh))
 
 
 def check_programs_fit(programs, mesh, *, advice: str | None = None) -> None:

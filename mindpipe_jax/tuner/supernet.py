@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from mindpipe_jax.config import Config, check_supernet_keys
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.supernet.plan import check_layout
+from mindpipe_jax.train.memory_fit import DoesNotFit
 
 TUNED = ("subnet", "data")  # the axes the candidates split the devices between
 
@@ -279,36 +280,43 @@ def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measu
                           (f"; e.g. {first[0].label()}: {first[1]}" if first else ""))
     order = measurement_order(valid, current)
     try:
-        measured = _measure(order[:measure], measure_fn, rounds, log)
+        measured, too_large = _measure(order, measure, measure_fn, rounds, log)
     finally:
         close = getattr(measure_fn, "close", None)  # the trials' runs are not needed past here
         if close is not None:
             close()
-    rest = [SupernetRow(c) for c in order[measure:]]
-    return SupernetTuneResult(measured + rest + [SupernetRow(c, reason=why) for c, why in rejected], current)
+    if not measured:
+        first = too_large[0]
+        raise ConfigError(f"no candidate layout of this supernet job fits in memory; e.g. "
+                          f"{first.candidate.label()}: {first.reason}")
+    tried = {r.candidate for r in measured + too_large}
+    rest = [SupernetRow(c) for c in order if c not in tried]
+    refused = too_large + [SupernetRow(c, reason=why) for c, why in rejected]
+    return SupernetTuneResult(measured + rest + refused, current)
 
 
-def _measure(cands, measure_fn: MeasureFn, rounds: int, log) -> list[SupernetRow]:
-    """The trials (one per (K, batch) class where ``measure_fn`` can ``time_only``; the
-    class's other candidates timed and given its loss drop), the interleaved re-timing
-    passes, best progress/s first."""
-    measured, trials = [], {}
+def _measure(order, count: int, measure_fn: MeasureFn, rounds: int,
+             log) -> tuple[list[SupernetRow], list[SupernetRow]]:
+    """The trials of the first ``count`` candidates of ``order`` whose step fits in memory
+    (one trial per (K, batch) class where ``measure_fn`` can ``time_only``; the class's
+    other candidates timed and given its loss drop), the interleaved re-timing passes:
+    (measured rows, best progress/s first; rows of those refused as too large, the next in
+    ``order`` measured in their place). A trial whose step could not fit was the kernel's
+    SIGKILL of the whole tuner."""
+    measured, too_large, trials = [], [], {}
     time_only = getattr(measure_fn, "time_only", None)
-    for cand in cands:
+    for cand in order:
+        if len(measured) == count:
+            break
         trial = trials.get(cand.statistics)
-        if trial is not None and time_only is not None:
-            times = tuple(time_only(cand))
-            m = dataclasses.replace(trial[1], step_s=statistics.median(times), step_times=times,
-                                    loss_from=trial[0].label())
+        try:
+            m = _trial(cand, trial, measure_fn, time_only, log)
+        except DoesNotFit as err:
+            too_large.append(SupernetRow(cand, reason=f"does not fit in memory: {err.problem}"))
             if log is not None:
-                log(f"timed {cand.label()}: {m.step_s * 1e3:.1f} ms/step over {len(times)} steps; loss drop "
-                    f"of {m.loss_from} (same K and batch), progress {m.progress_per_s:.4f}/s")
-        else:
-            m = measure_fn(cand)
-            trials.setdefault(cand.statistics, (cand, m))
-            if log is not None:
-                log(f"measured {cand.label()}: {m.step_s * 1e3:.1f} ms/step, loss {m.loss_start:.4f} -> "
-                    f"{m.loss_end:.4f} in {m.steps} steps, progress {m.progress_per_s:.4f}/s")
+                log(f"skipped {cand.label()}: {err.problem}")
+            continue
+        trials.setdefault(cand.statistics, (cand, m))
         measured.append(SupernetRow(cand, m))
     retime = getattr(measure_fn, "retime", None)
     for _ in range(rounds - 1 if retime is not None else 0):
@@ -320,7 +328,25 @@ def _measure(cands, measure_fn: MeasureFn, rounds: int, log) -> list[SupernetRow
         log("re-timed in interleaved passes: " + ", ".join(
             f"{r.candidate.label()} {r.measurement.step_s * 1e3:.1f} ms" for r in measured))
     measured.sort(key=lambda r: -r.measurement.progress_per_s)
-    return measured
+    return measured, too_large
+
+
+def _trial(cand, trial, measure_fn: MeasureFn, time_only, log) -> Measurement:
+    """``cand``'s measurement: timed only, with the loss drop of ``trial`` (its class's
+    measured candidate and measurement) where there is one, else a full trial."""
+    if trial is not None and time_only is not None:
+        times = tuple(time_only(cand))
+        m = dataclasses.replace(trial[1], step_s=statistics.median(times), step_times=times,
+                                loss_from=trial[0].label())
+        if log is not None:
+            log(f"timed {cand.label()}: {m.step_s * 1e3:.1f} ms/step over {len(times)} steps; loss drop "
+                f"of {m.loss_from} (same K and batch), progress {m.progress_per_s:.4f}/s")
+        return m
+    m = measure_fn(cand)
+    if log is not None:
+        log(f"measured {cand.label()}: {m.step_s * 1e3:.1f} ms/step, loss {m.loss_start:.4f} -> "
+            f"{m.loss_end:.4f} in {m.steps} steps, progress {m.progress_per_s:.4f}/s")
+    return m
 
 
 class RealMeasure:
@@ -353,7 +379,7 @@ class RealMeasure:
         run_cfg = runnable(cand.apply(self.cfg))
         if self.splits is None:
             self.splits = load_tokens(run_cfg.data, run_cfg.model.vocab_size)
-        return SparaRun(run_cfg, splits=self.splits, model=self.model)
+        return SparaRun(run_cfg, splits=self.splits, model=self.model, check_memory=True)
 
     def _done(self, cand: SupernetCandidate, run) -> None:
         if self.keep:

@@ -48,10 +48,12 @@ class SparaRun:
     """A supernet training run of ``cfg`` that the caller steps: ``run(n)`` trains n steps.
 
     ``splits``: the data (default: ``load_tokens`` of ``cfg.data``, what the trainer
-    loads); ``model``: a supernet factory (default: the reference ``SuperGPT``).
+    loads); ``model``: a supernet factory (default: the reference ``SuperGPT``);
+    ``check_memory``: refuse a step that cannot fit in memory before it runs.
     """
 
-    def __init__(self, cfg: Config, *, splits: TokenSplits | None = None, model=None):
+    def __init__(self, cfg: Config, *, splits: TokenSplits | None = None, model=None,
+                 check_memory: bool = False):
         cfg = runnable(cfg)
         setup_runtime(cfg.parallel, cfg.distributed)
         sn, tr = cfg.supernet, cfg.train
@@ -68,8 +70,15 @@ class SparaRun:
         self.rows = NamedSharding(mesh, P(DATA_AXES))
         self.state = jax.jit(lambda: init_state(self.spec, create()),
                              out_shardings=state_shardings(mesh, self.spec))()
-        # The trainer's step (compiled on first use: the trials' warm-up steps absorb it).
-        configured = configured_step(self.spec, mesh, cfg)
+        # The trainer's step (compiled on first use: the trials' warm-up steps absorb it);
+        # ``check_memory``: its largest programs compiled here and refused (``DoesNotFit``)
+        # where they cannot fit beside what this host holds, as the trainer refuses them.
+        try:
+            configured = configured_step(self.spec, mesh, cfg, compile_with=(
+                self.state, self.sampler(0)) if check_memory else None)
+        except BaseException:
+            self.loader.close()
+            raise
         self._plan, self._step = configured.plan, configured.run
         self.step = 0
         self.seconds = 0.0  # wall time spent in steps so far
