@@ -85,10 +85,8 @@ def configured_step(spec: SupernetSpec, mesh, cfg: Config, *, compile_with=None)
     masked = jit_step(make_spara_step(spec, mesh, **sizes), mesh, spec)
     if compile_with is not None:
         state, subnets = compile_with
-        rows = NamedSharding(mesh, P(DATA_AXES))
-        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-        masked = masked.lower(state, plan(subnets).arrays(), {"inputs": tokens, "targets": tokens}).compile()
-        # before its first step (it was a SIGKILL)
+        masked = masked.lower(state, plan(subnets).arrays(), _batch_spec(mesh, cfg)).compile()
+        # Before its first step (it was a SIGKILL):
         check_step_fits(masked, mesh, state_resident=True, advice=_shrink(mesh))
 
     def run(state, step_plan, batch):
@@ -119,15 +117,20 @@ def _pipelined_step(spec: SupernetSpec, mesh, cfg: Config, compile_with) -> Conf
     compiled = ""
     if compile_with is not None:
         state, subnets = compile_with
-        rows = NamedSharding(mesh, P(DATA_AXES))
-        tokens = jax.ShapeDtypeStruct((tr.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-        check_step_fits(piped.compile(state, piped.plan(subnets), {"inputs": tokens, "targets": tokens}),
+        check_step_fits(piped.compile(state, piped.plan(subnets), _batch_spec(mesh, cfg)),
                         mesh, state_resident=True, advice=_shrink(mesh))
         compiled = f", compiled in {time.perf_counter() - t0:.1f}s"
     why = ("supernet.ladder_levels=0" if not sn.ladder_levels
            else f"{type(spec.module).__name__} has no sliced path")
     return ConfiguredStep(piped.plan, piped, f"through the pipeline ({par.schedule}, {par.microbatches} "
                                              f"microbatches per subnet), masked ({why}{compiled})")
+
+
+def _batch_spec(mesh, cfg: Config) -> dict:
+    """A training batch's shapes and shardings (rows split over the data axes)."""
+    rows = NamedSharding(mesh, P(DATA_AXES))
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
+    return {"inputs": tokens, "targets": tokens}
 
 
 def _shrink(mesh) -> str:
@@ -146,14 +149,12 @@ def _largest_fits(step, spec: SupernetSpec, mesh, cfg: Config, compile_with) -> 
     pipeline), and refused in one line if that cannot fit beside the state
     (``check_programs_fit``). Under the sandwich strategy every step has the largest
     subnet, so its programs are the ones the first step then finds compiled. Returns
-    what the run's first line adds; nothing without ``compile_with`` (the tuner's trials)."""
+    what the run's first line adds; nothing without ``compile_with`` (no check asked)."""
     if compile_with is None:
         return ""
     t0 = time.perf_counter()
     largest = np.repeat(spec.space.largest()[None], cfg.supernet.subnets_per_step, axis=0)
-    rows = NamedSharding(mesh, P(DATA_AXES))
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len), np.int32, sharding=rows)
-    lowered = step.lower(compile_with[0], step.plan(largest), {"inputs": tokens, "targets": tokens})
+    lowered = step.lower(compile_with[0], step.plan(largest), _batch_spec(mesh, cfg))
     check_programs_fit([program.compile() for program in lowered], mesh, advice=_shrink(mesh))
     return f"; the largest subnet's compiled in {time.perf_counter() - t0:.1f}s"
 
