@@ -535,6 +535,33 @@ def test_a_switch_that_cannot_fit_in_memory_is_refused_and_the_run_goes_on(tmp_p
     assert all(math.isfinite(h["loss"]) for h in result.history if "loss" in h)
 
 
+def test_a_candidate_whose_layout_cannot_be_built_is_refused_with_nothing_moved():
+    """A ConfigError building the tuner's choice (here a model of 2 heads split over
+    tensor=4) refuses the switch, as memory does, instead of ending the run: the state,
+    the layout and the open feed stay as they were."""
+    from mindpipe_jax.train.tuned import Switcher, SwitchRefused
+    from mindpipe_jax.tuner.epara import Decision
+
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1")
+    rng = np.random.default_rng(0)
+    splits = TokenSplits(rng.integers(0, 256, 40_000).astype(np.uint16),
+                         rng.integers(0, 256, 4_000).astype(np.uint16), 256, "random")
+    layout = build_layout(cfg, _gpt)
+    feed = make_feed(splits, layout)
+    state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+    now = candidate_of(cfg, layout.mesh)
+    four = dataclasses.replace(now, data=2, tensor=4)
+    switcher = Switcher(_gpt, splits, 0)
+    try:
+        with pytest.raises(SwitchRefused, match=r"heads=2\) is not divisible by mesh axes tensor=4"):
+            switcher(state, layout, feed, Decision(3, now, four, 0.5, None, 1.0, "test"), cfg)
+        assert switcher.ran == {} and next(feed.loader)["inputs"].shape == (16, 32)  # the feed is open
+        w = state["params"]["blocks"]["mlp"]["w_in"]  # still on the current layout, not donated
+        assert not w.is_deleted() and w.sharding == layout.shardings["params"]["blocks"]["mlp"]["w_in"]
+    finally:
+        feed.close()
+
+
 def test_a_layout_is_compiled_ahead_once_however_often_it_is_asked_for():
     """The loop says "compiling ... in the background" when a compile starts: asked again
     while it runs (the tuner names it at each decision until it is ready: three lines for
