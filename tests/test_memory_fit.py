@@ -18,6 +18,7 @@ from mindpipe_jax.train.memory_fit import (
     fit_problem,
     host_free_bytes,
     peak_bytes,
+    room_now,
     state_bytes,
 )
 
@@ -124,6 +125,24 @@ def test_an_accelerator_is_judged_by_its_own_limit():
     problem = fit_problem(_compiled(), mesh(3.5 * GIB), state_resident=False, replacing_bytes=6 * GIB)
     assert "4.00 GiB per device (state, activations and temporaries, and the current state while it is " \
            "copied" in problem, problem
+
+
+def test_room_now_is_the_hosts_free_memory_shared_or_the_least_an_accelerator_has_left(monkeypatch):
+    from mindpipe_jax.train import memory_fit
+
+    monkeypatch.setattr(memory_fit, "host_free_bytes", lambda: 8 * GIB)
+    assert room_now(jax.devices()[:4]) == 2 * GIB
+
+    class Gpu:
+        platform, device_kind, process_index = "gpu", "NVIDIA H100", 0
+
+        def __init__(self, used):
+            self.used = used
+
+        def memory_stats(self):
+            return {"bytes_limit": 10 * GIB, "bytes_in_use": self.used}
+
+    assert room_now([Gpu(1 * GIB), Gpu(4 * GIB)]) == 6 * GIB
 
 
 def test_a_backend_without_the_analysis_is_not_checked():

@@ -176,19 +176,26 @@ def test_spearman():
     assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
-def _tune_on_a_synthetic_machine(monkeypatch, truth, fits=lambda c: True, checked=None, **kw):
+def _tune_on_a_synthetic_machine(monkeypatch, truth, fits=lambda c: True, checked=None, live=None,
+                                 logged=None, ran=None, **kw):
     """``tune`` end to end with trials timed by ``truth(candidate)`` (seconds) and a
     candidate feasible where ``fits(candidate)`` (``checked``: a list that collects the
-    candidates compiled): the search's own logic, without compiling anything."""
+    candidates compiled; ``live``: a ``weakref.WeakSet`` that holds the trials alive;
+    ``logged``: a list of the log lines; ``ran``: of the candidates each trial round ran):
+    the search's own logic, without compiling anything."""
     from mindpipe_jax.tuner import tune as tune_module
     from mindpipe_jax.tuner.aot import Feasibility
 
     class SyntheticTrial:
         def __init__(self, cfg, cand, **_):
             self.candidate, self.times = cand, []
+            if live is not None:
+                live.add(self)
 
         def run(self, steps, record=True):
             self.times += [truth(self.candidate)] * steps
+            if ran is not None:
+                ran.append(self.candidate)
 
         @property
         def median(self):
@@ -210,7 +217,41 @@ def _tune_on_a_synthetic_machine(monkeypatch, truth, fits=lambda c: True, checke
     monkeypatch.setattr(tune_module, "Trial", SyntheticTrial)
     monkeypatch.setattr(tune_module, "FeasibilityCache", AllFit)
     cm = _synthetic_model()
-    return tune_module.tune(TINY, hardware=cm.hw, costs=cm.costs, log=lambda line: None, **kw)
+    return tune_module.tune(TINY, hardware=cm.hw, costs=cm.costs,
+                            log=(lambda line: None) if logged is None else logged.append, **kw)
+
+
+def test_kept_trials_are_released_when_the_next_would_not_fit_beside_them(monkeypatch):
+    """Each trial is kept for the re-timing rounds; one candidate's peak (1 byte per device
+    here) is judged against the budget alone. With room for two at a time, the third
+    trial finds the two kept ones released first (their first round stands, they are not
+    re-timed), and a trial that cannot fit even then is marked infeasible, not run."""
+    import weakref
+
+    from mindpipe_jax.tuner import tune as tune_module
+
+    live = weakref.WeakSet()
+    monkeypatch.setattr(tune_module, "room_now", lambda devices: 2.5 - len(live))
+    logged = []
+    kw = dict(b_noise=40.0, b0=8, global_batches=(8,), axes=("data", "fsdp", "tensor"), microbatches=(1,),
+              remats=("none",), rounds=3)
+    ran = []
+    result = _tune_on_a_synthetic_machine(monkeypatch, lambda c: 0.01 * c.data + 0.001, live=live,
+                                          logged=logged, ran=ran, measure=3, **kw)
+    measured = [r for r in result.rows if r.measured_s is not None]
+    assert len(measured) == 3
+    released = [ln for ln in logged if ln.startswith("released the kept trials of ")]
+    assert len(released) == 1 and "to make room for" in released[0], logged
+    first, second, third = dict.fromkeys(ran)  # in the order they were measured
+    assert released[0].startswith(f"released the kept trials of {first.label()}, {second.label()} to make "
+                                  f"room for {third.label()}")
+    assert ran == [first, second, third, third, third]  # only the kept one re-timed
+    # Less room than one trial: nothing measured, every candidate due marked as such.
+    monkeypatch.setattr(tune_module, "room_now", lambda devices: 0.5)
+    starved = _tune_on_a_synthetic_machine(monkeypatch, lambda c: 0.01, measure=2, **kw)
+    assert not any(r.measured_s for r in starved.rows)
+    assert any("MiB free when its trial was due" in (r.feasibility.reason if r.feasibility else "")
+               for r in starved.rows)
 
 
 def test_the_tuner_tries_every_batch_in_contention_before_it_decides(monkeypatch):

@@ -93,6 +93,22 @@ def device_budget_bytes(devices) -> tuple[float, str]:
     return (limit, f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
 
 
+def room_now(devices) -> float:
+    """Bytes each of ``devices`` (this process's) can still take at this moment: on CPUs the
+    host's free memory shared by them, on an accelerator the least any has left under its
+    limit; ``inf`` where that is not known."""
+    local = _local(devices) or list(devices)
+    if local[0].platform == "cpu":
+        free = host_free_bytes()
+        return math.inf if free is None else free / len(local)
+    left = []
+    for device in local:
+        limit = _allocator_limit(device)
+        if limit:
+            left.append(limit - float((device.memory_stats() or {}).get("bytes_in_use", 0)))
+    return min(left) if left else math.inf
+
+
 def fit_problem(compiled, mesh, *, state_resident: bool, replacing_bytes: float = 0.0,
                 free_bytes: float | None = None) -> str | None:
     """Why ``compiled``, a train step, cannot fit (one clause naming what it needs and what

@@ -29,6 +29,7 @@ import jax
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import nnx_model
+from mindpipe_jax.train.memory_fit import room_now
 from mindpipe_jax.train.step_checks import check_user_model_keys
 from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
@@ -148,6 +149,32 @@ def lighter_twins(row: Row, rows: Sequence[Row]) -> list[Row]:
     return [t for t in twins if t is not None]
 
 
+def _room_for(row, trials: dict, devices, log) -> bool:
+    """Whether ``row``'s trial fits in what its devices have free now. The measured trials
+    are kept (state, batch, program) for the interleaved re-timing rounds, and each
+    candidate was judged against the budget alone: on a host or an accelerator where one
+    state is a large share of it, the kept ones together could leave too little for the
+    next, an out-of-memory kill mid-search. They are released first (their first round's
+    times stand); a candidate that still cannot fit is marked so and skipped."""
+    need = row.feasibility.peak_bytes
+    room = room_now(devices[:row.candidate.devices])
+    if need <= room:
+        return True
+    if trials:
+        labels = ", ".join(t.candidate.label() for t in trials.values())
+        trials.clear()  # their arrays go with them
+        log(f"released the kept trials of {labels} to make room for {row.candidate.label()} "
+            f"({need / 2**20:.1f} MiB per device, {room / 2**20:.1f} MiB free): they keep their first "
+            f"round's times")
+        room = room_now(devices[:row.candidate.devices])
+        if need <= room:
+            return True
+    row.feasibility = dataclasses.replace(row.feasibility, fits=False, reason=(
+        f"needs {need / 2**20:.1f} MiB per device, {room / 2**20:.1f} MiB free when its trial was due"))
+    log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
+    return False
+
+
 def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = math.inf,
          global_batches: Sequence[int] | None = None,
          axes: Sequence[str] | None = None,
@@ -244,13 +271,16 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     # Measure one candidate at a time, each the next in ``trial_order`` after the
     # trials so far (a trial can reorder the rest: it recalibrates the model).
     trials: dict[int, Trial] = {}
-    for _ in range(measure):
+    while sum(r.measured_s is not None for r in rows) < measure:
         row = next_feasible()
         if row is None:
             break
+        if not _room_for(row, trials, devices, log):
+            continue
         trial = trials[id(row)] = Trial(cfg, row.candidate, model=model, devices=devices)
         trial.run(trial_steps)
         row.measured_s = trial.median
+        del trial  # held by ``trials`` alone: releasing them frees its arrays (``_room_for``)
         # The table shows the median over all rounds (below), not this first one.
         log(f"measured {row.candidate.label()}: {row.measured_s * 1e3:.1f} ms in round 1 of {rounds} "
             f"(predicted {row.predicted.step_s * 1e3:.1f} ms)")
