@@ -347,14 +347,20 @@ def _gpt(cfg):
     return lambda rngs: mp.GPT(cfg.model, rngs=rngs)
 
 
-def test_mesh_switch_keeps_params_and_optimizer_state_bit_for_bit():
-    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "train.steps=4")
+def _started(cfg):
+    """(random token splits, ``cfg``'s layout, its feed, its initial state): a run about to step."""
     rng = np.random.default_rng(0)
     splits = TokenSplits(rng.integers(0, 256, 40_000).astype(np.uint16),
                          rng.integers(0, 256, 4_000).astype(np.uint16), 256, "random")
     layout = build_layout(cfg, _gpt)
     feed = make_feed(splits, layout)
     state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+    return splits, layout, feed, state
+
+
+def test_mesh_switch_keeps_params_and_optimizer_state_bit_for_bit():
+    cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1", "train.steps=4")
+    splits, layout, feed, state = _started(cfg)
     step, _ = layout.compile()
     seen = [next(feed.loader) for _ in range(3)]
     for batch in seen:  # real steps: Adam's moments and count are not their initial values
@@ -543,12 +549,7 @@ def test_a_candidate_whose_layout_cannot_be_built_is_refused_with_nothing_moved(
     from mindpipe_jax.tuner.epara import Decision
 
     cfg = mp.Config().replace(*TINY, "parallel.data=8", "parallel.tensor=1")
-    rng = np.random.default_rng(0)
-    splits = TokenSplits(rng.integers(0, 256, 40_000).astype(np.uint16),
-                         rng.integers(0, 256, 4_000).astype(np.uint16), 256, "random")
-    layout = build_layout(cfg, _gpt)
-    feed = make_feed(splits, layout)
-    state = init_train_state(layout.spec, layout.create, layout.tx, layout.mesh, 0, layout.shardings)
+    splits, layout, feed, state = _started(cfg)
     now = candidate_of(cfg, layout.mesh)
     four = dataclasses.replace(now, data=2, tensor=4)
     switcher = Switcher(_gpt, splits, 0)
