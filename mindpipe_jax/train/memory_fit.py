@@ -79,6 +79,11 @@ def _allocator_limit(device) -> float | None:
     return float(limit) if limit else None
 
 
+def _host_share(free: float, local: list) -> float:
+    """One CPU device's share of the host's free bytes: simulated devices split one RAM."""
+    return free / len(local)
+
+
 def device_budget_bytes(devices) -> tuple[float, str]:
     """What one of ``devices`` (this process's) can hold for a step, and where that figure
     comes from: an accelerator's allocator limit, or on CPUs the host's free memory shared
@@ -88,7 +93,8 @@ def device_budget_bytes(devices) -> tuple[float, str]:
         free = host_free_bytes()
         if free is None:
             return math.inf, "unknown"
-        return free / len(local), f"this host's {free / _GIB:.1f} GiB free, shared by {len(local)} devices"
+        shown = f"this host's {free / _GIB:.1f} GiB free, shared by {len(local)} devices"
+        return _host_share(free, local), shown
     limit = _allocator_limit(local[0])
     return (limit, f"a {local[0].device_kind}'s limit") if limit else (math.inf, "unknown")
 
@@ -100,7 +106,7 @@ def room_now(devices) -> float:
     local = _local(devices) or list(devices)
     if local[0].platform == "cpu":
         free = host_free_bytes()
-        return math.inf if free is None else free / len(local)
+        return math.inf if free is None else _host_share(free, local)
     left = []
     for device in local:
         limit = _allocator_limit(device)
