@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -177,6 +178,32 @@ def test_token_ids_in_memory_split_as_the_same_npy_file(tmp_path):
                         (ids[:3], "too few to split")):
         with pytest.raises(ConfigError, match=needle):
             array_tokens(bad, DataConfig(), 1000)
+
+
+def test_a_data_argument_beside_a_config_naming_other_data_is_refused(tmp_path):
+    """``mp.train(model, ids, cfg)`` with ``data.source=synthetic`` (or ``data.path``) in
+    ``cfg`` trained on the argument and silently dropped what the config named; now one
+    line naming both. The same source named twice, or a search of a saved run on other
+    data (``saved_config``: the argument replaces the run's data by design), is read."""
+    from mindpipe_jax.config import Config
+
+    ids = np.random.default_rng(0).integers(0, 200, 5000).astype(np.int32)
+    text, other = tmp_path / "a.txt", tmp_path / "b.txt"
+    for f in (text, other):
+        f.write_text("some text to read " * 200)
+    for cfg_keys, given, needle in (
+            (("data.source=synthetic",), ids, "as the argument (token ids in memory) and in the config "
+                                               "(data.source='synthetic')"),
+            ((f"data.path={text}",), str(other), f"(the path '{other}')"),
+            ((f"data.path={text}",), DataConfig(source="synthetic"), "(a DataConfig)")):
+        cfg = Config().replace(*cfg_keys)
+        with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+            resolve_data(given, cfg)
+        assert "pass one of them (data=None reads the config's)" in str(err.value)
+        assert resolve_data(given, cfg, saved_config=True).train.size > 0
+    same = Config().replace(f"data.path={text}")
+    np.testing.assert_array_equal(resolve_data(text, same).train, resolve_data(None, same).train)
+    np.testing.assert_array_equal(resolve_data(same.data, same).train, resolve_data(None, same).train)
 
 
 def test_the_entry_points_data_argument_is_read_one_way(tmp_path):

@@ -143,7 +143,7 @@ def _saved_supernet(run_dir: Path, step: int | None, cfg: Config, model, data):
         raise ConfigError(f"the checkpoint in {str(run_dir)!r} is of another supernet than "
                           f"{ours} of its config (parameter shapes or genes differ); "
                           f"pass the model that wrote it")
-    return ckpt_dir, step, mesh, spec, create, resolve_data(data, cfg)
+    return ckpt_dir, step, mesh, spec, create, resolve_data(data, cfg, saved_config=True)
 
 
 def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=None, data=None,

@@ -110,7 +110,8 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
     """Train ``model`` (an ``nnx.Module``, a factory ``rngs -> Module``, or None for the
     reference model of ``config.model``) on ``data`` (None = ``config.data``, a path,
     a ``DataConfig``, ``TokenSplits``, or token ids in memory: a 1-D integer array, split
-    by ``data.val_fraction`` as a token file is). ``overrides`` are ``key=value`` strings.
+    by ``data.val_fraction`` as a token file is; a config naming another source as well
+    is refused). ``overrides`` are ``key=value`` strings.
     ``tuning``: the online tuner ``tuner.enabled`` needs (``mindpipe_jax.train`` passes
     EPara's). ``step_model`` predicts step times for it: any object with
     ``step_time(candidate)`` and ``observe(candidate, seconds)``; default: what this run
