@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError, DiskFullError
-from mindpipe_jax.train import abandoned_reads
+from mindpipe_jax.train import abandoned_io
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -105,6 +105,11 @@ def _tree_bytes(directory: Path) -> int:
     return sum(max(st.st_size, st.st_blocks * 512) for st in sizes)
 
 
+def _state_bytes(state) -> int:
+    """The bytes of ``state``'s arrays (one copy of each, however they are sharded)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype"))
+
+
 def _megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
@@ -121,6 +126,8 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self._saving: int | None = None  # the step of the save in flight
+        self._saving_bytes = 0  # its arrays' bytes: what a failed first save needed at least
+        abandoned_io.drop_their_reports()  # a save failing on a full disk abandons its other writes
         self._failed = False
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -148,10 +155,11 @@ class Checkpointer:
                                   data=ocp.args.JsonSave(data_state),
                                   meta=ocp.args.JsonSave(meta))
         self._saving = step
+        self._saving_bytes = _state_bytes(state)
         try:
             return self._manager.save(step, args=args, force=force)
         except Exception as err:
-            self._raise_if_disk_full(err, state)
+            self._raise_if_disk_full(err)
             raise
 
     def restore(self, step: int, abstract_state):
@@ -175,20 +183,16 @@ class Checkpointer:
         self.wait()
         self._manager.close()
 
-    def _raise_if_disk_full(self, err: Exception, state=None) -> None:
+    def _raise_if_disk_full(self, err: Exception) -> None:
         if not _disk_full(err):
             return
         self._failed = True
+        abandoned_io.settle()  # the save's other writes end into orbax's closed loop
         free = shutil.disk_usage(self.directory).free  # as the save found it
         if jax.process_index() == 0:
             remove_incomplete(self.directory)
         last = self.latest_step()
-        if last is not None:
-            needed = _tree_bytes(self.directory / str(last))
-        elif state is not None:
-            needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-        else:
-            needed = 0
+        needed = _tree_bytes(self.directory / str(last)) if last is not None else self._saving_bytes
         raise self._full_error(self._saving, needed, free, removed=True) from None
 
     def _full_error(self, step, needed: int, free: int, *, removed: bool) -> DiskFullError:
@@ -419,7 +423,7 @@ def restore_verified(ckpt_dir: Path, step: int, abstract_state, advice: str = _R
     """Restore a committed step, reading only; a damaged one is a user-facing error
     ending in ``advice`` (what the caller can do instead)."""
     where = str(ckpt_dir / str(step))
-    abandoned_reads.drop_their_reports()
+    abandoned_io.drop_their_reports()
     try:
         state, data_state, meta = restore(ckpt_dir, step, abstract_state)
     except Exception as err:  # truncated or missing array files, garbled metadata
@@ -433,7 +437,7 @@ def restore_verified(ckpt_dir: Path, step: int, abstract_state, advice: str = _R
     else:
         failure = None
     if failure is not None:
-        abandoned_reads.settle()
+        abandoned_io.settle()
         raise ConfigError(failure)
     if (leaf := verify_checksums(state, meta)) is not None:
         raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "

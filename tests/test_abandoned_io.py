@@ -1,5 +1,6 @@
-"""The filter that keeps a failed restore's abandoned reads off stderr drops only those
-reports (the restore itself: test_bad_input's checkpoint cut short, from a process)."""
+"""The filter that keeps a failed restore's abandoned reads (and a failed save's writes)
+off stderr drops only those reports (the restore itself: test_bad_input's checkpoint cut
+short, from a process; the save: test_run_dir's full disks)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import gc
 import logging
 import sys
 
-from mindpipe_jax.train import abandoned_reads
+from mindpipe_jax.train import abandoned_io
 
 
 class _RaisesOnCollection:
@@ -18,10 +19,10 @@ class _RaisesOnCollection:
 def test_other_unraisables_and_asyncio_records_still_reach_their_hooks(monkeypatch, caplog):
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
-    monkeypatch.setattr(abandoned_reads, "_installed", False)
+    monkeypatch.setattr(abandoned_io, "_installed", False)
     asyncio_log = logging.getLogger("asyncio")
     monkeypatch.setattr(asyncio_log, "filters", list(asyncio_log.filters))
-    abandoned_reads.drop_their_reports()
+    abandoned_io.drop_their_reports()
     assert sys.unraisablehook is not seen.append
 
     _RaisesOnCollection()
