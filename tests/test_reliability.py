@@ -198,6 +198,18 @@ def test_nonfinite_loss_stops_naming_step_and_group_and_keeps_the_checkpoint(tmp
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state)))
 
 
+def test_an_error_mid_run_starts_a_line_of_its_own_after_the_progress_bar(tmp_path, capfd):
+    """The bar was left open when the loop raised: the error was written after its last
+    frame on the same line (``train: 95%|...| 19/20 [...]mindpipe: error: ...``)."""
+    from mindpipe_jax.cli import EXIT_NONFINITE
+
+    rc = main(["train", *NAN, f"train.out_dir={tmp_path / 'run'}", "train.steps=4", HUGE_LR,
+               "train.progress=true"])
+    err = capfd.readouterr().err
+    assert rc == EXIT_NONFINITE, err[-2000:]
+    assert "train:" in err and "\nmindpipe: error: step 2: non-finite loss" in err, repr(err[-600:])
+
+
 class ShortPositions(nnx.Module):
     """A model whose learned position table (8 rows) is shorter than the sequences it is
     given: ``jnp.take`` fills the rows past it with NaN, so its very first loss is NaN."""

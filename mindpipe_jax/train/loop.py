@@ -313,7 +313,9 @@ class _Run:
         pending: list[tuple[int, dict]] = []
         window = DispatchWindow()  # a bounded look-ahead (parallel/dispatch.py: XLA:CPU deadlocks past it)
         since_log, since_fetch = Interval(), Interval()  # step time for the log, for the tuner
-        with StopSignals(jax.process_count() > 1) as signals:
+        # The bar is closed (its line ended) however the loop ends: an error's one line
+        # starts a line of its own.
+        with bar, StopSignals(jax.process_count() > 1) as signals:
             for step in range(start, tr.steps):
                 state, metrics = step_fn(state, layout.batches(next(self.feed.loader)))
                 window.push(metrics)
@@ -418,5 +420,4 @@ class _Run:
                         f"{self.ckpt.directory / str(done)}; continue with train.resume=true "
                         f"(mindpipe train ... --resume)")
                     break
-        bar.close()
         return state
