@@ -277,6 +277,28 @@ def test_a_save_without_room_is_refused_before_writing(tmp_path):
         assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["1"]
 
 
+@pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
+def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_fetch(tmp_path, capsys):
+    """The save of step 100 fails on a full disk while the run goes on (orbax writes in
+    the background). It surfaced at the next save, step 200 here: 100 steps trained and
+    lost (``train.checkpoint_every`` of them on any run). Now the run stops at the first
+    fetch of its metrics after the failure (seen: at step 102), with the same one line."""
+    with _tmpfs(tmp_path / "disk", "200k") as disk:  # the logs fit, the state (0.5 MB) does not
+        out = disk / "run"
+        rc = main(["train", *HERE, "train.steps=200", "train.checkpoint_every=100", f"train.out_dir={out}"])
+        err = capsys.readouterr().err
+        assert rc == 2, err[-3000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mindpipe: error: no space left on the device"), err
+        assert "to save step 100:" in lines[0] and "no checkpoint was committed" in lines[0], lines[0]
+        logged = []
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a last line the full disk cut short
+                logged.append(json.loads(line)["step"])
+        assert 100 <= max(logged) < 180, logged[-5:]
+        assert list((out / "checkpoints").iterdir()) == []
+
+
 def _final_state(out_dir: Path, overrides: list[str], step: int):
     cfg = mp.Config().replace(*TINY, *overrides)
     mesh = mp.make_mesh(cfg.parallel)

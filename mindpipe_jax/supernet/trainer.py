@@ -253,6 +253,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
                 stop = signals.reached(done) if ckpt is not None else None
                 if done % tr.log_every == 0 or done == tr.steps:
                     values = jax.device_get(metrics)  # the only host sync of the interval
+                    if ckpt is not None:
+                        ckpt.check()  # a save that failed in the background stops the run now
                     now = time.perf_counter()
                     losses = values["loss"]
                     record = {"step": done, "loss": float(np.mean(losses)), "loss_min": float(np.min(losses)),

@@ -166,6 +166,26 @@ class Checkpointer:
         """(state on the target shardings, data-iterator state, meta)."""
         return restore(self.directory, step, abstract_state)
 
+    def check(self) -> None:
+        """Raise now (``DiskFullError`` for a full disk) if the save going on in the
+        background has failed; never waits for it. Without this a failed save surfaced
+        at the next one (``train.checkpoint_every`` steps later, all of them lost with it).
+        One process only: with several, a failure one of them saw first would stop it
+        alone and leave the others in their next collective; they meet at the next save."""
+        if self._saving is not None and not self._failed and jax.process_count() == 1 \
+                and self._failed_in_background():
+            self.wait()  # the save has ended: this returns at once, raising its error
+
+    def _failed_in_background(self) -> bool:
+        """Whether orbax's thread that finishes a save has ended with an error. Orbax keeps
+        it to raise from ``wait_until_finished`` and has no public way to ask without
+        waiting; where its internals differ, False (the next save reports it)."""
+        try:
+            return bool(self._manager._finalize_thread.map(
+                lambda t: t is not None and not t.is_alive() and t.exception is not None))
+        except Exception:  # noqa: BLE001 -- another orbax version: leave it to the next save
+            return False
+
     def wait(self) -> None:
         try:
             self._manager.wait_until_finished()

@@ -335,6 +335,7 @@ class _Run:
                     values = _host(list(values))
                     pending.clear()
                     self._check_finite(list(steps), values)
+                    self.ckpt.check()  # a save that failed in the background stops the run now
                     if tuner is not None:
                         # (steps timed while a layout compiled alongside ran slower than they do)
                         quiet = preparer is None or not preparer.busy()
