@@ -361,6 +361,39 @@ def test_a_supernet_step_one_process_cannot_fit_stops_both_in_one_line(tmp_path,
     assert not out.exists()
 
 
+NO_ROOM_FOR_CHECKPOINTS = """
+import shutil
+_disk_usage = shutil.disk_usage
+def disk_usage(path):
+    usage = _disk_usage(path)
+    return type(usage)(usage.total, usage.used, 1024) if str(path).endswith("checkpoints") else usage
+shutil.disk_usage = disk_usage
+"""
+
+
+def test_a_checkpoint_one_process_has_no_room_for_stops_both_in_one_line(tmp_path, cache):
+    """Process 1's disk has 1 KiB free for the first checkpoint. A first save was never
+    checked for room, and one whose writes failed on a process left the others in
+    orbax's barrier (seen on a full 200 kB tmpfs: both processes hung at the next save,
+    past SIGTERM, orbax's barrier gives up after 20 minutes). Now the room is checked
+    before writing, and a process without it stops them all, nothing written."""
+    out = tmp_path / "cluster"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NO_ROOM_FOR_CHECKPOINTS)
+    env = {"PYTHONPATH": f"{hook}{os.pathsep}{cli_env()['PYTHONPATH']}"}
+    procs = _launch([*MH, f"train.out_dir={out}"], "env", cache=cache, cwd=tmp_path, own_env=({}, env))
+    codes = [p.wait(TIMEOUT_S) for p in procs]
+    assert codes == [2, 2], [p.output[-2000:] for p in procs]
+    errors = [[ln for ln in p.output.splitlines() if ln.startswith("mindpipe: error:")] for p in procs]
+    assert errors[1][0].startswith(f"mindpipe: error: no space left on the device of "
+                                   f"{str(out / 'checkpoints')!r} to save step 4: "), errors
+    assert "1024 bytes are free; nothing was written and no checkpoint was committed" in errors[1][0], errors
+    theirs = errors[1][0][len("mindpipe: error: "):]
+    assert errors[0] == [f"mindpipe: error: process 1 stopped the checkpoint save: {theirs}"], errors
+    assert committed_steps(out / "checkpoints") == [] and not list((out / "checkpoints").iterdir())
+
+
 def test_a_peer_that_never_starts_is_a_clear_error_within_the_timeout(tmp_path, cache):
     # Each process alone, on its own port: process 0 waits for a peer that never
     # comes; process 1 finds no coordinator.

@@ -232,8 +232,10 @@ def test_a_first_save_that_does_not_fit_is_one_error_without_the_abandoned_write
     with ENOSPC. Orbax then closes its event loop while TensorStore finishes the other
     arrays' writes into it: 35 tracebacks on stderr for 60 arrays (a model's state has
     that many), and "a checkpoint needs more" in the error. Now one error naming the
-    state's bytes, and a quiet stderr. In a process of its own: pytest would take the
-    reports for warnings rather than let them reach stderr."""
+    state's bytes, and a quiet stderr. The check before writing is switched off (it
+    refuses this save now): a disk another writer fills once it has passed. In a process
+    of its own: pytest would take the reports for warnings rather than let them reach
+    stderr."""
     with _tmpfs(tmp_path / "disk", "1M") as disk:
         code = f"""if True:
             import numpy as np, jax
@@ -242,6 +244,7 @@ def test_a_first_save_that_does_not_fit_is_one_error_without_the_abandoned_write
             rng = np.random.default_rng(0)
             state = {{f"w{{i}}": jax.numpy.asarray(rng.standard_normal(20_000).astype(np.float32))
                      for i in range(60)}}
+            Checkpointer._refuse_without_room = lambda self, step, state: None
             ckpt = Checkpointer({str(disk / "checkpoints")!r})
             try:
                 ckpt.save(1, state, {{"pos": 1}}, {{"step": 1}})
@@ -273,16 +276,38 @@ def test_a_save_without_room_is_refused_before_writing(tmp_path):
             ckpt.save(2, state, {}, {}, force=True)
         ckpt.close()
         assert "nothing was written and the last committed checkpoint (step 1) is untouched" in str(err.value)
+        assert "MB, step 1's size)" in str(err.value), str(err.value)
         assert err.value.free < err.value.needed
         assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["1"]
 
 
 @pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
-def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_fetch(tmp_path, capsys):
+def test_a_first_save_without_room_is_refused_before_writing(tmp_path):
+    """With no committed step to measure by, a first save was started and failed half
+    written (with several processes: they hung, test_multihost); now the state's bytes
+    are the measure."""
+    with _tmpfs(tmp_path / "disk", "600k") as disk:
+        ckpt = Checkpointer(disk / "checkpoints")
+        state = {f"w{i}": jax.numpy.ones(20_000, np.float32) for i in range(60)}
+        with pytest.raises(DiskFullError) as err:
+            ckpt.save(1, state, {}, {})
+        ckpt.close()
+        msg = str(err.value)
+        assert "needs about 4800000 bytes (4.8 MB, the state uncompressed)" in msg, msg
+        assert "nothing was written and no checkpoint was committed" in msg, msg
+        assert list((disk / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
+def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_fetch(tmp_path, capsys,
+                                                                              monkeypatch):
     """The save of step 100 fails on a full disk while the run goes on (orbax writes in
     the background). It surfaced at the next save, step 200 here: 100 steps trained and
     lost (``train.checkpoint_every`` of them on any run). Now the run stops at the first
-    fetch of its metrics after the failure (seen: at step 102), with the same one line."""
+    fetch of its metrics after the failure (seen: at step 102), with the same one line.
+    The check before writing is switched off (it refuses this save now): a disk another
+    writer fills once it has passed."""
+    monkeypatch.setattr(Checkpointer, "_refuse_without_room", lambda self, step, state: None)
     with _tmpfs(tmp_path / "disk", "200k") as disk:  # the logs fit, the state (0.5 MB) does not
         out = disk / "run"
         rc = main(["train", *HERE, "train.steps=200", "train.checkpoint_every=100", f"train.out_dir={out}"])

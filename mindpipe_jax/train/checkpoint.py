@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError, DiskFullError
 from mindpipe_jax.train import abandoned_io
+from mindpipe_jax.train.agreement import all_or_none
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -145,11 +146,11 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
         self.wait()  # a failed earlier save is reported before anything else is written
-        last = self.latest_step()
-        if last is not None:
-            needed, free = _tree_bytes(self.directory / str(last)), shutil.disk_usage(self.directory).free
-            if free < needed:
-                raise self._full_error(step, needed, free, removed=False)
+        # Every process refuses alike: one that went on into orbax's save alone waited at
+        # its barrier for the others (seen: two processes whose first checkpoint did not
+        # fit, both hung past SIGTERM; orbax's barrier gives up after 20 minutes).
+        with all_or_none("checkpoint save"):
+            self._refuse_without_room(step, state)
         meta = {**meta, "checksums": state_checksums(state)}
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=ocp.args.JsonSave(data_state),
@@ -165,6 +166,17 @@ class Checkpointer:
     def restore(self, step: int, abstract_state):
         """(state on the target shardings, data-iterator state, meta)."""
         return restore(self.directory, step, abstract_state)
+
+    def _refuse_without_room(self, step: int, state) -> None:
+        """``DiskFullError`` before writing where the disk has less free than the save
+        needs: the newest committed step's size on the disk, or for a first save the
+        state's bytes (what it occupies uncompressed: orbax may compress a little)."""
+        last = self.latest_step()
+        needed = _tree_bytes(self.directory / str(last)) if last is not None else _state_bytes(state)
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            basis = f"step {last}'s size" if last is not None else "the state uncompressed"
+            raise self._full_error(step, needed, free, removed=False, basis=basis)
 
     def check(self) -> None:
         """Raise now (``DiskFullError`` for a full disk) if the save going on in the
@@ -215,12 +227,13 @@ class Checkpointer:
         needed = _tree_bytes(self.directory / str(last)) if last is not None else self._saving_bytes
         raise self._full_error(self._saving, needed, free, removed=True) from None
 
-    def _full_error(self, step, needed: int, free: int, *, removed: bool) -> DiskFullError:
+    def _full_error(self, step, needed: int, free: int, *, removed: bool, basis: str = "") -> DiskFullError:
         last = self.latest_step()
         kept = (f"the last committed checkpoint (step {last}) is untouched" if last is not None
                 else "no checkpoint was committed")
         gone = "its half-written files were removed and " if removed else "nothing was written and "
-        need = f"a checkpoint needs about {needed} bytes ({_megabytes(needed)})" if needed else \
+        basis = f", {basis}" if basis else ""
+        need = f"a checkpoint needs about {needed} bytes ({_megabytes(needed)}{basis})" if needed else \
             "a checkpoint needs more"
         self._failed = self._failed or removed
         return DiskFullError(
