@@ -281,10 +281,22 @@ def _main(argv: Sequence[str] | None) -> int:
         # save (which says more: DiskFullError, a ConfigError): one line, exit 2.
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
-        where = f" writing {err.filename!r}" if err.filename else ""
-        print(f"{PROG}: error: {os.strerror(err.errno).lower()}{where}; free some space (or choose "
-              f"another train.out_dir) and continue with train.resume=true", file=sys.stderr, flush=True)
+        print(f"{PROG}: error: {_write_failure(err, args.command)}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+
+
+def _write_failure(err: OSError, command: str) -> str:
+    """A write that failed for want of room (or a read-only filesystem), said with what
+    helps: a run (train, supernet) continues from its checkpoints; the other commands
+    wrote nothing that counts (their outputs are written whole or not at all) and are
+    run again."""
+    where = f" writing {err.filename!r}" if err.filename else ""
+    remedy = "choose another place" if err.errno == errno.EROFS else "free some space"
+    if command in ("train", "supernet"):
+        then = f"{remedy} (or choose another train.out_dir) and continue with train.resume=true"
+    else:
+        then = f"{remedy} and run `{PROG} {command}` again"
+    return f"{os.strerror(err.errno).lower()}{where}; {then}"
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ check of a picture's path (``check_picture_path``).
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
@@ -57,6 +59,15 @@ def check_picture_path(out_path: str | os.PathLike) -> Path:
         raise ConfigError(f"cannot write picture {str(path)!r}: directory {str(parent)!r} does not exist")
     if path.is_dir():
         raise ConfigError(f"cannot write picture {str(path)!r}: it is a directory")
+    return path
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Draw ``fig`` to ``path`` (its suffix names the format) whole or not at all: on a
+    full disk matplotlib left an empty file and an error naming no file."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lstrip(".").lower())
+    write_atomically(path, buffer.getvalue())
     return path
 
 

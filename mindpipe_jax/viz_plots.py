@@ -18,6 +18,7 @@ from mindpipe_jax.viz_common import (
     _shade,
     check_picture_path,
     require_matplotlib,
+    save_figure,
 )
 
 
@@ -103,8 +104,7 @@ def draw_plan(plan, out_path: str | os.PathLike, *, title: str | None = None) ->
     fig.suptitle(title or f"vPipe plan: {name}  p={plan.p} v={plan.v} m={plan.m}, layers per stage "
                           f"{list(plan.counts)}   ·   predicted utilization {plan.utilization['async']:.2f} "
                           f"(async), {plan.utilization['lockstep']:.2f} (lockstep)", fontsize=10)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------- simulated compute/communication lanes
@@ -170,8 +170,7 @@ def draw_lanes(results, out_path: str | os.PathLike, *, titles=None, time_scale:
         handles.append(Patch(facecolor=face, label=label))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8,
                frameon=False)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ tuner landscape
@@ -237,5 +236,4 @@ def draw_landscape(result, out_path: str | os.PathLike, *, trajectory=None, top_
             twin.set_ylabel("learning rate", color="#e45756")
         tr.set_title("online run: batch and learning rate", fontsize=9, loc="left")
     fig.suptitle(title or "EPara: entropyput landscape", fontsize=10)
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)

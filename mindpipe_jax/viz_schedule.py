@@ -25,6 +25,7 @@ from mindpipe_jax.viz_common import (
     _shade,
     check_picture_path,
     require_matplotlib,
+    save_figure,
 )
 
 
@@ -193,5 +194,4 @@ def draw_schedule(schedule: Schedule, out_path: str | os.PathLike, *,
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=8, frameon=False, handlelength=1.6)
 
-    fig.savefig(path)
-    return path
+    return save_figure(fig, path)

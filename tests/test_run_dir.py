@@ -37,6 +37,7 @@ from cli_procs import Train, cli_env, run_train
 from treecheck import assert_bitwise
 
 import mindpipe_jax as mp
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.cli import main
 from mindpipe_jax.errors import ConfigError, DiskFullError
 from mindpipe_jax.train.checkpoint import Checkpointer, committed_steps, restore, verify_checksums
@@ -322,6 +323,29 @@ def test_a_save_that_failed_in_the_background_stops_the_run_at_the_next_fetch(tm
                 logged.append(json.loads(line)["step"])
         assert 100 <= max(logged) < 180, logged[-5:]
         assert list((out / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
+def test_outputs_on_a_full_disk_are_written_whole_or_not_at_all(tmp_path, capsys):
+    """``--out`` pictures, ``--json`` files, the tuner's caches, ``config.json``: on a
+    full disk each was left empty or cut short (an empty .svg; a cache that no longer
+    parsed), and the error named no file and told ``mindpipe schedule`` to continue with
+    train.resume=true. Now the file is whole or as it was, and the line names it and
+    says to run the command again."""
+    with _tmpfs(tmp_path / "disk", "16k") as disk:
+        kept = disk / "kept.json"
+        kept.write_text('{"old": true}')
+        with pytest.raises(OSError) as err:
+            write_atomically(kept, "x" * 100_000)
+        assert err.value.filename == str(kept) and kept.read_text() == '{"old": true}'
+        assert sorted(p.name for p in disk.iterdir()) == ["kept.json"]
+        picture = disk / "timeline.svg"
+        assert main(["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                     "--out", str(picture)]) == 2
+        assert _error_line(capsys.readouterr().err) == (
+            f"mindpipe: error: no space left on device writing {str(picture)!r}; free some space and run "
+            f"`mindpipe schedule` again")
+        assert sorted(p.name for p in disk.iterdir()) == ["kept.json"]
 
 
 def _final_state(out_dir: Path, overrides: list[str], step: int):

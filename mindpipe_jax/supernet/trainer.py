@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.config import Config, check_supernet_keys, config_argument
 from mindpipe_jax.data import Loader, resolve_data
 from mindpipe_jax.errors import ConfigError
@@ -228,7 +229,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
             if removed:
                 say(f"removed what interrupted saves left in {ckpt_dir}: {', '.join(removed)}")
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            write_atomically(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("mindpipe: supernet checkpoint dir ready")
@@ -292,7 +293,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
         if result is not None and jax.process_index() == 0:
             # The search's result beside the checkpoint it was made from (floats as JSON
             # keeps them exactly): what a later `mindpipe search` of that step reproduces.
-            (out_dir / "search.json").write_text(json.dumps(
+            write_atomically(out_dir / "search.json", json.dumps(
                 {"step": tr.steps, "top": result.top, "evaluated": result.evaluated,
                  "best_per_generation": result.best_per_generation}, indent=1))
         say(f"checkpoints: {ckpt_dir} (search them again with: mindpipe search {out_dir})")

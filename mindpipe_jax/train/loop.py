@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.config import Config, check_validation_split, config_argument
 from mindpipe_jax.data import TokenSplits, resolve_data
 from mindpipe_jax.errors import ConfigError, NonFiniteError
@@ -206,7 +207,7 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
     ckpt = Checkpointer(ckpt_dir, keep=tr.keep_checkpoints)
     if primary:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        write_atomically(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     writer = MetricsWriter(out_dir, tensorboard=tr.tensorboard, enabled=primary, resume_step=resume_step)
     meta = {"config": cfg.to_dict(), "fingerprint": fingerprint, **({"tuner": tuned} if tuned else {}),
             **({"repartition": resumed.chosen} if resumed.chosen else {})}  # later checkpoints carry it on

@@ -17,6 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from mindpipe_jax.atomic_write import write_atomically
+
 # Dense peak FLOP/s per device by device kind (bf16 for accelerators). The CPU
 # has no meaningful published peak; set train.peak_tflops to get an MFU there.
 PEAK_TFLOPS = {
@@ -102,9 +104,7 @@ def _truncate_after(path: Path, step: int) -> None:
         if not isinstance(record, dict) or not isinstance(record.get("step"), int) \
                 or record["step"] <= step:
             kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    write_atomically(path, "".join(f"{line}\n" for line in kept))
 
 
 def format_line(step: int, values: dict) -> str | None:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.train.memory_fit import step_bytes
@@ -200,6 +201,4 @@ class FeasibilityCache:
     def _save(self) -> None:
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._entries))
-            tmp.replace(self.path)
+            write_atomically(self.path, json.dumps(self._entries))

@@ -53,6 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mindpipe_jax.atomic_write import write_atomically
+
 FORMAT = 3  # bump when what is measured changes: old cache files then miss
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "ppermute")
 
@@ -154,9 +156,7 @@ def load(key: dict, cache_dir: str | Path | None = None) -> Calibration | None:
 def save(cal: Calibration, cache_dir: str | Path | None = None) -> Path:
     path = cache_file(cal.key, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    write_atomically(path, json.dumps(cal.to_dict(), indent=1, sort_keys=True))
     return path
 
 

@@ -12,6 +12,7 @@ import math
 import textwrap
 from pathlib import Path
 
+from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.config import MESH_AXES, check_train_keys, load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.space import REMATS, SCHEDULES
@@ -265,9 +266,9 @@ def run(args: argparse.Namespace) -> int:
               f"{ahead.predicted_entropyput / best.measured_entropyput:.2f}x the entropyput measured for the "
               f"best; raise --measure (now {measure}) to try it", flush=True)
     if json_out is not None:
-        json_out.write_text(json.dumps({"b_noise": result.b_noise, "b0": result.b0,
-                                        "hardware": result.hardware.note,
-                                        "rows": [r.to_dict() for r in result.rows]}, indent=1))
+        write_atomically(json_out, json.dumps({"b_noise": result.b_noise, "b0": result.b0,
+                                                    "hardware": result.hardware.note,
+                                                    "rows": [r.to_dict() for r in result.rows]}, indent=1))
         print(f"wrote {json_out}", flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_landscape(result, args.out)}", flush=True)
@@ -304,6 +305,6 @@ def run_supernet(args: argparse.Namespace, cfg) -> int:
     print(f"best: {best.candidate.label()} ({best.measurement.progress_per_s:.4f} search-validation loss "
           f"per second) -> {' '.join(best.candidate.overrides())}", flush=True)
     if json_out is not None:
-        json_out.write_text(result.to_json())
+        write_atomically(json_out, result.to_json())
         print(f"wrote {json_out}", flush=True)
     return 0
