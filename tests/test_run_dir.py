@@ -348,6 +348,25 @@ def test_outputs_on_a_full_disk_are_written_whole_or_not_at_all(tmp_path, capsys
         assert sorted(p.name for p in disk.iterdir()) == ["kept.json"]
 
 
+@pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
+@pytest.mark.parametrize("tensorboard", [True, False])
+def test_logs_that_fill_the_disk_stop_the_run_in_one_line_naming_the_file(tensorboard, tmp_path, cache):
+    """TensorBoard's events went through tensorboardX's writer thread: on a full disk it
+    died (a traceback on stderr) and the next writes filled its queue and blocked, the
+    run hung for good at its next log step. metrics.jsonl's error named no file."""
+    with _tmpfs(tmp_path / "disk", "40k") as disk:  # no checkpoints: the logs fill it
+        out = disk / "run"
+        rc, output = run_train([*TINY, "train.steps=400", "train.checkpoint_every=0",
+                                f"train.tensorboard={str(tensorboard).lower()}", f"train.out_dir={out}"],
+                               env=cli_env(cache), cwd=tmp_path, timeout=120)  # (a hang: 120 s)
+        assert rc == 2 and "Traceback" not in output, output[-3000:]
+        errors = [ln for ln in output.splitlines() if ln.startswith("mindpipe: error:")]
+        where = out / ("tensorboard" if tensorboard else "metrics.jsonl")
+        want = (f"mindpipe: error: no space left on device writing {str(where)!r}; free some space (or "
+                f"choose another train.out_dir) and continue with train.resume=true")
+        assert errors == [want], output[-3000:]
+
+
 def _final_state(out_dir: Path, overrides: list[str], step: int):
     cfg = mp.Config().replace(*TINY, *overrides)
     mesh = mp.make_mesh(cfg.parallel)

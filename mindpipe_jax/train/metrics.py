@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from mindpipe_jax.atomic_write import write_atomically
+from mindpipe_jax.train.tb_events import ScalarEvents
 
 # Dense peak FLOP/s per device by device kind (bf16 for accelerators). The CPU
 # has no meaningful published peak; set train.peak_tflops to get an MFU there.
@@ -50,6 +51,7 @@ def _number(value) -> bool:
 class MetricsWriter:
     def __init__(self, out_dir: Path, *, tensorboard: bool, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
+        self._failed = False
         self._jsonl = None
         self._tb = None
         if not enabled:
@@ -63,15 +65,13 @@ class MetricsWriter:
             _truncate_after(path, resume_step or 0)
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             # The steps after ``resume_step`` are trained again: TensorBoard hides what an
-            # earlier attempt logged for them (its purge marker), as JSONL drops it above;
+            # earlier attempt logged for them (the purge step), as JSONL drops it above;
             # else both attempts' curves overlap from the checkpoint on. The file name
             # gets the time in ns: tensorboardX names it by the second and host, so an
             # attempt started within the same second truncated the earlier one's file.
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=(resume_step or 0) + 1,
-                                     filename_suffix=f".{time.time_ns()}")
+            self._tb = ScalarEvents(out_dir / "tensorboard", purge_step=(resume_step or 0) + 1,
+                                    filename_suffix=f".{time.time_ns()}")
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -80,17 +80,26 @@ class MetricsWriter:
         # skips them) is null in JSONL and left out of TensorBoard, which warns per NaN.
         clean = {k: (None if _number(v) and not math.isfinite(v) else v.item() if isinstance(v, np.number)
                      else v) for k, v in values.items()}
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-        if self._tb is not None:
-            for key, value in clean.items():
-                if _number(value):
-                    self._tb.add_scalar(key, value, step)
+        try:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            if self._tb is not None:
+                self._tb.add_scalars(step, {key: value for key, value in clean.items() if _number(value)})
+        except OSError as err:  # a full disk: the error names the file
+            err.filename = err.filename or self._jsonl.name
+            self._failed = True
+            raise
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close the files; after a failed write (a full disk) what they still hold
+        unwritten is dropped: closing would fail again and hide the first error."""
+        for f in (self._jsonl, self._tb):
+            if f is None:
+                continue
+            try:
+                f.close()
+            except OSError:
+                if not self._failed:
+                    raise
 
 
 def _truncate_after(path: Path, step: int) -> None:
