@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from mindpipe_jax.errors import ConfigError, DiskFullError
 from mindpipe_jax.train import abandoned_io
 from mindpipe_jax.train.agreement import all_or_none
+from mindpipe_jax.train.checksums import state_checksums, verify_checksums  # (verify_checksums: re-exported)
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -254,40 +254,6 @@ def restore(directory: str | Path, step: int, abstract_state):
         args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                 data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["data"], restored["meta"]
-
-
-def _bits_sum(x):
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned)
-    if x.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(bits, jnp.uint32)  # [..., 2] halves
-    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
-
-
-_checksums = jax.jit(lambda tree: jax.tree.map(_bits_sum, tree))
-
-
-def state_checksums(state) -> dict[str, int]:
-    """``{path: uint32 sum of the array's bits}`` for every leaf of ``state``."""
-    sums = _checksums(state)
-    flat = jax.tree_util.tree_flatten_with_path(sums)[0]
-    local = [x.addressable_data(0) if not x.is_fully_addressable else x for _, x in flat]
-    return {jax.tree_util.keystr(path): int(v) for (path, _), v in zip(flat, jax.device_get(local),
-                                                                         strict=True)}
-
-
-def verify_checksums(state, meta: dict) -> str | None:
-    """The first leaf whose bits differ from the checksum saved in ``meta``, or None."""
-    saved = meta.get("checksums")
-    if not saved:
-        return None  # written before checksums existed
-    for path, value in state_checksums(state).items():
-        if saved.get(path) != value:
-            return path
-    return None
 
 
 def committed_steps(directory: str | Path) -> list[int]:

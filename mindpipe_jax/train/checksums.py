@@ -1,0 +1,42 @@
+"""A checkpoint's guard against bytes changed on the disk: one ``uint32`` sum of each
+array's bits, saved with the checkpoint and compared after a restore. Any single flipped
+bit changes its array's sum (tests/test_reliability.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _bits_sum(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned)
+    if x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(bits, jnp.uint32)  # [..., 2] halves
+    return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_checksums = jax.jit(lambda tree: jax.tree.map(_bits_sum, tree))
+
+
+def state_checksums(state) -> dict[str, int]:
+    """``{path: uint32 sum of the array's bits}`` for every leaf of ``state``."""
+    sums = _checksums(state)
+    flat = jax.tree_util.tree_flatten_with_path(sums)[0]
+    local = [x.addressable_data(0) if not x.is_fully_addressable else x for _, x in flat]
+    return {jax.tree_util.keystr(path): int(v) for (path, _), v in zip(flat, jax.device_get(local),
+                                                                         strict=True)}
+
+
+def verify_checksums(state, meta: dict) -> str | None:
+    """The first leaf whose bits differ from the checksum saved in ``meta``, or None."""
+    saved = meta.get("checksums")
+    if not saved:
+        return None  # written before checksums existed
+    for path, value in state_checksums(state).items():
+        if saved.get(path) != value:
+            return path
+    return None
