@@ -9,19 +9,26 @@ one rename; a failure removes the temporary file and leaves the old file as it w
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
-def write_atomically(path: str | Path, content: str | bytes) -> None:
-    """``path`` holds ``content`` (text or bytes) afterwards, or (an ``OSError``, naming ``path``) what it
-    held before. Readers, other processes too, see the old file or the new one."""
+def write_atomically(path: str | Path, content: str | bytes | Callable[[BinaryIO], None]) -> None:
+    """``path`` holds ``content`` afterwards (text, bytes, or what a function writes to
+    the binary file it is given: a large array without a copy in memory), or (an
+    ``OSError``, naming ``path``) what it held before. Readers, other processes too, see
+    the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        if isinstance(content, bytes):
+        if isinstance(content, str):
+            tmp.write_text(content)
+        elif isinstance(content, bytes):
             tmp.write_bytes(content)
         else:
-            tmp.write_text(content)
+            with open(tmp, "wb") as f:
+                content(f)
         os.replace(tmp, path)
     except OSError as err:
         if err.filename in (None, str(tmp)):  # the user knows the file, not our temporary one

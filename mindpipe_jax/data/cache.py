@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mindpipe_jax.atomic_write import write_atomically
+
 
 def cache_dir() -> Path:
     """``$MINDPIPE_CACHE``, else ``~/.cache/mindpipe_jax``."""
@@ -47,16 +49,9 @@ def store(key: str, arrays: dict[str, np.ndarray]) -> bool:
     try:
         cache_dir().mkdir(parents=True, exist_ok=True)
         for part, arr in arrays.items():
-            final = _entry(key, part)
-            # Write then rename: readers (other processes of a multi-host job sharing
-            # the directory) see either no file or a complete one, never a partial one.
-            tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    np.save(f, arr, allow_pickle=False)
-                os.replace(tmp, final)
-            finally:
-                tmp.unlink(missing_ok=True)
+            # Readers (other processes of a multi-host job sharing the directory) see
+            # either no file or a complete one, never a partial one.
+            write_atomically(_entry(key, part), lambda f, arr=arr: np.save(f, arr, allow_pickle=False))
     except OSError:
         return False
     return True
