@@ -273,6 +273,10 @@ class OptimConfig:
         _check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
                f"optim.b1={self.b1}, optim.b2={self.b2} must be in [0, 1)")
         _check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
+        # Adam divides by sqrt(v) + eps: with eps <= 0 a weight whose gradient is exactly
+        # zero (an embedding row no batch has used) gets 0/0 = NaN on the first step.
+        _check(self.eps > 0, f"optim.eps={self.eps} must be > 0 (e.g. 1e-8): Adam divides by "
+                             f"sqrt(v) + eps, and a weight with a zero gradient would become NaN")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def semantics_error(semantics) -> str | None:
     if semantics in SUPERNET_SEMANTICS:
         return None
     valid = ", ".join(repr(s) for s in SUPERNET_SEMANTICS)
-    if semantics in _RENAMED_SEMANTICS:
+    if isinstance(semantics, str) and semantics in _RENAMED_SEMANTICS:  # a list is unhashable
         return (f"supernet.semantics={semantics!r} is now called {_RENAMED_SEMANTICS[semantics]!r} "
                 f"(its shared weights take one averaged update per step; 'sequential' trains the "
                 f"subnets one after another); valid: {valid}")

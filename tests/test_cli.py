@@ -144,6 +144,10 @@ BAD = {
     "malformed override": (["train.steps"], "train.steps"),
     "unknown section": (["nosuch.key=1"], "nosuch"),
     "out of range": (["train.steps=0"], "train.steps=0"),
+    # optax's Adam with eps=0 turns a zero gradient into 0/0 = NaN on the first step
+    "adam eps": (["optim.eps=0"], "optim.eps=0 must be > 0"),
+    # a list is unhashable: a TypeError traceback before 2026-12-07
+    "semantics not a string": (["supernet.semantics=[1]"], "supernet.semantics=[1] is not valid"),
 }
 
 
