@@ -40,7 +40,14 @@ import textwrap
 from collections.abc import Sequence
 
 from mindpipe_jax import _interrupt, cli_pipeline, cli_supernet
-from mindpipe_jax.cli_common import ERRORS_HELP, OVERRIDES_HELP, PROG, add_config_args, sections_help
+from mindpipe_jax.cli_common import (
+    ERRORS_HELP,
+    OVERRIDES_HELP,
+    PROG,
+    OneLineParser,
+    add_config_args,
+    sections_help,
+)
 from mindpipe_jax.config import check_train_keys, load_config
 from mindpipe_jax.config_toml import to_toml
 from mindpipe_jax.errors import (
@@ -72,7 +79,7 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, formatter_class=fmt,
         description=textwrap.dedent("""\
             Train Flax NNX models across data, fsdp, tensor, pipeline, supernet and
@@ -137,6 +144,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
     # Options may come after overrides (`mindpipe train a.b=1 --config f.toml c.d=2`):
     # argparse leaves the later positionals over, so collect them as overrides in order.
     args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):  # a copy: with none given it is the parser's default list
+        args.overrides = list(args.overrides)
     for item in extra:
         if item.startswith("-") or not hasattr(args, "overrides"):
             getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -16,6 +16,21 @@ from mindpipe_jax.errors import ConfigError
 
 PROG = "mindpipe"
 
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (argparse prints the usage block
+    above them) that points at the command's ``--help``; exit status 2 as argparse's.
+    Subcommand parsers inherit it (``add_subparsers`` makes parsers of the parent's class)."""
+
+    def error(self, message: str):
+        if "required: COMMAND" in message:  # bare `mindpipe`: name what it takes
+            message = "no command given; choose one of: " + ", ".join(self._command_names())
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+    def _command_names(self) -> list[str]:
+        return [name for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for name in action.choices]
+
 OVERRIDES_HELP = """\
 overrides:
   Any config key can be set on the command line as section.key=value, after the
@@ -65,7 +80,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE", default=None,
                    help="TOML file with any subset of the config sections (default: none, "
                         "i.e. the built-in defaults)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                    help="config overrides; the value is a TOML literal (see below)")
 
 

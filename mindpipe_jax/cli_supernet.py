@@ -69,7 +69,7 @@ def add_parsers(sub, fmt) -> None:
                           help="the train.out_dir of a `mindpipe supernet` run")
     p_search.add_argument("--step", metavar="N", default=None,
                           help="search the checkpoint of step N (default: the newest)")
-    p_search.add_argument("overrides", nargs="*", metavar="section.key=value",
+    p_search.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                           help="search settings; the value is a TOML literal (see below)")
     p_search.set_defaults(func=run_search, parser=p_search)
 

@@ -56,15 +56,25 @@ def test_top_level_help_lists_subcommands_and_examples(capsys):
     assert "mindpipe train --config examples/configs/tiny.toml" in out
 
 
-def test_no_subcommand_is_a_usage_error(capsys):
-    assert main([]) == 2
-    assert "usage: mindpipe" in capsys.readouterr().err
+# argparse's usage errors printed its usage block above the error line before 2026-12-07
+USAGE_ERRORS = {
+    "no command": ([], "mindpipe: error: no command given; choose one of: train, config"),
+    "unknown command": (["trian"], "invalid choice: 'trian' (choose from 'train'"),
+    "unknown option": (["train", "--bogus"], "mindpipe train: error: unrecognized arguments: --bogus"),
+    "option without its value": (["tune", "--batches"], "argument --batches: expected one argument"),
+    # the overrides positional (nargs="*") is not listed as required
+    "missing required": (["search"], "search: error: the following arguments are required: RUN_DIR;"),
+}
 
 
-def test_unknown_option_is_a_usage_error(capsys):
-    assert main(["train", "--bogus"]) == 2
+@pytest.mark.parametrize("case", list(USAGE_ERRORS), ids=list(USAGE_ERRORS))
+def test_usage_errors_are_one_line_pointing_at_help(case, capsys):
+    argv, needle = USAGE_ERRORS[case]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "mindpipe train: error: unrecognized arguments: --bogus" in err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    command = "mindpipe" if argv[:1] in ([], ["trian"]) else f"mindpipe {argv[0]}"
+    assert err.rstrip().endswith(f"; see `{command} --help`"), err
 
 
 # --- config ----------------------------------------------------------------------------------
