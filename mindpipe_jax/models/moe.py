@@ -117,6 +117,11 @@ def moe_ffn(router, w_in, w_out, x, *, top_k: int, capacity_factor: float, group
     """
     b, t, d = x.shape
     n_experts = router.shape[1]
+    # Weights made varying where the tokens are, in their own dtype, before any cast to
+    # ``dtype``: the gradient's sum over those devices (this cast's transpose) is then
+    # in float32. Left invariant, JAX sums after the cast, in bfloat16: less precise, and
+    # inside a shard_map with automatic axes left XLA's CPU compiler aborts on it.
+    router, w_in, w_out = (_vary_like(w, x) for w in (router, w_in, w_out))
     if b % groups:
         raise ConfigError(f"MoE: {b} batch rows cannot form {groups} equal dispatch groups")
     xg = x.reshape(groups, b * t // groups, d)
@@ -140,6 +145,13 @@ def moe_ffn(router, w_in, w_out, x, *, top_k: int, capacity_factor: float, group
     y = jnp.einsum("gsec,egcd->gsd", combine.astype(dtype), out)
     aux = load_balancing_loss(probs, top_idx[..., 0], stats_axes)
     return y.reshape(b, t, d).astype(x.dtype), aux
+
+
+def _vary_like(w, x):
+    """``w`` cast to vary over every manual axis ``x`` varies over (no data moves)."""
+    missing = tuple(sorted(set(jax.typeof(x).manual_axis_type.varying)
+                           - set(jax.typeof(w).manual_axis_type.varying)))
+    return lax.pcast(w, missing, to="varying") if missing else w
 
 
 def _batch_axes(mesh) -> tuple[str, ...]:

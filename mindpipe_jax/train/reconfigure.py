@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.config import Config
 from mindpipe_jax.data import Loader, TokenSplits, eval_batches
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.cpu_guard import lower_checked, platform_of
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.train.pipeline_storage import split_ends_over_pipe
 from mindpipe_jax.train.state import abstract_train_state, make_optimizer, model_spec, state_shardings_for
@@ -194,7 +195,7 @@ class Layout:
             gain = jax.ShapeDtypeStruct((), np.float32, sharding=rep)
             args = (self.abstract_state, self.batches.spec(), gain)
         with jax.set_mesh(self.mesh):  # the model's activation constraints read it
-            compiled = fn.lower(*args).compile()
+            compiled = lower_checked(fn, *args, platform=platform_of(self.mesh)).compile()
         if self.lr_gain is not None:
             compiled = GainedStep(compiled, self)
         if own:
@@ -227,7 +228,7 @@ def build_layout(cfg: Config, factory_for: Callable[[Config], Any], lr_gain: flo
             raise
         check_user_model_keys(cfg.model, spec)
         spec = split_ends_over_pipe(spec, cfg.model.seq_len, mesh)
-        check_model_outputs(spec, cfg.model.seq_len, cfg.model.vocab_size)
+        check_model_outputs(spec, cfg.model.seq_len, cfg.model.vocab_size, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps, spec.decay_mask)
     shardings = state_shardings_for(spec, tx, mesh)
     return Layout(cfg, mesh, spec, create, tx, shardings, abstract_train_state(spec, tx, mesh, shardings),

@@ -222,12 +222,15 @@ def _buffer_leaves(model) -> dict:
             for path, var in buffers(nnx.state(model))}
 
 
-def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
+def check_model_outputs(spec, seq_len: int, vocab_size: int, mesh=None) -> None:
     """What the model gives the step, traced abstractly once on a [1, seq_len] batch: a
     scalar from ``loss(inputs, targets)``, or logits [1, seq_len, C] with C >= vocab_size
     from ``__call__`` (token ids go up to vocab_size - 1; fewer classes give a NaN loss at
     the first step). A model with neither must be a pipeline-contract model. A forward that
-    writes a buffer (``state.is_buffer``: held constant by the step) is refused."""
+    writes a buffer (``state.is_buffer``: held constant by the step) is refused.
+
+    Traced without a mesh; a forward that needs one (its own ``jax.shard_map``) is traced
+    again under ``mesh``, on one row per batch shard so its specs divide the batch."""
     from mindpipe_jax.parallel.pipeline.contract import pipeline_parts
 
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec.abstract_params)
@@ -265,12 +268,24 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
         written.extend(path for path in after if after[path] != before.get(path))
         return got
 
+    rows = 1
     try:
         got = jax.eval_shape(out, abstract, tokens)
     except ConfigError:
         raise
     except Exception as err:  # a mistake in the user's forward: one line, its place in their file
-        raise user_code_error(err, f"running the model, {called} on a [1, {seq_len}] batch,") from None
+        if mesh is None or "context mesh cannot be empty" not in str(err):
+            raise user_code_error(err, f"running the model, {called} on a [1, {seq_len}] batch,") from None
+        rows = math.prod(mesh.shape[a] for a in BATCH_AXES)
+        written.clear()
+        try:
+            with jax.set_mesh(mesh):
+                got = jax.eval_shape(out, abstract, jax.ShapeDtypeStruct((rows, seq_len), jnp.int32))
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise user_code_error(err, f"running the model, {called} on a [{rows}, {seq_len}] batch "
+                                       f"under the mesh,") from None
     if written:
         kinds = {path: type(var).__name__ for path, var in buffers(spec.rest)}
         names = ", ".join(f"{'/'.join(map(str, p))} ({kinds.get(p, 'Variable')})" for p in written[:6])
@@ -286,11 +301,11 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int) -> None:
             raise ConfigError(f"{name}.loss(inputs, targets) returned {what}; the step differentiates a "
                               f"scalar float loss (log other values outside the loss)")
         return
-    if shown is None or len(shown) != 3 or tuple(shown[:2]) != (1, seq_len):
+    if shown is None or len(shown) != 3 or tuple(shown[:2]) != (rows, seq_len):
         what = f"shape {tuple(shown)}" if shown is not None else \
             f"{type(got).__name__} {jax.tree.structure(got)}"
-        raise ConfigError(f"{name}(tokens) on tokens of shape (1, {seq_len}) returned {what}; without a "
-                          f"loss method the model must return logits of shape (1, {seq_len}, classes)")
+        raise ConfigError(f"{name}(tokens) on tokens of shape ({rows}, {seq_len}) returned {what}; without "
+                          f"a loss method the model must return logits of shape ({rows}, {seq_len}, classes)")
     if shown[-1] < vocab_size:
         raise ConfigError(f"{name}(tokens) returns {shown[-1]} classes per position, fewer than "
                           f"model.vocab_size={vocab_size} (the data's token ids go up to {vocab_size - 1}); "
