@@ -3,6 +3,7 @@ aborts the process on them (SIGABRT), so the step refuses them in one line first
 model with its own shard_map trains (it was refused by the output check, which traced
 it without a mesh)."""
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,8 @@ from mindpipe_jax.config import ParallelConfig
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.cpu_guard import lower_checked
 from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.tuner.aot import compile_candidate
+from mindpipe_jax.tuner.space import Candidate
 
 REDUCTIONS = {
     "psum": lambda v: lax.psum(v, "data"),
@@ -129,3 +132,14 @@ def test_a_model_reducing_bfloat16_in_its_shard_map_is_one_line_and_writes_nothi
         mp.train(lambda rngs: CentredOverDevices(rngs, jnp.bfloat16), None, None, *COMMON, "train.steps=1",
                  f"train.out_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_tuner_rejects_such_a_layout_with_the_reason_instead_of_aborting():
+    cfg = mp.Config().replace(*COMMON)
+    model = lambda rngs: CentredOverDevices(rngs, jnp.bfloat16)  # noqa: E731
+    bad = compile_candidate(cfg, Candidate(data=4, tensor=2, global_batch=8), math.inf, model=model)
+    assert not bad.fits
+    assert "XLA's CPU compiler aborts on" in bad.reason and "test_cpu_guard.py:" in bad.reason
+    good = compile_candidate(cfg, Candidate(data=4, tensor=2, global_batch=8), math.inf,
+                             model=lambda rngs: CentredOverDevices(rngs))
+    assert good.fits, good.reason

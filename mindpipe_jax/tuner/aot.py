@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from mindpipe_jax.atomic_write import write_atomically
 from mindpipe_jax.config import Config
 from mindpipe_jax.errors import ConfigError
+from mindpipe_jax.parallel.cpu_guard import lower_checked, platform_of
 from mindpipe_jax.train.memory_fit import step_bytes
 from mindpipe_jax.tuner.facts import ModelFacts
 from mindpipe_jax.tuner.space import Candidate, check_candidate
@@ -67,8 +68,11 @@ class BuiltStep:
         return {"inputs": one, "targets": one}
 
     def lower(self):
+        """Lowered for the mesh's devices: a ``ConfigError`` for a program XLA's CPU
+        compiler would abort on (``parallel.cpu_guard``)."""
         with jax.set_mesh(self.mesh):
-            return self.jitted.lower(self.abstract_state, self.batch_spec())
+            return lower_checked(self.jitted, self.abstract_state, self.batch_spec(),
+                                 platform=platform_of(self.mesh))
 
 
 def build_step(cfg: Config, model=None, devices=None, *, noise_stats: bool | None = None) -> BuiltStep:
