@@ -31,6 +31,7 @@ class OneLineParser(argparse.ArgumentParser):
         return [name for action in self._actions if isinstance(action, argparse._SubParsersAction)
                 for name in action.choices]
 
+
 OVERRIDES_HELP = """\
 overrides:
   Any config key can be set on the command line as section.key=value, after the
