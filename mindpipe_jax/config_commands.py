@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from mindpipe_jax.config_load import Config
-from mindpipe_jax.config_supernet_tuner import SupernetConfig
+from mindpipe_jax.config_supernet_tuner import SupernetConfig, TunerConfig
 from mindpipe_jax.config_values import _shown
 from mindpipe_jax.errors import ConfigError
 
@@ -78,3 +78,11 @@ def check_supernet_keys(cfg: Config) -> None:
             if value != getattr(getattr(default, section), name):
                 raise ConfigError(f"{section}.{name}={_shown(value)} has no effect on a supernet run: {why}; "
                                   f"drop {section}.{name}")
+    # The tuner section is the dense run's online tuner (mp.train): `mindpipe supernet
+    # tuner.enabled=true` trained the fixed layout without a word.
+    for f in dataclasses.fields(TunerConfig):
+        value = getattr(cfg.tuner, f.name)
+        if value != getattr(default.tuner, f.name):
+            raise ConfigError(f"tuner.{f.name}={_shown(value)} has no effect on a supernet run: the tuner "
+                              f"section sets the online tuner of `mindpipe train`; a supernet's layout and "
+                              f"K are tuned by `mindpipe tune --supernet`: drop tuner.{f.name}")

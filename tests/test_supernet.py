@@ -422,6 +422,10 @@ BAD = {
                      "train.grad_accum=2 has no effect on a supernet run"),
     "non-finite policy": (lambda: mp.train_supernet(config=mp.Config().replace("train.nonfinite=skip")),
                           "train.nonfinite='skip' has no effect on a supernet run"),
+    # The dense run's online tuner: `mindpipe supernet tuner.enabled=true` trained the
+    # fixed layout without a word.
+    "online tuner": (lambda: mp.train_supernet(config=mp.Config().replace("tuner.enabled=true")),
+                     "tuner.enabled=true has no effect on a supernet run"),
     # model.* keys the supernet does not build with: it trained a dense supernet, silently.
     "experts": (lambda: mp.train_supernet(config=mp.Config().replace("model.n_experts=4")),
                 "model.n_experts=4 has no effect on a supernet run"),
