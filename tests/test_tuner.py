@@ -397,6 +397,21 @@ def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, t
     assert not any(tmp_path.iterdir())
 
 
+def test_no_layout_fitting_the_budget_is_an_error_not_a_best(capsys):
+    # Before: every compiled layout refused, the best *prediction* (never compiled) was
+    # printed as "best: ... -> overrides", a layout that did not fit the budget either.
+    code = main(["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+                 "--batches", "8", "--axes", "data,tensor", "--microbatches", "1", "--remat", "none",
+                 "--b-noise", "24", "--budget-mb", "0.001", "--max-compile", "1", "--measure", "1"])
+    captured = capsys.readouterr()
+    assert code == 2 and "best" not in captured.out, captured.out
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(r"tune: none of the 1 layouts compiled could run \(the lightest, .* needs [\d.]+ "
+                     r"MiB per device against 0.001 MiB\); the rest were not checked: raise --max-compile "
+                     r"\(now 1\)", err), err
+
+
 def test_an_unmeasured_row_predicted_well_ahead_of_the_choice_is_named():
     """The choice is the best measured row; an unmeasured one predicted more than 10% ahead
     of it is named (``mindpipe tune`` prints it with the --measure to raise), one within

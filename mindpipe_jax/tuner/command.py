@@ -259,7 +259,10 @@ def run(args: argparse.Namespace) -> int:
                   log=lambda line: print(line, flush=True))
     print(result.table(), flush=True)
     best = result.best
-    print(f"best: {best.candidate.label()} -> {' '.join(best.candidate.overrides())}", flush=True)
+    if best.measured_s is None and (best.feasibility is None or not best.feasibility.fits):
+        raise ConfigError(_nothing_fits(result, budget, max_compile))
+    predicted = "" if best.measured_s is not None else " (predicted, not measured: --measure 0)"
+    print(f"best{predicted}: {best.candidate.label()} -> {' '.join(best.candidate.overrides())}", flush=True)
     ahead = result.unmeasured_ahead()
     if ahead is not None:
         print(f"not measured: {ahead.candidate.label()}, predicted "
@@ -308,3 +311,22 @@ def run_supernet(args: argparse.Namespace, cfg) -> int:
         write_atomically(json_out, result.to_json())
         print(f"wrote {json_out}", flush=True)
     return 0
+
+
+def _nothing_fits(result, budget: float, max_compile: int) -> str:
+    """Why there is no answer: every layout compiled was refused, and the rest are
+    predictions whose memory nobody checked (recommending one printed a layout that did
+    not fit the budget as "best")."""
+    refused = [r for r in result.rows if r.feasibility is not None and not r.feasibility.fits]
+    sized = [r for r in refused if r.feasibility.peak_bytes]
+    if sized:
+        lightest = min(sized, key=lambda r: r.feasibility.peak_bytes)
+        why = (f"the lightest, {lightest.candidate.label()}, needs "
+               f"{lightest.feasibility.peak_bytes / 2**20:.1f} MiB per device against {budget / 2**20:g} MiB")
+    elif refused:
+        why = f"{refused[0].candidate.label()}: {refused[0].feasibility.reason}"
+    else:
+        why = "none compiled"
+    return (f"tune: none of the {len(refused)} layouts compiled could run ({why}); the rest were not "
+            f"checked: raise --max-compile (now {max_compile}) to check more, or try smaller --batches or a "
+            f"larger --budget-mb")
