@@ -64,6 +64,12 @@ from mindpipe_jax.parallel.pipeline.schedules import Kind, Schedule
 REMAT_POLICIES = ("none", "dots", "full")
 PARAM_COPIES = 4.0   # weights + gradients + Adam's first and second moments
 MB = float(2 ** 20)  # what the plan's table and the messages call a megabyte
+
+
+def _mb(nbytes: float) -> str:
+    """``nbytes`` in MB for a message: one decimal, or two significant digits below 0.1
+    (a budget of 0.01 MB read "0.0 MB")."""
+    return f"{nbytes / MB:.1f}" if nbytes >= 0.1 * MB else f"{nbytes / MB:.2g}"
 # Slots a pipeline tick moves per residual buffer (``runtime/ticks.py``): the backward's
 # row read and written out, and the F's slot (or the spare) written back. Two rows read
 # and one written back: a B/W stash buffer (the B's and the W's rows), and a residual
@@ -217,7 +223,7 @@ def choose_remat(model: StageModel, sched: Schedule, spans, options, budget, par
         if best is None:
             assert least is not None
             raise ConfigError(
-                f"memory budget {budget / MB:.1f} MB per device is too small: "
+                f"memory budget {_mb(budget)} MB per device is too small: "
                 f"{'stage' if v == 1 else 'device'} {s} ({describe_stages(spans, gs, G, v > 1)}) "
                 f"needs at least "
                 f"{least[0] / MB:.1f} MB with remat {'/'.join(least[1])} ({inflight[s]} microbatches in "
@@ -385,7 +391,7 @@ def fit_spmd_budget(model: StageModel, sched: Schedule, spans, chosen, options, 
                 best = (key, group, nxt)
         if best is None:
             raise ConfigError(
-                f"memory budget {budget / MB:.1f} MB per device is too small for the SPMD runtime: "
+                f"memory budget {_mb(budget)} MB per device is too small for the SPMD runtime: "
                 f"remat {'/'.join(chosen)} needs {total / MB:.1f} MB ({'compiled' if measure else 'model'}"
                 f"; each policy's buffer as deep as its deepest stage); raise the budget, allow remat "
                 f"{', '.join(REMAT_POLICIES)}, add stages or use fewer microbatches")
