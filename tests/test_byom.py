@@ -446,6 +446,19 @@ def test_rules_for_other_names_from_config_and_python():
         assert spec.compute["table"].spec == jax.sharding.PartitionSpec("tensor", None)
 
 
+def test_a_rules_row_no_name_of_the_model_uses_is_refused_before_any_file(tmp_path):
+    # A misspelt name ("tpp" for "tp") was accepted and changed nothing; the model's own
+    # name still needs its row, so the typo surfaces as that name's refusal, and a row
+    # for a name of the built-in table the model never uses ("experts") is named here.
+    common = ("model.vocab_size=64", "model.seq_len=8", "data.source=synthetic", "train.steps=1",
+              "train.global_batch=8", "parallel.tensor=2", f"train.out_dir={tmp_path}/run")
+    with pytest.raises(ConfigError, match=r"parallel.rules has a row for 'experts', a logical name no "
+                                          r"parameter or activation of the model uses, so it changes nothing "
+                                          r"\(names used: .*\btp\b.*\); check its spelling"):
+        mp.train(OtherNames, None, None, *common, 'parallel.rules=["tp=tensor", "experts="]')
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_trains_a_model_named_module_colon_factory(tmp_path):
     args = ["train", "--model", str(ROOT / "tests" / "byom_models.py") + ":make_llama", "model.vocab_size=64",
             "model.seq_len=8", "data.source=synthetic", "train.steps=2", "train.global_batch=8",

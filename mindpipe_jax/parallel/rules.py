@@ -56,6 +56,8 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 _extra: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mindpipe_rules", default=None)
+# The logical names looked up while ``recording_lookups`` runs (None: not recording).
+_looked_up: contextvars.ContextVar[set | None] = contextvars.ContextVar("mindpipe_rules_seen", default=None)
 
 
 def _row(axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -100,6 +102,33 @@ def active_rules() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     return {**RULES, **(_extra.get() or {})}
 
 
+@contextlib.contextmanager
+def recording_lookups():
+    """The set of logical names ``spec_for`` resolves while the block runs (parameters
+    sharded, activations constrained): what ``check_rules_used`` compares against."""
+    seen: set[str] = set()
+    token = _looked_up.set(seen)
+    try:
+        yield seen
+    finally:
+        _looked_up.reset(token)
+
+
+def check_rules_used(entries) -> None:
+    """Refuse a ``parallel.rules`` row for a name nothing looked up in the enclosing
+    ``recording_lookups`` block: a misspelt name (``"mpl="`` for ``"mlp="``) was accepted
+    and left the built-in row in force. Outside such a block, nothing to compare."""
+    looked_up = _looked_up.get()
+    if looked_up is None:
+        return
+    unused = [name for name in parse_rules(entries) if name not in looked_up]
+    if unused:
+        used = ", ".join(sorted(looked_up)) or "none"
+        raise ConfigError(f"parallel.rules has a row for {unused[0]!r}, a logical name no parameter or "
+                          f"activation of the model uses, so it changes nothing (names used: {used}); "
+                          f"check its spelling, or drop it")
+
+
 class UnknownLogicalAxis(ConfigError):
     def __init__(self, name: str, known):
         self.name = name
@@ -113,6 +142,9 @@ def spec_for(names, kind: Kind = "compute", mesh=None) -> P:
     """PartitionSpec for a tuple of logical names (None = unsharded dim)."""
     column = 0 if kind == "storage" else 1
     rules = active_rules()
+    seen = _looked_up.get()
+    if seen is not None:
+        seen.update(name for name in names if name is not None)
     used: set[str] = set()
     parts = []
     for name in names:

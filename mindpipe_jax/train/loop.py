@@ -42,7 +42,7 @@ from mindpipe_jax.data import TokenSplits, resolve_data
 from mindpipe_jax.errors import ConfigError, NonFiniteError
 from mindpipe_jax.models import build_model, flops_per_token
 from mindpipe_jax.parallel.dispatch import DispatchWindow
-from mindpipe_jax.parallel.rules import use_rules
+from mindpipe_jax.parallel.rules import check_rules_used, recording_lookups, use_rules
 from mindpipe_jax.train.agreement import (
     agree_on_checkpoint,
     agree_on_model,
@@ -130,7 +130,7 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
         start_together(cfg, "training run")
         # train.out_dir: writable (checked before anything is computed) and locked against
         # a second run for this run's life; a failure before the first write leaves nothing.
-        with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules):
+        with hold_run_dir(cfg.train.out_dir), use_rules(cfg.parallel.rules), recording_lookups():
             # Reading a checkpoint is collective (orbax): every process must see the same ones.
             agree_on_checkpoint(Path(cfg.train.out_dir).absolute() / "checkpoints", "training run")
             return _train(cfg, model, data, step_model, tuning)
@@ -191,6 +191,11 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
 
     # Before any file: a step that cannot fit in memory is a mistake to refuse.
     compile_s = compile_fitting(layout, state_resident=resume_step is not None, on_error=feed.close)
+    try:  # the model and its step are traced: every logical name they use was looked up
+        check_rules_used(cfg.parallel.rules)
+    except ConfigError:
+        feed.close()
+        raise
 
     # From here on files may be written: every user mistake has been caught above.
     raise_if_interrupted()
