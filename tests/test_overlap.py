@@ -19,6 +19,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.gpt import GPT, Block
 from mindpipe_jax.parallel import overlap
 from mindpipe_jax.parallel.mesh import make_mesh
+from mindpipe_jax.parallel.rules import use_rules
 from mindpipe_jax.train.state import model_spec
 from mindpipe_jax.train.step import model_loss
 
@@ -142,10 +143,36 @@ def test_primitives_refuse_misuse():
         with pytest.raises(ConfigError, match="collective_matmul.*tensor=2.*length 15 is not divisible"):
             jax.jit(_ring_mlp)(x[:, :15], w1, w2)
         # A row-parallel weight given to the column-parallel ring is a bug, not a layout.
-        with pytest.raises(ValueError, match="column parallel"):
+        with pytest.raises(ValueError, match="column-parallel.*output dimension.*splits .mlp."):
             jax.jit(lambda a, w: overlap.all_gather_matmul(
                 "btf,fd->btd", overlap.scatter_rows(a), w, ("mlp", "embed"), ("batch", "length", "embed"))
             )(np.zeros((8, 16, 64), np.float32), w2)
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ({"mlp": ()}, r"weight \('embed', 'mlp'\) split over 'tensor' on one dimension.*rows for 'mlp'"),
+    ({"embed": ("tensor",)}, r"on an output dimension, but the rules table splits 'embed'"),
+    ({"length": ("tensor",)}, r"computes \('batch', 'length', 'mlp'\) split over 'tensor'.*for 'length'"),
+])
+def test_a_users_rules_row_reaches_the_collective_matmul(rows, problem):
+    # The rings read the active table (parallel.rules included), as the plain path
+    # does: a row the ring cannot run is one line naming it, not the built-in row
+    # silently kept for the ring while the parameters follow the user's.
+    mesh = make_mesh(ParallelConfig(data=4, tensor=2))
+    x, w1, w2 = _mlp_data()
+    with jax.set_mesh(mesh), use_rules(rows):
+        with pytest.raises(ConfigError, match=f"collective_matmul=true: the .*{problem}"):
+            jax.jit(_ring_mlp)(x, w1, w2)
+
+
+def test_a_users_rules_row_the_ring_can_run_gives_the_same_numbers():
+    # mlp over tensor and data: the ring still splits it over tensor alone.
+    mesh = make_mesh(ParallelConfig(data=4, tensor=2))
+    x, w1, w2 = _mlp_data()
+    want = jax.jit(jax.value_and_grad(_loss(_plain_mlp), argnums=(1, 2)))(x, w1, w2)
+    with jax.set_mesh(mesh), use_rules({"mlp": ("tensor", "data")}):
+        got = jax.jit(jax.value_and_grad(_loss(_ring_mlp), argnums=(1, 2)))(x, w1, w2)
+    _assert_close(got, want)
 
 
 def _block_programs(on: bool, p: int = 4):

@@ -95,7 +95,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.rules import RULES
+from mindpipe_jax.parallel.rules import spec_for, user_row_names
 
 __all__ = ["TENSOR", "tensor_size", "refuse_in_pipeline", "stages_in_lockstep", "tensor_spec", "rows_spec",
            "scatter_rows", "gather_rows", "all_gather_matmul", "matmul_reduce_scatter"]
@@ -123,7 +123,48 @@ def tensor_spec(names) -> P:
     spec here names ``tensor`` alone -- taken from the one rules table, so the
     collective matmul splits weights exactly as the plain path does.
     """
-    return P(*(TENSOR if n is not None and TENSOR in RULES[n][1] else None for n in names))
+    def tensor_part(entry):
+        return TENSOR if entry == TENSOR or (isinstance(entry, tuple) and TENSOR in entry) else None
+
+    # spec_for reads the active table (a user's parallel.rules rows included) and
+    # records the lookup, as the plain path's parameters and constraints do.
+    return P(*(tensor_part(entry) for entry in spec_for(names, "compute")))
+
+
+def _ring_specs(mm, w_names, other_names, column: bool):
+    """The ``tensor`` specs of a collective matmul's weight and of its other split
+    operand (the result of a column-parallel one, the input of a row-parallel one),
+    from the rules table. Refused where they are something the ring cannot run (the
+    weight whole, split on the wrong kind of dimension, the other operand split
+    differently): in one line when a ``parallel.rules`` row made them so, else as the
+    caller's bug (names that do not fit the equation)."""
+    kind = "column" if column else "row"
+    user_rows = user_row_names() & {n for n in (*w_names, *other_names) if n is not None}
+
+    def refuse(problem: str):
+        if user_rows:
+            raise ConfigError(f"model.collective_matmul=true: the {kind}-parallel collective matmul "
+                              f"{mm.equation!r} {problem} (parallel.rules rows for "
+                              f"{', '.join(map(repr, sorted(user_rows)))}); drop those rows or set "
+                              f"model.collective_matmul=false")
+        raise ValueError(f"{kind}-parallel collective matmul {mm.equation!r}: {problem}")
+
+    w_spec = tensor_spec(w_names)
+    dims = [d for d, entry in enumerate(w_spec) if entry == TENSOR]
+    if len(dims) != 1:
+        refuse(f"needs its weight {tuple(w_names)} split over {TENSOR!r} on one dimension, but the rules "
+               f"table gives {w_spec}")
+    index = mm.w[dims[0]]
+    if (index in mm.out) != column:
+        refuse(f"needs its weight split over {TENSOR!r} on {'an output' if column else 'a contracted'} "
+               f"dimension, but the rules table splits {w_names[dims[0]]!r}")
+    other_term = mm.out if column else mm.x
+    expected = P(*(TENSOR if i == index else None for i in other_term))
+    other_spec = tensor_spec(other_names)
+    if other_spec != expected:
+        refuse(f"computes {tuple(other_names)} split over {TENSOR!r} as {expected}, but the rules table "
+               f"gives {other_spec}")
+    return w_spec, other_spec
 
 
 _LOCKSTEP = contextvars.ContextVar("pipeline_stages_in_lockstep", default=False)
@@ -249,14 +290,7 @@ class _Einsum:
         if len(x) < 2 or len(out) < 2 or x[ROWS] != out[ROWS] or x[ROWS] in w:
             raise ValueError(f"{equation!r}: axis {ROWS} (rows) of the first operand and of the "
                              f"result must be the same index, absent from the weight")
-        self.x, self.w, self.out = x, w, out
-
-    def sharded_index(self, w_spec: P, where: str) -> str:
-        dims = [i for i, e in enumerate(w_spec) if e == TENSOR]
-        if len(dims) != 1:
-            raise ValueError(f"{where}: the weight must be split over {TENSOR!r} on exactly one "
-                             f"dimension, got {w_spec}")
-        return self.w[dims[0]]
+        self.equation, self.x, self.w, self.out = equation, x, w, out
 
     def __call__(self, x, w):
         return jnp.einsum(f"{self.x},{self.w}->{self.out}", x, w)
@@ -325,10 +359,7 @@ def all_gather_matmul(equation: str, xs, w, w_names, out_names):
     same replicated rows).
     """
     mm = _Einsum(equation)
-    w_spec, out_spec = tensor_spec(w_names), tensor_spec(out_names)
-    if mm.sharded_index(w_spec, equation) not in mm.out:
-        raise ValueError(f"all_gather_matmul {equation!r}: the weight's {TENSOR!r} dimension must "
-                         f"be an output dimension (column parallel), not a contracted one")
+    w_spec, out_spec = _ring_specs(mm, w_names, out_names, column=True)
     size = _check_rows(xs, tensor_size())
     x_spec = rows_spec(xs.ndim)
 
@@ -399,10 +430,7 @@ def matmul_reduce_scatter(equation: str, h, w, h_names, w_names):
     weight gradient chunk by chunk as the gradient goes round.
     """
     mm = _Einsum(equation)
-    h_spec, w_spec = tensor_spec(h_names), tensor_spec(w_names)
-    if mm.sharded_index(w_spec, equation) in mm.out:
-        raise ValueError(f"matmul_reduce_scatter {equation!r}: the weight's {TENSOR!r} dimension "
-                         f"must be contracted (row parallel), not an output dimension")
+    w_spec, h_spec = _ring_specs(mm, w_names, h_names, column=False)
     size = _check_rows(h, tensor_size())
     out_spec = rows_spec(len(mm.out))
 

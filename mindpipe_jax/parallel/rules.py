@@ -102,6 +102,11 @@ def active_rules() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     return {**RULES, **(_extra.get() or {})}
 
 
+def user_row_names() -> frozenset[str]:
+    """The logical names a ``use_rules`` block (or ``parallel.rules``) gives a row."""
+    return frozenset(_extra.get() or ())
+
+
 @contextlib.contextmanager
 def recording_lookups():
     """The set of logical names ``spec_for`` resolves while the block runs (parameters
