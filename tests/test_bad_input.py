@@ -600,6 +600,29 @@ def test_an_override_that_is_not_a_key_value_string_is_one_line(override, needle
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("entry", ["train", "train_supernet"])
+def test_an_override_that_is_not_a_string_is_one_line_from_the_entry_points(entry, tmp_path, monkeypatch):
+    """Through ``mp.train`` the ConfigError above turned into an AttributeError ('int' object
+    has no attribute 'startswith'): the multi-process stop read every override as a string."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="override 5 must be a string section.key=value, got int"):
+        getattr(mp, entry)(None, None, None, "train.steps=1", 5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_model_the_run_would_ignore_or_could_not_call_is_one_line(tmp_path, monkeypatch):
+    """``step_model=`` without the online tuner was ignored; one without ``step_time`` was
+    accepted and failed mid-run (AttributeError: no attribute 'observe')."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.seq_len=8", "train.steps=1",
+            "data.source=synthetic", "train.progress=false"]
+    with pytest.raises(ConfigError, match=r"^step_model= is read only by the online tuner.*enabled=true"):
+        mp.train(None, None, None, *tiny, step_model=object())
+    with pytest.raises(ConfigError, match=r"^step_model object has no method step_time\(\)"):
+        mp.train(None, None, None, *tiny, "tuner.enabled=true", step_model=object())
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_data_path_selects_its_source(tmp_path):
     assert mp.load_config(None, ["data.path=corpus.txt"]).data.source == "text"
     assert mp.load_config(None, ["data.path=ids.npy"]).data.source == "tokens"

@@ -219,8 +219,9 @@ def stop_everywhere(err: Exception, what: str, overrides=()) -> NoReturn:
 
     cfg = Config()
     # How this process joins: whichever of those overrides parse (one may be the mistake).
+    joining = ("distributed.", "parallel.simulate_cpu_devices=")
     for override in overrides:
-        if override.startswith(("distributed.", "parallel.simulate_cpu_devices=")):
+        if isinstance(override, str) and override.startswith(joining):
             with contextlib.suppress(ConfigError):
                 cfg = cfg.replace(override)
     if not jax.distributed.is_initialized():  # (it is where a --model import failed)
