@@ -265,7 +265,11 @@ def _explain_dacite(err: dacite.DaciteError, data: dict[str, Any]) -> str:
                               for v in _flat_choices(err.field_type))
             return f"config key {err.field_path}={err.value!r} is not valid; valid: {valid}"
         expected = getattr(err.field_type, "__name__", None) or str(err.field_type).replace("typing.", "")
-        return f"config key {err.field_path}={err.value!r} has the wrong type; expected {expected}"
+        if typing.get_origin(err.field_type) is tuple:  # tuple[str, ...]: "tuple" says too little
+            item = typing.get_args(err.field_type)[0]
+            expected = f"a list of {getattr(item, '__name__', None) or str(item).replace('typing.', '')}"
+        value = list(err.value) if isinstance(err.value, tuple) else err.value  # as the user wrote it
+        return f"config key {err.field_path}={value!r} has the wrong type; expected {expected}"
     if isinstance(err, dacite.MissingValueError):
         return f"config key {err.field_path} is missing"
     return str(err)
@@ -281,9 +285,14 @@ def _check_lists(data: dict[str, Any]) -> None:
         for key, tp in typing.get_type_hints(cls).items():
             value = section.get(key)
             if typing.get_origin(tp) is tuple and key in section and not isinstance(value, (list, tuple)):
-                item = json.dumps(value) if isinstance(value, str) else _shown(value)
-                raise ConfigError(f"config key {name}.{key}={_shown(value)} must be a list (a TOML array), "
-                                  f"e.g. {name}.{key}='[{item}]' on the command line")
+                if isinstance(value, dict):  # a table: the rules' "name=axes" strings, else no example
+                    rows = [json.dumps(f"{k}={v}") for k, v in value.items()] if key == "rules" else []
+                    item = ", ".join(rows)
+                else:
+                    item = json.dumps(value) if isinstance(value, str) else _shown(value)
+                example = f", e.g. {name}.{key}='[{item}]' on the command line" if item else ""
+                raise ConfigError(f"config key {name}.{key}={_shown(value)} must be a list (a TOML array)"
+                                  f"{example}")
 
 
 def _is_bool_or_literal(tp) -> bool:
@@ -364,6 +373,11 @@ def config_argument(config: Any) -> Config:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (optional), apply ``key=value`` overrides, validate."""
+    if isinstance(overrides, str):  # would be read a character at a time
+        raise ConfigError(f"load_config overrides={overrides!r} is one string; give a list: "
+                          f"load_config(path, [{overrides!r}])")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load_config path must be a TOML file's path or None, got {type(path).__name__}")
     tree: dict[str, Any] = Config().to_dict()
     explicit: dict[str, int] = {}
     if path is not None:

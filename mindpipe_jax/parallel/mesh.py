@@ -78,6 +78,9 @@ def manual_axis_names(mesh, axes) -> set[str]:
 
 def make_mesh(cfg: ParallelConfig, devices=None) -> Mesh:
     """A mesh with all six named axes (size-1 axes cost nothing and keep specs uniform)."""
+    if not isinstance(cfg, ParallelConfig):
+        raise ConfigError(f"make_mesh takes a ParallelConfig (a Config's .parallel), "
+                          f"got {type(cfg).__name__}")
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_axis_sizes(cfg, len(devices), devices[0].platform)
     shape = tuple(sizes[a] for a in MESH_ORDER)

@@ -69,14 +69,18 @@ def _row(axes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def parse_rules(entries) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """``["tp=tensor", "kv=", "w=fsdp,tensor"]`` (or a dict name -> axes) as table rows."""
     items = entries.items() if isinstance(entries, dict) else [
-        (e.partition("=")[0].strip(), e.partition("=")[2]) if "=" in e else (e, None) for e in entries]
+        (e.partition("=")[0].strip(), e.partition("=")[2]) if "=" in e else (e, None)
+        for e in _entries(entries)]
     rows = {}
     for name, axes in items:
-        if axes is None or not name:
+        if not isinstance(name, str) or axes is None or not name:
             raise ConfigError(f"parallel.rules entry {name!r} must be 'logical_name=mesh_axis[,mesh_axis]' "
                               f"or 'logical_name=' (keep whole), e.g. 'tp=tensor'")
         if isinstance(axes, str):
             axes = tuple(a.strip() for a in axes.split(",") if a.strip())
+        if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes):
+            raise ConfigError(f"parallel.rules row {name!r}: {axes!r} must be mesh axis names (a tuple of "
+                              f"strings, or one string 'tensor' / 'fsdp,tensor'; () keeps it whole)")
         axes = tuple(axes)
         bad = [a for a in axes if a not in MESH_AXES]
         if bad:
@@ -84,6 +88,22 @@ def parse_rules(entries) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
                               f"valid: {', '.join(MESH_AXES)}")
         rows[name] = _row(axes)
     return rows
+
+
+def _entries(entries) -> list:
+    """The ``["name=axes", ...]`` form checked: one string, or a non-list, is refused in one
+    line (a string would be read a character at a time)."""
+    if isinstance(entries, str):
+        raise ConfigError(f"parallel.rules {entries!r} is one string; give a list of them, "
+                          f"['{entries}'], or a dict logical name -> mesh axes")
+    if not isinstance(entries, (list, tuple)):
+        raise ConfigError(f"parallel.rules must be a list of 'logical_name=mesh_axis' strings or a dict "
+                          f"logical name -> mesh axes, got {type(entries).__name__}")
+    bad = [e for e in entries if not isinstance(e, str)]
+    if bad:
+        raise ConfigError(f"parallel.rules entry {bad[0]!r} must be a string 'logical_name=mesh_axis', "
+                          f"e.g. 'tp=tensor'")
+    return list(entries)
 
 
 @contextlib.contextmanager
@@ -145,6 +165,11 @@ class UnknownLogicalAxis(ConfigError):
 
 def spec_for(names, kind: Kind = "compute", mesh=None) -> P:
     """PartitionSpec for a tuple of logical names (None = unsharded dim)."""
+    if kind not in ("storage", "compute"):
+        raise ConfigError(f"spec_for kind={kind!r}: valid kinds are 'storage' and 'compute'")
+    if isinstance(names, str):
+        raise ConfigError(f"spec_for names={names!r}: give a tuple of logical names, one per dimension, "
+                          f"e.g. ({names!r},)")
     column = 0 if kind == "storage" else 1
     rules = active_rules()
     seen = _looked_up.get()

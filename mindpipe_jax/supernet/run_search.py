@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -159,6 +160,9 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     line, for a missing or foreign directory, a dense run, a checkpoint of another
     supernet, a damaged checkpoint or a bad override.
     """
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise ConfigError(f"run_dir must be the path of a `mindpipe supernet` run directory, got "
+                          f"{type(run_dir).__name__}")
     run_dir = Path(run_dir).expanduser().absolute()
     with stops_everywhere("search", overrides):  # a run directory on this host only stops all
         if not run_dir.is_dir():
