@@ -16,7 +16,7 @@ from mindpipe_jax.cli import main
 from mindpipe_jax.config import Config
 from mindpipe_jax.parallel.mesh import make_mesh
 from mindpipe_jax.sim.network import Link
-from mindpipe_jax.tuner.aot import FeasibilityCache, compile_candidate
+from mindpipe_jax.tuner.aot import FeasibilityCache, compile_candidate, memory_floor
 from mindpipe_jax.tuner.costmodel import CostModel, Hardware, ModelCosts, spearman
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
 from mindpipe_jax.tuner.trial import Trial
@@ -93,6 +93,30 @@ def test_compile_judges_memory_and_the_cache_reuses_it(tmp_path):
     # An invalid candidate is refused without compiling.
     bad = compile_candidate(cfg, Candidate(tensor=8, global_batch=16), math.inf)
     assert not bad.fits and "n_heads=2 is not divisible by tensor=8" in bad.reason
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_memory_floor_is_below_what_every_layout_compiles_to(moe):
+    """The floor that refuses a layout without compiling (``memory_floor``) must never
+    refuse one that fits: it is below the compiled peak of data, tensor, fsdp, pipeline
+    and accumulation layouts, with and without remat, of a dense and an MoE model."""
+    cfg = TINY.replace("model.n_layers=4", "model.d_model=64", "model.seq_len=32",
+                       *(["model.n_experts=4"] if moe else []))
+    costs = ModelCosts.measure(cfg)
+    # The embedding's output per sequence, fp32 (an MoE model's also carries its router loss terms).
+    assert 32 * 64 * 4 <= costs.hidden_bytes_per_row < 1.1 * 32 * 64 * 4
+    layouts = [Candidate(data=8, global_batch=64), Candidate(data=4, tensor=2, global_batch=64),
+               Candidate(fsdp=8, global_batch=64, remat="full"),
+               Candidate(data=8, microbatches=4, global_batch=64),
+               Candidate(data=2, pipe=4, microbatches=4, global_batch=64, remat="full"),
+               Candidate(data=2, pipe=2, tensor=2, microbatches=2, global_batch=32)]
+    if moe:
+        layouts.append(Candidate(data=2, expert=4, global_batch=64))
+    for cand in layouts:
+        compiled = compile_candidate(cfg, cand, math.inf)
+        assert compiled.fits, compiled.reason
+        floor = memory_floor(cand, costs.hidden_bytes_per_row, costs.param_bytes)
+        assert 0 < floor <= compiled.peak_bytes, (cand.label(), floor, compiled.peak_bytes)
 
 
 # ------------------------------------------------------------- cost model
@@ -397,19 +421,45 @@ def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, t
     assert not any(tmp_path.iterdir())
 
 
+_SMALL_TUNE = ["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
+               "--batches", "8", "--axes", "data,tensor", "--microbatches", "1", "--remat", "none",
+               "--b-noise", "24", "--max-compile", "1", "--measure", "1"]
+
+
 def test_no_layout_fitting_the_budget_is_an_error_not_a_best(capsys):
     # Before: every compiled layout refused, the best *prediction* (never compiled) was
     # printed as "best: ... -> overrides", a layout that did not fit the budget either.
-    code = main(["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",
-                 "--batches", "8", "--axes", "data,tensor", "--microbatches", "1", "--remat", "none",
-                 "--b-noise", "24", "--budget-mb", "0.001", "--max-compile", "1", "--measure", "1"])
+    # 0.3 MiB: above the layouts' floors (~0.1 MiB), below what they compile to (~0.6).
+    code = main([*_SMALL_TUNE, "--budget-mb", "0.3"])
     captured = capsys.readouterr()
     assert code == 2 and "best" not in captured.out, captured.out
     err = captured.err.strip()
     assert len(err.splitlines()) == 1, err
-    assert re.search(r"tune: none of the 1 layouts compiled could run \(the lightest, .* needs [\d.]+ "
-                     r"MiB per device against 0.001 MiB\); the rest were not checked: raise --max-compile "
+    assert re.search(r"tune: none of the 1 layouts checked could run \(the lightest, .* needs [\d.]+ "
+                     r"MiB per device against 0.3 MiB\); the rest were not checked: raise --max-compile "
                      r"\(now 1\)", err), err
+
+
+def test_layouts_below_their_memory_floor_are_refused_without_compiling(capsys, monkeypatch):
+    """``mindpipe tune --batches 1048576`` compiled layouts for over 5 minutes each (XLA's
+    constant folding) before refusing them; a layout whose measured floor (a microbatch's
+    hidden state and gradient, the parameter shard) exceeds the budget is refused without
+    a compile, so every layout is judged, not only --max-compile of them."""
+    from mindpipe_jax.tuner import aot
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled a layout whose floor exceeds the budget")
+
+    monkeypatch.setattr(aot, "compile_candidate", no_compile)
+    code = main([*_SMALL_TUNE, "--budget-mb", "0.001"])
+    captured = capsys.readouterr()
+    assert code == 2 and "best" not in captured.out, captured.out
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(r"^mindpipe: error: tune: none of the 2 layouts checked could run \(the lightest, "
+                     r"d4 t2 .* needs at least 0.0\d+ MiB per device against 0.001 MiB\); try smaller "
+                     r"--batches, more --microbatches, or a larger --budget-mb$", err), err
+    assert "needs at least" in captured.out and "budget 0.001 MiB" in captured.out
 
 
 def test_an_unmeasured_row_predicted_well_ahead_of_the_choice_is_named():

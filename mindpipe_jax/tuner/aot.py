@@ -112,6 +112,7 @@ class Feasibility:
     compiled_flops: float = 0.0  # cost_analysis: per device, each loop body counted once
     compile_s: float = 0.0
     reason: str = ""  # why it does not fit (budget, compiler error, invalid candidate)
+    floor_bytes: float = 0.0  # refused before compiling: what it needs at least (``memory_floor``)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -121,6 +122,25 @@ class Feasibility:
     @classmethod
     def from_dict(cls, d: dict) -> Feasibility:
         return cls(**{**d, "candidate": Candidate(**d["candidate"])})
+
+
+def mib(nbytes: float) -> str:
+    """``nbytes`` in MiB for a message: one decimal, two significant digits below 0.1
+    (a budget of 0.001 MiB read "0.0 MiB")."""
+    return f"{nbytes / 2**20:,.1f}" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**20:.2g}"
+
+
+def memory_floor(cand: Candidate, hidden_bytes_per_row: float, param_bytes: float) -> float:
+    """Bytes per device that any program of ``cand`` holds at once, from the measured
+    sizes of the model (``ModelCosts``), not from a compile: one microbatch's hidden
+    state and its gradient (both live in the backward of a stage's first layer), split
+    over ``tensor`` at best, beside this device's share of the parameters. A layout past
+    its budget by this much is refused without compiling: far beyond memory, XLA's
+    constant folding ran for minutes before the compile said so (``mindpipe tune
+    --batches 1048576``: over 5 minutes per layout on this CPU)."""
+    rows = cand.global_batch / (cand.batch_shards * cand.microbatches)
+    shards = cand.tensor * cand.pipe * cand.fsdp * cand.expert
+    return 2 * rows * hidden_bytes_per_row / cand.tensor + param_bytes / shards
 
 
 def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=None,
@@ -144,8 +164,7 @@ def compile_candidate(cfg: Config, cand: Candidate, budget_bytes: float, model=N
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, list) else costs
     fits = peak <= budget_bytes
-    reason = "" if fits else (f"needs {peak / 2**20:.1f} MiB per device, budget "
-                              f"{budget_bytes / 2**20:.1f} MiB")
+    reason = "" if fits else f"needs {mib(peak)} MiB per device, budget {mib(budget_bytes)} MiB"
     return Feasibility(cand, fits, peak, arg, temp, out, alias, float(costs.get("flops", 0.0)),
                        compile_s, reason)
 
@@ -197,9 +216,8 @@ class FeasibilityCache:
             self._entries[key] = found.to_dict()
             self._save()
         if found.fits and found.peak_bytes > budget_bytes:
-            need, have = found.peak_bytes / 2**20, budget_bytes / 2**20
-            return dataclasses.replace(found, fits=False,
-                                       reason=f"needs {need:.1f} MiB per device, budget {have:.1f} MiB")
+            reason = f"needs {mib(found.peak_bytes)} MiB per device, budget {mib(budget_bytes)} MiB"
+            return dataclasses.replace(found, fits=False, reason=reason)
         return found
 
     def _save(self) -> None:

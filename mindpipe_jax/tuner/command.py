@@ -314,19 +314,26 @@ def run_supernet(args: argparse.Namespace, cfg) -> int:
 
 
 def _nothing_fits(result, budget: float, max_compile: int) -> str:
-    """Why there is no answer: every layout compiled was refused, and the rest are
-    predictions whose memory nobody checked (recommending one printed a layout that did
-    not fit the budget as "best")."""
+    """Why there is no answer: every layout checked was refused (compiled, or refused
+    before compiling by its memory floor), and the rest are predictions whose memory
+    nobody checked (recommending one printed a layout that did not fit the budget as
+    "best")."""
+    from mindpipe_jax.tuner.aot import mib
+
     refused = [r for r in result.rows if r.feasibility is not None and not r.feasibility.fits]
-    sized = [r for r in refused if r.feasibility.peak_bytes]
+    need = {id(r): r.feasibility.peak_bytes or r.feasibility.floor_bytes for r in refused}
+    sized = [r for r in refused if need[id(r)]]
     if sized:
-        lightest = min(sized, key=lambda r: r.feasibility.peak_bytes)
-        why = (f"the lightest, {lightest.candidate.label()}, needs "
-               f"{lightest.feasibility.peak_bytes / 2**20:.1f} MiB per device against {budget / 2**20:g} MiB")
+        lightest = min(sized, key=lambda r: need[id(r)])
+        least = "at least " if lightest.feasibility.floor_bytes else ""
+        why = (f"the lightest, {lightest.candidate.label()}, needs {least}"
+               f"{mib(need[id(lightest)])} MiB per device against {mib(budget)} MiB")
     elif refused:
         why = f"{refused[0].candidate.label()}: {refused[0].feasibility.reason}"
     else:
         why = "none compiled"
-    return (f"tune: none of the {len(refused)} layouts compiled could run ({why}); the rest were not "
-            f"checked: raise --max-compile (now {max_compile}) to check more, or try smaller --batches or a "
-            f"larger --budget-mb")
+    unchecked = sum(r.feasibility is None for r in result.rows)
+    rest = (f"the rest were not checked: raise --max-compile (now {max_compile}) to check more, or try "
+            if unchecked else "try ")
+    return (f"tune: none of the {len(refused)} layouts checked could run ({why}); {rest}smaller --batches, "
+            f"more --microbatches, or a larger --budget-mb")

@@ -31,7 +31,7 @@ from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.models.bridge import nnx_model
 from mindpipe_jax.train.memory_fit import room_now
 from mindpipe_jax.train.step_checks import check_user_model_keys
-from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache
+from mindpipe_jax.tuner.aot import Feasibility, FeasibilityCache, memory_floor, mib
 from mindpipe_jax.tuner.costmodel import Breakdown, CostModel, Hardware, ModelCosts
 from mindpipe_jax.tuner.facts import facts_of
 from mindpipe_jax.tuner.noise import efficiency
@@ -247,6 +247,18 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
     # 2026-12-03: four B64 layouts without remat compiled and refused, no B64 trial).
     retry: list[Row] = []
 
+    def check(row: Row) -> bool:
+        """Judge ``row``'s memory; whether that took a compile (a floor past the budget
+        refuses it without one: ``memory_floor``)."""
+        floor = memory_floor(row.candidate, costs.hidden_bytes_per_row, costs.param_bytes)
+        if floor > budget_bytes:
+            row.feasibility = Feasibility(row.candidate, False, floor_bytes=floor, reason=(
+                f"needs at least {mib(floor)} MiB per device (a microbatch's hidden state and its "
+                f"gradient, and the parameters), budget {mib(budget_bytes)} MiB"))
+            return False
+        row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices, facts)
+        return True
+
     def untested(r: Row) -> bool:
         return r.measured_s is None and (r.feasibility is None or r.feasibility.fits)
 
@@ -259,8 +271,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
                 return row
             if compiled >= max_compile:
                 return None
-            compiled += 1
-            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices, facts)
+            compiled += check(row)
             if row.feasibility.fits:
                 return row
             log(f"infeasible: {row.candidate.label()}: {row.feasibility.reason}")
@@ -301,8 +312,7 @@ def tune(cfg: Config, *, num_devices: int | None = None, budget_bytes: float = m
         if compiled >= max_compile:
             break
         if row.feasibility is None:
-            compiled += 1
-            row.feasibility = cache.check(cfg, row.candidate, budget_bytes, model, devices, facts)
+            compiled += check(row)
     # Predictions after the trials (the model has seen them), for every row.
     for row in rows:
         row.predicted = model_cost.breakdown(row.candidate)
