@@ -77,3 +77,22 @@ def test_the_train_loop_logging_rarely_does_not_abort_xla(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss" in proc.stdout
+
+
+def test_many_validation_batches_do_not_abort_xla(tmp_path):
+    """Evaluation queued every validation batch at once: train.eval_batches=100000 (all the
+    split's, here several hundred) aborted the run after XLA's 40 s rendezvous timeout
+    (exit -6) before its first step's validation loss. It now keeps the window, and says
+    that it evaluated fewer batches than asked (all the split holds)."""
+    proc = _child(f"""
+        import mindpipe_jax as mp
+        r = mp.train(None, None, mp.Config(), "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                     "model.seq_len=16", "train.global_batch=8", "train.steps=1", "train.eval_batches=100000",
+                     "data.source=synthetic", "train.checkpoint_every=0", "train.progress=false",
+                     "train.tensorboard=false", "train.out_dir={tmp_path / 'run'}")
+        print("val_loss", r.final_val_loss)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = [line for line in proc.stdout.splitlines() if line.startswith("validation: ")]
+    assert len(shown) == 1 and "(train.eval_batches=100000)" in shown[0], proc.stdout
+    assert int(shown[0].split()[1]) > 100, shown  # enough queued to have aborted before

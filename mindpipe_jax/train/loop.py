@@ -256,8 +256,13 @@ def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) ->
 
 
 def _evaluate(eval_fn, params, feed, mesh) -> float:
+    # A bounded look-ahead, as for the steps: 100 validation batches queued at once
+    # deadlocked XLA:CPU's collectives and aborted the run (parallel/dispatch.py).
+    window, losses = DispatchWindow(), []
     with jax.set_mesh(mesh):  # traced on first use: the model's constraints read the mesh
-        losses = [eval_fn(params, feed.val_to_device(b)) for b in feed.val]
+        for batch in feed.val:
+            losses.append(eval_fn(params, feed.val_to_device(batch)))
+            window.push(losses[-1])
     return float(np.mean(_host(losses)))
 
 
@@ -326,6 +331,9 @@ class _Run:
         self.say = say
         say(f"mesh {dict(layout.mesh.shape)} | {len(jax.devices())} devices | compiled step in "
             f"{compile_s:.1f}s" + (f" | resuming at step {start}" if start else ""))
+        if tr.eval_every > 0 and len(self.feed.val) < tr.eval_batches:  # not silently fewer
+            say(f"validation: {len(self.feed.val)} batches, all the validation split holds "
+                f"(train.eval_batches={tr.eval_batches})")
         if tuner is not None:
             tuner.restart(start, compile_s)
             if tuner.note:
