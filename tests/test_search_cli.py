@@ -97,6 +97,18 @@ def test_search_command_gives_the_top_k_of_the_search_after_training(run):
     assert cfg.supernet.semantics == "operator-causal"  # the run's own config
 
 
+def test_a_search_on_fewer_validation_batches_than_asked_says_so(run):
+    # The split holds a few batches: asking for more scored on those, silently.
+    out_dir, train_stdout = run
+    assert "validation batches" not in train_stdout  # 2 asked, 2 used
+    code, stdout, stderr = _cli("search", str(out_dir), "supernet.search_eval_batches=1000")
+    assert code == 0 and stderr == "", stderr
+    note = [line for line in stdout.splitlines() if "validation batches" in line]
+    assert len(note) == 1 and note[0].endswith(
+        "validation batches, all the validation split holds (supernet.search_eval_batches=1000)"), stdout
+    assert 2 < int(note[0].split()[3]) < 1000
+
+
 def test_same_top_k_on_another_split_and_a_different_earlier_step(run):
     out_dir, _ = run
     saved = json.loads((out_dir / "search.json").read_text())

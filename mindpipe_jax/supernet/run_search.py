@@ -31,11 +31,16 @@ from mindpipe_jax.train.agreement import agree_on_checkpoint, all_or_none, start
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
 
 
-def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh) -> SearchResult:
-    """Evolutionary search of ``cfg.supernet`` on the validation split, scores bitwise stable."""
+def search_subnets(spec, params, splits: TokenSplits, cfg: Config, mesh,
+                   say=lambda line: None) -> SearchResult:
+    """Evolutionary search of ``cfg.supernet`` on the validation split, scores bitwise
+    stable. ``say``: where a note goes (fewer validation batches than asked)."""
     sn, tr = cfg.supernet, cfg.train
     val = eval_batches(splits.val, seq_len=cfg.model.seq_len, batch_size=tr.global_batch,
                        num_batches=sn.search_eval_batches)
+    if len(val) < sn.search_eval_batches:  # not silently fewer
+        say(f"search scores on {len(val)} validation batches, all the validation split holds "
+            f"(supernet.search_eval_batches={sn.search_eval_batches})")
     batches = {k: np.stack([b[k] for b in val]) for k in ("inputs", "targets")}
     evaluate = make_evaluator(spec, mesh, vmap_width=sn.vmap_width, virtual_shards=tr.virtual_shards,
                               pad_to=sn.search_population)
@@ -188,4 +193,4 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
         f"top {sn.search_top_k}"
         + (f", at most {sn.search_max_params:,} parameters" if sn.search_max_params else "")
         + f" | mesh {mesh_label(mesh)}")
-    return search_subnets(spec, state["params"], splits, cfg, mesh), cfg, step
+    return search_subnets(spec, state["params"], splits, cfg, mesh, say), cfg, step

@@ -287,7 +287,7 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
             loader.close()
     result = None
     if search and stopped is None:
-        result = search_subnets(spec, state["params"], splits, cfg, mesh)
+        result = search_subnets(spec, state["params"], splits, cfg, mesh, say)
         say("search (validation loss with inherited weights):\n" + result.table())
     if checkpoint and stopped is None:
         if result is not None and jax.process_index() == 0:
