@@ -202,6 +202,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if par.pipe < 2:
         raise ConfigError(f"mindpipe plan needs parallel.pipe > 1 (the number of pipeline stages), got "
                           f"parallel.pipe={par.pipe}; e.g. mindpipe plan parallel.pipe=4")
+    # What the plan chooses: a given one would be silently replaced by the plan's.
+    chosen = {"stage_layers": (par.stage_layers, ()), "stage_remat": (par.stage_remat, "none")}
+    for key, (given, default) in chosen.items():
+        if given != default:
+            shown = list(given) if isinstance(given, tuple) else given
+            raise ConfigError(f"parallel.{key}={shown!r} is what mindpipe plan chooses (it prints the split "
+                              f"and remat to train with); drop it (--remat limits the policies it may pick)")
     p, v, m = par.pipe, par.virtual_stages, par.microbatches
     split_last = par.split_last
     if args.split_last is not None and args.split_last != "auto":

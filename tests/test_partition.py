@@ -457,6 +457,11 @@ def test_the_profile_times_each_run_inside_its_loop():
     # It plans a `mindpipe train` run: the supernet section sized nothing, silently.
     (["plan", "parallel.pipe=2", "supernet.subnets_per_step=8"],
      "supernet.subnets_per_step=8 has no effect on `mindpipe plan`"),
+    # What the plan chooses: a given split or remat was silently replaced by the plan's.
+    (["plan", "parallel.pipe=2", "model.n_layers=4", "parallel.stage_layers=[1, 3]"],
+     "parallel.stage_layers=[1, 3] is what mindpipe plan chooses"),
+    (["plan", "parallel.pipe=2", "parallel.stage_remat=full"],
+     "parallel.stage_remat='full' is what mindpipe plan"),
 ])
 def test_plan_command_bad_input_exits_2(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
