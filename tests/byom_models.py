@@ -771,6 +771,28 @@ class FewClasses(nnx.Module):
         return self.out(self.emb(tokens))
 
 
+class IntegerLogits(nnx.Module):
+    """Logits cast to integers: every gradient is zero, and the run "trained" at log(256)."""
+
+    def __init__(self, rngs, d=32):
+        self.emb, self.out = nnx.Embed(256, d, rngs=rngs), nnx.Linear(d, 256, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.emb(tokens)).astype(jnp.int32)
+
+
+class ShortNames(nnx.Module):
+    """A 2-D weight with one logical axis name: its second dimension was left whole."""
+
+    def __init__(self, rngs, d=32):
+        self.emb = nnx.Embed(256, d, rngs=rngs)
+        init = nnx.initializers.normal(0.02)
+        self.w = nnx.Param(init(rngs.params(), (d, 256)), sharding=("embed",))
+
+    def __call__(self, tokens):
+        return self.emb(tokens) @ self.w[...]
+
+
 class NeedsAttentionMask(nnx.Module):
     """``__call__(input_ids, attention_mask)``, as Hugging Face's models take them."""
 

@@ -27,6 +27,7 @@ from byom_models import (
     CountsInAParam,
     EmbedIn,
     FewClasses,
+    IntegerLogits,
     KeywordsOnly,
     LossWithMetrics,
     NeedsAttentionMask,
@@ -37,6 +38,7 @@ from byom_models import (
     ReversedLoop,
     ScannedWithBuffers,
     SharedLayers,
+    ShortNames,
     Sowing,
     StockGPT2,
     TupleInAnotherDtype,
@@ -406,6 +408,10 @@ CASES = [
     ("model with fewer classes than the vocabulary", [],
      "FewClasses(tokens) returns 100 classes per position, fewer than model.vocab_size=256",
      {"model": FewClasses}),
+    ("model returning integer logits", [], "IntegerLogits(tokens) returns logits of dtype int32; they must "
+     "be floating point", {"model": IntegerLogits}),
+    ("model with fewer logical names than dimensions", [], "parameter w of shape (32, 256) has 1 logical "
+     "axis name ('embed',); give one per dimension", {"model": ShortNames}),
     ("model with neither a forward nor a loss", [], "model NoForward has neither __call__(tokens)",
      {"model": NoForward}),
     ("model with an integer Param", [],

@@ -212,6 +212,10 @@ MAY_REPLICATE = {"layers"}
 
 
 def _checked_spec(path, shape, names, kind: Kind, mesh) -> P:
+    if len(names) != len(shape):  # zipped, the extra dimensions were silently left whole
+        raise ConfigError(f"parameter {'/'.join(map(str, path))} of shape {tuple(shape)} has {len(names)} "
+                          f"logical axis name{'s' * (len(names) != 1)} {tuple(names)}; give one per "
+                          f"dimension (None keeps one whole)")
     try:
         spec = list(spec_for(names, kind, mesh))
     except UnknownLogicalAxis as err:

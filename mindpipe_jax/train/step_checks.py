@@ -306,6 +306,9 @@ def check_model_outputs(spec, seq_len: int, vocab_size: int, mesh=None) -> None:
             f"{type(got).__name__} {jax.tree.structure(got)}"
         raise ConfigError(f"{name}(tokens) on tokens of shape ({rows}, {seq_len}) returned {what}; without "
                           f"a loss method the model must return logits of shape ({rows}, {seq_len}, classes)")
+    if not jnp.issubdtype(got.dtype, jnp.floating):  # its cast has no gradient: nothing would learn
+        raise ConfigError(f"{name}(tokens) returns logits of dtype {got.dtype}; they must be floating point "
+                          f"(the loss has no gradient through an integer or boolean output)")
     if shown[-1] < vocab_size:
         raise ConfigError(f"{name}(tokens) returns {shown[-1]} classes per position, fewer than "
                           f"model.vocab_size={vocab_size} (the data's token ids go up to {vocab_size - 1}); "
