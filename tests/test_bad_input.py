@@ -217,6 +217,11 @@ CASES = [
     ("foreign checkpoint: different model",
      ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true", "model.d_model=64"],
      "different model", None),
+    # Read as damage ("delete that step directory"): orbax cast the saved float32 on restore.
+    ("resume with another parameter dtype",
+     ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true", "model.param_dtype=bfloat16"],
+     "holds state['opt'][1][0].mu['blocks']['attn']['out'] as float32, and this run builds it as bfloat16 "
+     "(model.param_dtype, or the model's dtypes, changed since it was written)", None),
     ("checkpoint with changed bytes", ["train.out_dir={tmp}/flipped", "train.steps=4", "train.resume=true"],
      ("do not match the checksum", "could not be restored"), None),
     ("truncated checkpoint", ["train.out_dir={tmp}/truncated", "train.steps=4", "train.resume=true"],

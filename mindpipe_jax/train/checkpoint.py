@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from mindpipe_jax.errors import ConfigError, DiskFullError
 from mindpipe_jax.train import abandoned_io
 from mindpipe_jax.train.agreement import all_or_none
-from mindpipe_jax.train.checksums import state_checksums, verify_checksums  # (verify_checksums: re-exported)
+from mindpipe_jax.train.checksums import dtype_change, state_checksums, verify_checksums  # re-exported
 
 if TYPE_CHECKING:
     from mindpipe_jax.config import Config
@@ -439,6 +439,12 @@ def restore_verified(ckpt_dir: Path, step: int, abstract_state, advice: str = _R
         abandoned_io.settle()
         raise ConfigError(failure)
     if (leaf := verify_checksums(state, meta)) is not None:
+        if (dtypes := dtype_change(ckpt_dir / str(step) / "state", state, leaf)) is not None:
+            # Restored with a cast, so the sum differs: the run changed, not the disk.
+            raise ConfigError(f"checkpoint {where!r} holds state{leaf} as {dtypes[0]}, and this run builds "
+                              f"it as {dtypes[1]} (model.param_dtype, or the model's dtypes, changed since "
+                              f"it was written); resume with the dtypes that wrote it or a new train.out_dir")
         raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
                           f"match the checksum saved with them; {advice}")
     return state, data_state, meta
+

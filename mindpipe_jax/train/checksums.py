@@ -4,8 +4,11 @@ bit changes its array's sum (tests/test_reliability.py)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 
 
 def _bits_sum(x):
@@ -40,3 +43,28 @@ def verify_checksums(state, meta: dict) -> str | None:
         if saved.get(path) != value:
             return path
     return None
+
+
+def dtype_change(state_dir, state, leaf: str) -> tuple[str, str] | None:
+    """(saved dtype, restored dtype) of the leaf at key path ``leaf`` of ``state``, restored
+    from the orbax item ``state_dir``, where they differ, else None: orbax casts to the
+    target's dtype on restore, so a run that changed a parameter's dtype fails its
+    checksum without any byte on the disk changed."""
+    def plain(path: str) -> str:  # ".mu" (a named tuple's field) as "['mu']", as orbax keeps it
+        return re.sub(r"\.(\w+)", r"['\1']", path)
+
+    try:
+        saved = ocp.Checkpointer(ocp.StandardCheckpointHandler()).metadata(state_dir)
+    except Exception:  # unreadable metadata: the damage the caller reports
+        return None
+    tree = getattr(getattr(saved, "item_metadata", saved), "tree", None)
+    if not isinstance(tree, dict):
+        return None
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    saved_dtype = {plain(jax.tree_util.keystr(path)): getattr(v, "dtype", None) for path, v in flat}
+    now = {plain(jax.tree_util.keystr(path)): v.dtype for path, v in
+           jax.tree_util.tree_flatten_with_path(state)[0]}.get(plain(leaf))
+    before = saved_dtype.get(plain(leaf))
+    if before is None or now is None or jnp.dtype(before) == jnp.dtype(now):
+        return None
+    return str(jnp.dtype(before)), str(jnp.dtype(now))
