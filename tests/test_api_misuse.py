@@ -32,6 +32,10 @@ CASES = [
     (lambda: mp.flops_per_token(mp.Config()), "flops_per_token takes a ModelConfig"),
     (lambda: mp.search_checkpoint(5),
      "run_dir must be the path of a `mindpipe supernet` run directory, got int"),
+    # Equal to step 2, it was looked for in a directory "2.0" and called a damaged checkpoint.
+    (lambda: mp.search_checkpoint(".", step=2.0), "step=2.0 must be a checkpoint's step number (an int)"),
+    (lambda: mp.search_checkpoint(".", step=True), "step=True must be a checkpoint's step number"),
+    (lambda: mp.search_checkpoint(".", log=5), "log=5 must be a callable taking one line"),
 ]
 
 

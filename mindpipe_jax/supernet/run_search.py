@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from pathlib import Path
 
@@ -168,6 +169,11 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     if not isinstance(run_dir, (str, os.PathLike)):
         raise ConfigError(f"run_dir must be the path of a `mindpipe supernet` run directory, got "
                           f"{type(run_dir).__name__}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        # 2.0 equals step 2 and was looked for in a directory named "2.0" ("damaged").
+        raise ConfigError(f"step={step!r} must be a checkpoint's step number (an int) or None (the newest)")
+    if log is not None and not callable(log):
+        raise ConfigError(f"log={log!r} must be a callable taking one line (e.g. print) or None")
     run_dir = Path(run_dir).expanduser().absolute()
     with stops_everywhere("search", overrides):  # a run directory on this host only stops all
         if not run_dir.is_dir():
