@@ -36,6 +36,16 @@ CASES = [
     (lambda: mp.search_checkpoint(".", step=2.0), "step=2.0 must be a checkpoint's step number (an int)"),
     (lambda: mp.search_checkpoint(".", step=True), "step=True must be a checkpoint's step number"),
     (lambda: mp.search_checkpoint(".", log=5), "log=5 must be a callable taking one line"),
+    # checkpoint=5 saved into runs/default; log=5 failed at the first line, after compiling.
+    (lambda: mp.train_supernet(None, None, None, "train.steps=1", checkpoint=5),
+     "train_supernet checkpoint=5 must be True or False"),
+    (lambda: mp.train_supernet(None, None, None, "train.steps=1", log=5),
+     "train_supernet log=5 must be a callable taking one line"),
+    # Without checkpoint=True nothing is saved: the directory was silently left empty.
+    (lambda: mp.train_supernet(None, None, None, "train.out_dir=/tmp/x"),
+     'train.out_dir="/tmp/x" has no effect: train_supernet(..., checkpoint=False) saves nothing'),
+    (lambda: mp.train_supernet(None, None, None, "train.checkpoint_every=2"),
+     "train.checkpoint_every=2 has no effect"),
 ]
 
 

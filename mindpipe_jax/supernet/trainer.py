@@ -143,6 +143,7 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             if cfg.train.resume and not checkpoint:
                 raise ConfigError(f"train.resume={_show(cfg.train.resume)} needs checkpoints: call "
                                   f"train_supernet(..., checkpoint=True) (what `mindpipe supernet` does)")
+            _check_arguments(cfg, search=search, log=log, checkpoint=checkpoint)
         start_together(cfg, "supernet run")
         check_platform(cfg.model, jax.devices()[0].platform)
         # With checkpoints, train.out_dir is checked writable before anything is computed
@@ -152,6 +153,24 @@ def train_supernet(model=None, data=None, config: Config | None = None, *overrid
             if checkpoint:  # reading a checkpoint is collective (orbax): all must see the same ones
                 agree_on_checkpoint(Path(cfg.train.out_dir).absolute() / "checkpoints", "supernet run")
             return _train_supernet(cfg, model, data, search=search, log=log, checkpoint=checkpoint)
+
+
+def _check_arguments(cfg: Config, *, search, log, checkpoint) -> None:
+    """One line for an argument of the wrong kind (``checkpoint=5`` saved, ``log=5`` failed
+    at the first line), and for the checkpoint keys of a run that saves nothing (a
+    ``train.out_dir`` set without ``checkpoint=True`` was silently left empty)."""
+    for name, value in (("search", search), ("checkpoint", checkpoint)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"train_supernet {name}={value!r} must be True or False")
+    if log is not None and not callable(log):
+        raise ConfigError(f"train_supernet log={log!r} must be a callable taking one line (print) or None")
+    if not checkpoint:
+        default = type(cfg.train)()
+        for key in ("out_dir", "checkpoint_every", "keep_checkpoints"):
+            if getattr(cfg.train, key) != getattr(default, key):
+                raise ConfigError(f"train.{key}={_show(getattr(cfg.train, key))} has no effect: "
+                                  f"train_supernet(..., checkpoint=False) saves nothing; pass "
+                                  f"checkpoint=True (what `mindpipe supernet` does), or drop it")
 
 
 def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: bool) -> SupernetResult:
