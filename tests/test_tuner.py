@@ -426,15 +426,21 @@ _SMALL_TUNE = ["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2"
                "--b-noise", "24", "--max-compile", "1", "--measure", "1"]
 
 
-def test_no_layout_fitting_the_budget_is_an_error_not_a_best(capsys):
-    # Before: every compiled layout refused, the best *prediction* (never compiled) was
-    # printed as "best: ... -> overrides", a layout that did not fit the budget either.
-    # 0.3 MiB: above the layouts' floors (~0.1 MiB), below what they compile to (~0.6).
-    code = main([*_SMALL_TUNE, "--budget-mb", "0.3"])
+def _tune_refused(args: list[str], capsys) -> tuple[str, str]:
+    """(stdout, the one error line) of a small `mindpipe tune` that must end in no best."""
+    code = main([*_SMALL_TUNE, *args])
     captured = capsys.readouterr()
     assert code == 2 and "best" not in captured.out, captured.out
     err = captured.err.strip()
     assert len(err.splitlines()) == 1, err
+    return captured.out, err
+
+
+def test_no_layout_fitting_the_budget_is_an_error_not_a_best(capsys):
+    # Before: every compiled layout refused, the best *prediction* (never compiled) was
+    # printed as "best: ... -> overrides", a layout that did not fit the budget either.
+    # 0.3 MiB: above the layouts' floors (~0.1 MiB), below what they compile to (~0.6).
+    _, err = _tune_refused(["--budget-mb", "0.3"], capsys)
     assert re.search(r"tune: none of the 1 layouts checked could run \(the lightest, .* needs [\d.]+ "
                      r"MiB per device against 0.3 MiB\); the rest were not checked: raise --max-compile "
                      r"\(now 1\)", err), err
@@ -451,15 +457,11 @@ def test_layouts_below_their_memory_floor_are_refused_without_compiling(capsys, 
         raise AssertionError("compiled a layout whose floor exceeds the budget")
 
     monkeypatch.setattr(aot, "compile_candidate", no_compile)
-    code = main([*_SMALL_TUNE, "--budget-mb", "0.001"])
-    captured = capsys.readouterr()
-    assert code == 2 and "best" not in captured.out, captured.out
-    err = captured.err.strip()
-    assert len(err.splitlines()) == 1, err
+    out, err = _tune_refused(["--budget-mb", "0.001"], capsys)
     assert re.search(r"^mindpipe: error: tune: none of the 2 layouts checked could run \(the lightest, "
                      r"d4 t2 .* needs at least 0.0\d+ MiB per device against 0.001 MiB\); try smaller "
                      r"--batches, more --microbatches, or a larger --budget-mb$", err), err
-    assert "needs at least" in captured.out and "budget 0.001 MiB" in captured.out
+    assert "needs at least" in out and "budget 0.001 MiB" in out
 
 
 def test_an_unmeasured_row_predicted_well_ahead_of_the_choice_is_named():
