@@ -254,6 +254,9 @@ CASES = [
                                   "distributed.process_id=0"], "host:port", None),
     ("process id out of range", ["distributed.coordinator=127.0.0.1:1", "distributed.num_processes=2",
                                  "distributed.process_id=2"], "process_id=2", None),
+    # Without a coordinator each process trained alone, silently.
+    ("process count without a coordinator", ["distributed.num_processes=2"],
+     "distributed.num_processes=2 needs a coordinator: distributed.coordinator=host:port", None),
     # Booleans are not numbers (TOML true would pass as the integer 1).
     ("boolean as an integer", ["train.steps=true"], "train.steps=true has the wrong type; expected int",
      None),

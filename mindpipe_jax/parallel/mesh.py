@@ -132,6 +132,11 @@ def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | N
             count = count or env_int("SLURM_NTASKS", 1)
             pid = pid if pid >= 0 else env_int("SLURM_PROCID", 0)
     if not coordinator:
+        given = [f"distributed.{key}={value}" for key, value, unset in (
+            ("num_processes", cfg.num_processes, 0), ("process_id", cfg.process_id, -1)) if value != unset]
+        if given:  # one process would run alone: the others would wait for it until their timeout
+            raise ConfigError(f"{given[0]} needs a coordinator: distributed.coordinator=host:port (process "
+                              f"0's address; or MINDPIPE_COORDINATOR, or a SLURM job step of several tasks)")
         return None
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
