@@ -51,11 +51,12 @@ def test_distributed_settings_from_env_and_slurm():
     with pytest.raises(ConfigError, match="process_id"):
         distributed_settings(DistributedConfig(coordinator="h:1", num_processes=2, process_id=5), {})
     # Without a coordinator these ran one process alone, silently.
-    for given in (dict(num_processes=2), dict(process_id=0), dict(num_processes=2, process_id=1)):
+    for given in (dict(num_processes=2), dict(process_id=1), dict(num_processes=2, process_id=0)):
         with pytest.raises(ConfigError, match=r"^distributed.\w+=\d needs a coordinator: "
                                               r"distributed.coordinator=host:port"):
             distributed_settings(DistributedConfig(**given), {})
     assert distributed_settings(DistributedConfig(num_processes=2, process_id=1), slurm) is not None
+    assert distributed_settings(DistributedConfig(num_processes=1, process_id=0), {}) is None  # one process
 
 
 def _reference(spec, params, batch):

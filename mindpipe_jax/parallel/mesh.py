@@ -132,8 +132,9 @@ def distributed_settings(cfg: DistributedConfig, environ=os.environ) -> dict | N
             count = count or env_int("SLURM_NTASKS", 1)
             pid = pid if pid >= 0 else env_int("SLURM_PROCID", 0)
     if not coordinator:
-        given = [f"distributed.{key}={value}" for key, value, unset in (
-            ("num_processes", cfg.num_processes, 0), ("process_id", cfg.process_id, -1)) if value != unset]
+        # (num_processes=1, process_id=0: one process, which it is without them)
+        given = ([f"distributed.num_processes={cfg.num_processes}"] if cfg.num_processes > 1 else []) + \
+            ([f"distributed.process_id={cfg.process_id}"] if cfg.process_id > 0 else [])
         if given:  # one process would run alone: the others would wait for it until their timeout
             raise ConfigError(f"{given[0]} needs a coordinator: distributed.coordinator=host:port (process "
                               f"0's address; or MINDPIPE_COORDINATOR, or a SLURM job step of several tasks)")

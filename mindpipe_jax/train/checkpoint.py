@@ -447,4 +447,3 @@ def restore_verified(ckpt_dir: Path, step: int, abstract_state, advice: str = _R
         raise ConfigError(f"checkpoint {where!r} is damaged: the restored bytes of state{leaf} do not "
                           f"match the checksum saved with them; {advice}")
     return state, data_state, meta
-
