@@ -95,12 +95,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mindpipe_jax.errors import ConfigError
-from mindpipe_jax.parallel.rules import spec_for, user_row_names
+from mindpipe_jax.parallel.ring_specs import TENSOR, ring_specs, tensor_spec
 
 __all__ = ["TENSOR", "tensor_size", "refuse_in_pipeline", "stages_in_lockstep", "tensor_spec", "rows_spec",
            "scatter_rows", "gather_rows", "all_gather_matmul", "matmul_reduce_scatter"]
 
-TENSOR = "tensor"
 ROWS = 1  # activations are [batch, length, ...]: rows are sequence positions
 
 
@@ -113,58 +112,6 @@ def tensor_size() -> int:
     if TENSOR in getattr(mesh, "manual_axes", ()):
         return 1
     return mesh.shape[TENSOR]
-
-
-def tensor_spec(names) -> P:
-    """The ``tensor`` part of the rules table's compute spec for logical ``names``.
-
-    Inside these ``shard_map``s only ``tensor`` is manual; the batch axes stay as
-    they were (automatic in the plain step, already manual in the pipeline), so a
-    spec here names ``tensor`` alone -- taken from the one rules table, so the
-    collective matmul splits weights exactly as the plain path does.
-    """
-    def tensor_part(entry):
-        return TENSOR if entry == TENSOR or (isinstance(entry, tuple) and TENSOR in entry) else None
-
-    # spec_for reads the active table (a user's parallel.rules rows included) and
-    # records the lookup, as the plain path's parameters and constraints do.
-    return P(*(tensor_part(entry) for entry in spec_for(names, "compute")))
-
-
-def _ring_specs(mm, w_names, other_names, column: bool):
-    """The ``tensor`` specs of a collective matmul's weight and of its other split
-    operand (the result of a column-parallel one, the input of a row-parallel one),
-    from the rules table. Refused where they are something the ring cannot run (the
-    weight whole, split on the wrong kind of dimension, the other operand split
-    differently): in one line when a ``parallel.rules`` row made them so, else as the
-    caller's bug (names that do not fit the equation)."""
-    kind = "column" if column else "row"
-    user_rows = user_row_names() & {n for n in (*w_names, *other_names) if n is not None}
-
-    def refuse(problem: str):
-        if user_rows:
-            raise ConfigError(f"model.collective_matmul=true: the {kind}-parallel collective matmul "
-                              f"{mm.equation!r} {problem} (parallel.rules rows for "
-                              f"{', '.join(map(repr, sorted(user_rows)))}); drop those rows or set "
-                              f"model.collective_matmul=false")
-        raise ValueError(f"{kind}-parallel collective matmul {mm.equation!r}: {problem}")
-
-    w_spec = tensor_spec(w_names)
-    dims = [d for d, entry in enumerate(w_spec) if entry == TENSOR]
-    if len(dims) != 1:
-        refuse(f"needs its weight {tuple(w_names)} split over {TENSOR!r} on one dimension, but the rules "
-               f"table gives {w_spec}")
-    index = mm.w[dims[0]]
-    if (index in mm.out) != column:
-        refuse(f"needs its weight split over {TENSOR!r} on {'an output' if column else 'a contracted'} "
-               f"dimension, but the rules table splits {w_names[dims[0]]!r}")
-    other_term = mm.out if column else mm.x
-    expected = P(*(TENSOR if i == index else None for i in other_term))
-    other_spec = tensor_spec(other_names)
-    if other_spec != expected:
-        refuse(f"computes {tuple(other_names)} split over {TENSOR!r} as {expected}, but the rules table "
-               f"gives {other_spec}")
-    return w_spec, other_spec
 
 
 _LOCKSTEP = contextvars.ContextVar("pipeline_stages_in_lockstep", default=False)
@@ -359,7 +306,7 @@ def all_gather_matmul(equation: str, xs, w, w_names, out_names):
     same replicated rows).
     """
     mm = _Einsum(equation)
-    w_spec, out_spec = _ring_specs(mm, w_names, out_names, column=True)
+    w_spec, out_spec = ring_specs(mm, w_names, out_names, column=True)
     size = _check_rows(xs, tensor_size())
     x_spec = rows_spec(xs.ndim)
 
@@ -430,7 +377,7 @@ def matmul_reduce_scatter(equation: str, h, w, h_names, w_names):
     weight gradient chunk by chunk as the gradient goes round.
     """
     mm = _Einsum(equation)
-    w_spec, h_spec = _ring_specs(mm, w_names, h_names, column=False)
+    w_spec, h_spec = ring_specs(mm, w_names, h_names, column=False)
     size = _check_rows(h, tensor_size())
     out_spec = rows_spec(len(mm.out))
 

@@ -66,6 +66,7 @@ from mindpipe_jax.train.rundir import hold_run_dir
 from mindpipe_jax.train.signals import FinalSave, StartupInterrupts, StopSignals, raise_if_interrupted
 from mindpipe_jax.train.state import init_train_state, resume_lines
 from mindpipe_jax.train.step import nonfinite_leaf_names
+from mindpipe_jax.train.step_checks import check_step_model
 from mindpipe_jax.train.tuned import OnlineTuning, Switcher, SwitchRefused, saved_tuning
 
 
@@ -136,27 +137,12 @@ def train(model=None, data=None, config: Config | None = None, *overrides: str,
             return _train(cfg, model, data, step_model, tuning)
 
 
-def _check_step_model(step_model, tuner_on: bool) -> None:
-    """``step_model`` is the online tuner's: refused without one (it would be ignored),
-    and when it lacks the two methods the tuner calls (found only at its first decision)."""
-    if step_model is None:
-        return
-    if not tuner_on:
-        raise ConfigError("step_model= is read only by the online tuner, which this run does not have: "
-                          "set tuner.enabled=true, or drop step_model")
-    missing = [name for name in ("step_time", "observe") if not callable(getattr(step_model, name, None))]
-    if missing:
-        raise ConfigError(f"step_model {type(step_model).__name__} has no method {missing[0]}(); it needs "
-                          f"step_time(candidate) -> seconds and observe(candidate, seconds) "
-                          f"(mindpipe_jax.tuner.measured.StepModel)")
-
-
 def _train(cfg: Config, model, data, step_model, tuning: OnlineTuning | None) -> TrainResult:
     tuned = saved_tuning(cfg)
     if (tuned or cfg.tuner.enabled) and tuning is None:
         raise ConfigError("tuner.enabled=true (or resuming a tuned run) needs the online tuner: call "
                           "mindpipe_jax.train, which plugs it in, not mindpipe_jax.train.loop.train")
-    _check_step_model(step_model, bool(tuned or cfg.tuner.enabled))
+    check_step_model(step_model, bool(tuned or cfg.tuner.enabled))
     if tuned:  # a tuned run resumes with the batch, mesh and learning-rate gain it had,
         # re-planned when it now has another number of devices (elastic)
         cfg, tuned = tuning.resume(cfg, tuned, model)

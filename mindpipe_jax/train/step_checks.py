@@ -359,3 +359,18 @@ def check_loss_key_through_pipeline(spec, seq_len: int, pipe: int) -> None:
                           f"pipeline (parallel.pipe={pipe}) no key reaches the model's layers, so it would "
                           f"train without them: train it without parallel.pipe, or without the "
                           f"randomness (the reference GPT's model.dropout does run through a pipeline)")
+
+
+def check_step_model(step_model, tuner_on: bool) -> None:
+    """``step_model`` is the online tuner's: refused without one (it would be ignored),
+    and when it lacks the two methods the tuner calls (found only at its first decision)."""
+    if step_model is None:
+        return
+    if not tuner_on:
+        raise ConfigError("step_model= is read only by the online tuner, which this run does not have: "
+                          "set tuner.enabled=true, or drop step_model")
+    missing = [name for name in ("step_time", "observe") if not callable(getattr(step_model, name, None))]
+    if missing:
+        raise ConfigError(f"step_model {type(step_model).__name__} has no method {missing[0]}(); it needs "
+                          f"step_time(candidate) -> seconds and observe(candidate, seconds) "
+                          f"(mindpipe_jax.tuner.measured.StepModel)")
