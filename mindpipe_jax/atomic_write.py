@@ -8,10 +8,16 @@ one rename; a failure removes the temporary file and leaves the old file as it w
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+from mindpipe_jax.errors import ConfigError
+
+# Write failures the command line reports itself, with their remedy (cli._write_failure).
+ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def write_atomically(path: str | Path, content: str | bytes | Callable[[BinaryIO], None]) -> None:
@@ -36,3 +42,27 @@ def write_atomically(path: str | Path, content: str | bytes | Callable[[BinaryIO
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def unwritable_reason(directory: str | Path) -> str | None:
+    """Why this process cannot create files in ``directory`` (an existing directory), or
+    None when it can: checked before the work whose output would be lost."""
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        return "is on a read-only filesystem"
+    return "is not writable by this user"
+
+
+def write_output(path: str | Path, content: str | bytes, what: str) -> None:
+    """``write_atomically`` for a file the user named (``what`` says which: "picture",
+    "--json"): a failure the directory checks could not foresee (a pseudo-filesystem,
+    permissions changed meanwhile) is one line naming the file, not a traceback. A full
+    disk or read-only filesystem stays an ``OSError`` the command line words itself."""
+    try:
+        write_atomically(path, content)
+    except OSError as err:
+        if err.errno in ROOM_ERRNOS:
+            raise
+        reason = err.strerror or str(err)
+        raise ConfigError(f"cannot write {what} {str(path)!r}: {reason[:1].lower()}{reason[1:]}") from None

@@ -171,13 +171,13 @@ def run_schedule(args: argparse.Namespace) -> int:
     m = positive_int(args.microbatches, "--microbatches")
     v = None if args.virtual is None else positive_int(args.virtual, "--virtual")
     k = None if args.split_last is None else nonnegative_int(args.split_last, "--split-last")
-    schedule = get_schedule(args.schedule, p, m, v, k)
     if args.weighted and args.out is None:
         raise ConfigError("--weighted sizes the picture's boxes by duration, and there is no picture; "
                           "add --out FILE (.png, .svg or .pdf)")
     if args.out is not None:
         viz.check_picture_path(args.out)
         viz.require_matplotlib()
+    schedule = get_schedule(args.schedule, p, m, v, k)
     print(viz.schedule_summary(schedule), flush=True)
     if args.out is not None:
         path = viz.draw_schedule(schedule, args.out, cost=DEFAULT_COST if args.weighted else None)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from mindpipe_jax.atomic_write import write_atomically
+from mindpipe_jax.atomic_write import unwritable_reason, write_output
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
@@ -48,7 +48,8 @@ def require_matplotlib():
 
 def check_picture_path(out_path: str | os.PathLike) -> Path:
     """Refuse, before anything is computed or written, a picture path whose suffix
-    is not one of ``PICTURE_FORMATS`` or whose directory does not exist."""
+    is not one of ``PICTURE_FORMATS`` or whose directory does not exist or cannot be
+    written."""
     path = Path(out_path)
     if path.suffix.lower() not in PICTURE_FORMATS:
         got = repr(path.suffix) if path.suffix else "no suffix"
@@ -59,6 +60,9 @@ def check_picture_path(out_path: str | os.PathLike) -> Path:
         raise ConfigError(f"cannot write picture {str(path)!r}: directory {str(parent)!r} does not exist")
     if path.is_dir():
         raise ConfigError(f"cannot write picture {str(path)!r}: it is a directory")
+    why = unwritable_reason(parent)
+    if why is not None:
+        raise ConfigError(f"cannot write picture {str(path)!r}: directory {str(parent)!r} {why}")
     return path
 
 
@@ -67,7 +71,7 @@ def save_figure(fig, path: Path) -> Path:
     full disk matplotlib left an empty file and an error naming no file."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format=path.suffix.lstrip(".").lower())
-    write_atomically(path, buffer.getvalue())
+    write_output(path, buffer.getvalue(), "picture")
     return path
 
 

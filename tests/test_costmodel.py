@@ -83,6 +83,18 @@ def test_load_or_measure_measures_once_per_machine_key(tmp_path, monkeypatch):
     assert hw.calibration.key["host"] == "elsewhere" and len(calls) == 4
 
 
+def test_a_cache_that_cannot_be_written_costs_a_re_measure_not_the_run(tmp_path):
+    """A read-only home or a MINDPIPE_CACHE that is a file: the calibration is used and
+    the log says it was not cached (it was a traceback after the measurement)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    said = []
+    fake = lambda devices: _calibration(calibrate.machine_key(devices))  # noqa: E731
+    cal = calibrate.load_or_measure(cache_dir=blocker / "cache", measure_fn=fake, log=said.append)
+    assert cal == fake(jax.devices())
+    assert len(said) == 1 and "not cached: " in said[0] and str(blocker / "cache") in said[0]
+
+
 # ------------------------------------------------------------- pipeline term
 def test_prediction_counts_the_fused_ticks_the_runtime_runs():
     cand = Candidate(data=2, pipe=4, microbatches=8, global_batch=32)

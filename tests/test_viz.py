@@ -4,6 +4,8 @@ the right numbers, and bad input that exits 2 and writes nothing."""
 from __future__ import annotations
 
 import builtins
+import errno
+import os
 import re
 
 import pytest
@@ -57,6 +59,42 @@ def test_draw_schedule_other_formats(tmp_path, suffix, magic):
 def test_draw_schedule_refuses_bad_paths(tmp_path, out, words):
     with pytest.raises(ConfigError, match=words):
         viz.draw_schedule(get_schedule("1f1b", 2, 2), tmp_path / out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_directory_is_refused_before_the_work(tmp_path, monkeypatch, capsys):
+    """Checked with the other path checks, so `mindpipe schedule` prints nothing and `tune`
+    measures nothing before a picture or --json it cannot write (root passes os.access
+    everywhere, so the refusal is simulated for this one directory)."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: (str(path) != str(tmp_path)
+                                                               and real_access(path, mode, **kw)))
+    argv = ["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+            "--out", str(tmp_path / "x.png")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (f"mindpipe: error: cannot write picture "
+                                                   f"'{tmp_path / 'x.png'}': directory '{tmp_path}' "
+                                                   f"is not writable by this user\n")
+    assert main(["tune", "--measure", "0", "--json", str(tmp_path / "t.json")]) == 2
+    assert capsys.readouterr().err == (f"mindpipe: error: --json '{tmp_path / 't.json'}': directory "
+                                       f"'{tmp_path}' is not writable by this user\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_the_checks_could_not_foresee_is_one_line(tmp_path, monkeypatch, capsys):
+    """A pseudo-filesystem (/proc) or permissions changed meanwhile: the write itself fails
+    with an OSError that is not about room; the picture command says so in one line."""
+    from mindpipe_jax import atomic_write
+
+    def refuse(path, content):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(atomic_write, "write_atomically", refuse)
+    out = tmp_path / "x.png"
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+                 "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"mindpipe: error: cannot write picture '{out}': permission denied\n"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from mindpipe_jax.atomic_write import unwritable_reason
 from mindpipe_jax.errors import ConfigError
 
 LOCK_NAME = "mindpipe.lock"
@@ -52,10 +53,9 @@ def check_writable(out_dir: str | Path, key: str = "train.out_dir") -> Path:
                           f"not a directory")
     targets = [probe] + [p for p in (out_dir / "checkpoints",) if p.is_dir()]
     for target in targets:
-        if os.access(target, os.W_OK | os.X_OK):
+        why = unwritable_reason(target)
+        if why is None:
             continue
-        read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
-        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
         if target == out_dir:
             where = f"{key} {str(out_dir)!r} {why}"
         elif target == probe:

@@ -154,6 +154,7 @@ def load(key: dict, cache_dir: str | Path | None = None) -> Calibration | None:
 
 
 def save(cal: Calibration, cache_dir: str | Path | None = None) -> Path:
+    """Cache ``cal``; an ``OSError`` (naming the file) when the cache cannot be written."""
     path = cache_file(cal.key, cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps(cal.to_dict(), indent=1, sort_keys=True))
@@ -174,9 +175,12 @@ def load_or_measure(devices=None, *, cache_dir: str | Path | None = None, refres
         if found is not None and not (found.loaded and not _is_loaded(_host_load())):
             return found
     cal = (measure_fn or measure)(devices)
-    path = save(cal, cache_dir)
+    try:   # a cache that cannot be written (read-only home, MINDPIPE_CACHE elsewhere) costs a re-measure
+        where = f"cached in {save(cal, cache_dir)}"
+    except OSError as err:
+        where = f"not cached: {err.strerror or err} writing {err.filename or cache_file(key, cache_dir)}"
     if log:
-        log(f"calibrated {cal.note()} (cached in {path})")
+        log(f"calibrated {cal.note()} ({where})")
     return cal
 
 

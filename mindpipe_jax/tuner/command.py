@@ -12,7 +12,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from mindpipe_jax.atomic_write import write_atomically
+from mindpipe_jax.atomic_write import unwritable_reason, write_output
 from mindpipe_jax.config import MESH_AXES, check_train_keys, load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.space import REMATS, SCHEDULES
@@ -142,6 +142,9 @@ def _writable(path: str, option: str) -> Path:
         raise ConfigError(f"{option} {path!r}: directory {str(out.parent)!r} does not exist")
     if out.is_dir():
         raise ConfigError(f"{option} {path!r} is a directory; give a file name")
+    why = unwritable_reason(out.parent)
+    if why is not None:
+        raise ConfigError(f"{option} {path!r}: directory {str(out.parent)!r} {why}")
     return out
 
 
@@ -269,9 +272,9 @@ def run(args: argparse.Namespace) -> int:
               f"{ahead.predicted_entropyput / best.measured_entropyput:.2f}x the entropyput measured for the "
               f"best; raise --measure (now {measure}) to try it", flush=True)
     if json_out is not None:
-        write_atomically(json_out, json.dumps({"b_noise": result.b_noise, "b0": result.b0,
-                                                    "hardware": result.hardware.note,
-                                                    "rows": [r.to_dict() for r in result.rows]}, indent=1))
+        write_output(json_out, json.dumps({"b_noise": result.b_noise, "b0": result.b0,
+                                           "hardware": result.hardware.note,
+                                           "rows": [r.to_dict() for r in result.rows]}, indent=1), "--json")
         print(f"wrote {json_out}", flush=True)
     if args.out is not None:
         print(f"wrote {viz.draw_landscape(result, args.out)}", flush=True)
@@ -308,7 +311,7 @@ def run_supernet(args: argparse.Namespace, cfg) -> int:
     print(f"best: {best.candidate.label()} ({best.measurement.progress_per_s:.4f} search-validation loss "
           f"per second) -> {' '.join(best.candidate.overrides())}", flush=True)
     if json_out is not None:
-        write_atomically(json_out, result.to_json())
+        write_output(json_out, result.to_json(), "--json")
         print(f"wrote {json_out}", flush=True)
     return 0
 
