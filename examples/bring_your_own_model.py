@@ -14,6 +14,7 @@ embedding's table (tied): one parameter, its gradient the sum of both uses.
 
 import argparse
 import math
+import sys
 import tempfile
 
 import jax
@@ -115,4 +116,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except mp.ConfigError as err:  # a bad --steps or --out-dir: one line and exit 2, as `mindpipe` does
+        print(f"{sys.argv[0]}: error: {err}", file=sys.stderr)
+        sys.exit(2)

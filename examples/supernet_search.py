@@ -18,6 +18,7 @@ by byte (cached after the first run).
 """
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -70,4 +71,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except mp.ConfigError as err:  # a bad --steps or --out-dir: one line and exit 2, as `mindpipe` does
+        print(f"{sys.argv[0]}: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -12,6 +12,7 @@ The text is the Python standard library's own source, read byte by byte.
 """
 
 import argparse
+import sys
 import tempfile
 
 from flax import nnx
@@ -57,4 +58,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except mp.ConfigError as err:  # a bad --steps or --out-dir: one line and exit 2, as `mindpipe` does
+        print(f"{sys.argv[0]}: error: {err}", file=sys.stderr)
+        sys.exit(2)

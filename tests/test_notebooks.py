@@ -103,3 +103,21 @@ def test_bring_your_own_model_script(tmp_path):
     assert len({round(float(x), 3) for x in losses}) == 1  # the same training on every layout
     for run in range(3):
         assert (tmp_path / str(run) / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.parametrize("script, args, words", [
+    ("train_custom_model.py", ["--steps", "0"], "train.steps=0 must be > 0"),
+    ("bring_your_own_model.py", ["--steps", "1", "--out-dir", "{tmp}/a_file"], "is a file, not a directory"),
+    ("supernet_search.py", ["--subnet", "3"], "need a multiple of 3 devices"),
+])
+def test_an_example_given_a_bad_argument_says_so_in_one_line(script, args, words, tmp_path):
+    """The examples are run from a shell like `mindpipe`: a bad argument is one line and
+    exit status 2, as the command line's, not a ConfigError traceback."""
+    (tmp_path / "a_file").write_text("")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *(a.replace("{tmp}", str(tmp_path))
+                                                                    for a in args)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert proc.stderr.count("\n") == 1 and f"{script}: error: " in proc.stderr and words in proc.stderr, \
+        proc.stderr
+    assert proc.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

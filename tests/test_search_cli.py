@@ -148,6 +148,13 @@ def _bad_cases(run_dir: Path, dense: Path, tmp: Path) -> dict[str, tuple[list[st
                              "already holds checkpoints up to step 4"),
         "resume": (["supernet", *TINY, *SUPERNET, f"train.out_dir={tmp / 'new'}", "train.resume=true"],
                    "nothing to resume"),
+        # A budget no subnet meets: said after the training, when the search found nothing.
+        "budget below the smallest, training": (
+            ["supernet", *TINY, *SUPERNET, f"train.out_dir={tmp / 'new'}", "supernet.search_max_params=5"],
+            "no subnet of the space satisfies the parameter budget 5 (supernet.search_max_params); "
+            "the smallest has "),
+        "budget below the smallest, search": (["search", str(run_dir), "supernet.search_max_params=5"],
+                                              "satisfies the parameter budget 5"),
     }
 
 

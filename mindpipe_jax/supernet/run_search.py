@@ -26,7 +26,7 @@ from mindpipe_jax.supernet.run_setup import (
     fingerprint,
     supernet_factory,
 )
-from mindpipe_jax.supernet.search import SearchResult, evolutionary_search, make_evaluator
+from mindpipe_jax.supernet.search import SearchResult, check_budget, evolutionary_search, make_evaluator
 from mindpipe_jax.supernet.spara import supernet_spec
 from mindpipe_jax.train.agreement import agree_on_checkpoint, all_or_none, start_together, stops_everywhere
 from mindpipe_jax.train.checkpoint import committed_steps, read_meta, restore_verified
@@ -189,6 +189,7 @@ def search_checkpoint(run_dir, *overrides: str, step: int | None = None, model=N
     # all of them stop if any failed (a collective follows: the restore).
     with all_or_none("search"):
         ckpt_dir, step, mesh, spec, create, splits = _saved_supernet(run_dir, step, cfg, model, data)
+        check_budget(spec.space, spec.module.active_params, cfg.supernet.search_max_params)
     target = _abstract_state(spec, create, mesh)
     earlier = "search an earlier step (--step N, search_checkpoint(step=N))"
     state, _, saved_meta = restore_verified(ckpt_dir, step, target, advice=earlier)

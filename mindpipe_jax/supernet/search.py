@@ -117,6 +117,15 @@ class SearchResult:
         return "\n".join(lines)
 
 
+def check_budget(space: SearchSpace, cost: Callable[[np.ndarray], int], max_cost: int) -> None:
+    """Refuse a parameter budget (``max_cost``, 0 = none) the space's smallest subnet
+    exceeds: said before training, not after it, when the search finds nothing."""
+    smallest = int(cost(space.smallest()))
+    if max_cost and smallest > max_cost:
+        raise ConfigError(f"no subnet of the space satisfies the parameter budget {max_cost:,} "
+                          f"(supernet.search_max_params); the smallest has {smallest:,}")
+
+
 def evolutionary_search(space: SearchSpace, score: Callable[[np.ndarray], np.ndarray],
                         cost: Callable[[np.ndarray], int], *, population: int = 16, generations: int = 4,
                         top_k: int = 5, max_cost: int = 0, mutate_prob: float = 0.25,
@@ -165,8 +174,10 @@ def evolutionary_search(space: SearchSpace, score: Callable[[np.ndarray], np.nda
     card = space.cardinalities
     pop = fill([], lambda: rng.integers(0, card), population, tries=200 * population)
     if not pop:
-        raise ConfigError(f"no subnet of the space satisfies the parameter budget {max_cost:,}; "
-                          f"the smallest has {int(cost(space.smallest())):,}")
+        check_budget(space, cost, max_cost)
+        raise ConfigError(f"no subnet sampled in {200 * population:,} tries satisfies the parameter "
+                          f"budget {max_cost:,} (supernet.search_max_params), close to the smallest "
+                          f"subnet's {int(cost(space.smallest())):,}; raise it")
     evaluate(pop)
     best = [scores[rank(pop)[0]]]
     for gen in range(1, generations + 1):

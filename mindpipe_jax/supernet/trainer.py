@@ -68,7 +68,7 @@ from mindpipe_jax.supernet.run_setup import (
     supernet_factory,
 )
 from mindpipe_jax.supernet.sampler import Sampler
-from mindpipe_jax.supernet.search import SearchResult
+from mindpipe_jax.supernet.search import SearchResult, check_budget
 from mindpipe_jax.supernet.spara import (
     check_layout,
     init_state,
@@ -192,6 +192,8 @@ def _train_supernet(cfg: Config, model, data, *, search: bool, log, checkpoint: 
     agree_on_model(built["params"], "supernet run", built["genes"])  # another model on a process would hang
     if not isinstance(spec.module, SuperGPT):  # a model of the user's: model.* compute keys size nothing
         check_user_model_keys(cfg.model)
+    if search:
+        check_budget(spec.space, spec.module.active_params, sn.search_max_params)
     sampler = Sampler(spec.space, sn.subnets_per_step, sn.strategy, tr.seed)
     with all_or_none("supernet run"):  # a data path one process cannot read stops them all
         splits = resolve_data(data, cfg)
