@@ -209,6 +209,32 @@ def test_without_noise_estimate_only_the_current_batch_is_compared():
     assert d is not None and d.after.global_batch == 16 and d.after.tensor == 2 and d.b_noise is None
 
 
+def test_settings_the_tuner_cannot_act_on_are_said_when_the_run_starts():
+    """Nothing ignored without a word: batch sizes no candidate can run, a run that ends
+    before the first decision (the default tuner.warmup=50 on a short run), and a tuner
+    left with nothing to compare each get a line (they trained without one)."""
+    def notes(*overrides, steps=100, start=0):
+        cfg = mp.Config().replace(*TINY, "parallel.data=4", "parallel.tensor=2", "tuner.enabled=true",
+                                  f"train.steps={steps}", *overrides)
+        return OnlineTuner(cfg, Candidate(data=4, tensor=2, global_batch=16), 8).start_notes(steps, start)
+
+    assert notes() == []
+    [line] = notes("tuner.batch_sizes=[3, 16, 32, 6]")
+    assert line.startswith("tuner: tuner.batch_sizes 3, 6 left out: the run's layout cannot run them "
+                           "(batch 3: train.global_batch=3 must be divisible by data x fsdp"), line
+    [line] = notes("tuner.batch_sizes=[3]", "tuner.meshes=true")
+    assert "tuner.batch_sizes 3 left out: no layout the tuner may choose can run it" in line
+    [line] = notes(steps=6)
+    assert line == ("tuner: no decision in this run: the first would follow step 50 (tuner.warmup=50, "
+                    "tuner.every=50) and the run ends at step 6; lower tuner.warmup or tuner.every")
+    assert notes("tuner.warmup=7", "tuner.every=5", steps=11) == []        # after step 10
+    assert len(notes("tuner.warmup=7", "tuner.every=5", steps=10)) == 1   # it would follow step 10
+    assert notes("tuner.warmup=0", "tuner.every=5", steps=11, start=5) == []  # resumed: step 10 still comes
+    assert len(notes("tuner.warmup=0", "tuner.every=5", steps=11, start=10)) == 1
+    [line] = notes("tuner.batch_sizes=[16]")
+    assert line.startswith("tuner: nothing to compare: d4 t2 | m1 | remat none | B16 is the only candidate")
+
+
 def test_a_pipeline_weighs_its_microbatch_count():
     cfg = mp.Config().replace(*TINY, "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1",
                               "parallel.microbatches=2", "tuner.enabled=true", "tuner.meshes=true",

@@ -322,8 +322,8 @@ class _Run:
                 f"(train.eval_batches={tr.eval_batches})")
         if tuner is not None:
             tuner.restart(start, compile_s)
-            if tuner.note:
-                say(tuner.note)
+            for line in tuner.start_notes(tr.steps, start):
+                say(line)
         # Metrics of the steps not yet seen on the host: fetched together (one sync)
         # at a logging, evaluation, checkpoint or tuner step, so no step is left unchecked.
         pending: list[tuple[int, dict]] = []

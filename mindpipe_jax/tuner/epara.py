@@ -60,6 +60,7 @@ from mindpipe_jax.config import Config
 from mindpipe_jax.tuner.facts import ModelFacts, facts_of
 from mindpipe_jax.tuner.measured import MeasuredThroughput, StepModel  # noqa: F401 (re-exported)
 from mindpipe_jax.tuner.noise import NOISE_RULES, NoiseScale, efficiency, lr_gain
+from mindpipe_jax.tuner.online_notes import start_notes
 from mindpipe_jax.tuner.space import Candidate, check_candidate, enumerate_space
 
 
@@ -178,6 +179,10 @@ class OnlineTuner:
                      if check_candidate(self.cfg, c := dataclasses.replace(cur, global_batch=b),
                                         self.num_devices, self.facts) is None]
         return sorted(set(found) | {cur})
+
+    def start_notes(self, steps: int, start: int = 0) -> list[str]:
+        """The lines a run starting at ``start`` logs first (tuner/online_notes.py)."""
+        return ([self.note] if self.note else []) + start_notes(self, steps, start)
 
     def _noise_note(self) -> str | None:
         """Why there is no noise estimate for the current candidate, or None."""
