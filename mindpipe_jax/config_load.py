@@ -388,7 +388,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"config file {shown!r} does not exist" if kind is None else
                               f"config file {shown!r} is {kind}, not a TOML file")
         try:
-            update = tomllib.loads(path.read_text())
+            # TOML is UTF-8 whatever the locale; a byte-order mark (Notepad) is not a key.
+            update = tomllib.loads(path.read_text(encoding="utf-8-sig"))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {shown!r} is not valid TOML: {err}") from None
         except UnicodeDecodeError:

@@ -570,6 +570,16 @@ def test_bad_config_file(tmp_path):
         mp.load_config(unknown)
 
 
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
+    """TOML is UTF-8: a file saved by Notepad (with a byte-order mark) read "Invalid
+    statement (at line 1, column 1)". (The file is now also decoded as UTF-8 whatever
+    the locale, which this process cannot switch to test.)"""
+    path = tmp_path / "run.toml"
+    path.write_bytes("\ufeff[train]\nout_dir = \"runs/caf\u00e9\"\nsteps = 3\n".encode("utf-8"))
+    cfg = mp.load_config(path)
+    assert cfg.train.steps == 3 and cfg.train.out_dir == "runs/caf\u00e9"
+
+
 @pytest.mark.parametrize("config,needle", [
     ("run.toml", "got str; mindpipe_jax.load_config('run.toml') reads that file"),
     ({"train": {"steps": 1}}, "got dict; mindpipe_jax.config.from_dict(...) builds one"),
