@@ -413,12 +413,41 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     (["model.dtype=float16"], "(model.dtype=float16 does not compile on CPU devices (XLA's CPU matmuls take "
                               "no float16 inputs with float32 accumulation); use model.dtype=bfloat16 or "
                               "float32)"),
+    # Layout keys every row sets for itself: the given value was replaced without a word.
+    (["parallel.data=2"], "parallel.data=2 is what mindpipe tune chooses for each row, from --axes (axes "
+                          "left out of --axes stay 1); drop it, and set the choices with --axes"),
+    (["model.remat=full"], 'model.remat="full" is what mindpipe tune chooses for each row, from --remat'),
+    (["--batches", "16", "train.global_batch=8"], "train.global_batch=8 is what mindpipe tune chooses"),
 ])
 def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert main(["tune", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_tune_outputs_are_not_written_over_each_other_or_over_a_file_that_is_no_cache(capsys, tmp_path):
+    """`--cache config.toml` replaced the user's file with the cache (a file that did not
+    parse was taken for a damaged cache), and `--json x --cache x` or `--out x.png --json
+    x.png` wrote one output over the other."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[model]\nd_model = 64\n")
+    other = tmp_path / "other.json"
+    other.write_text('{"rows": [1, 2]}')
+    cases = {
+        ("--cache", str(mine)): f"tuner cache '{mine}' holds something other than the compiled-memory",
+        ("--cache", str(other)): f"tuner cache '{other}' holds something other than",
+        ("--json", str(tmp_path / "a.json"), "--cache", str(tmp_path / "a.json")):
+            f"--json and --cache name the same file '{tmp_path / 'a.json'}'; give each its own",
+        ("--out", str(tmp_path / "a.png"), "--json", str(tmp_path / "." / "a.png")):
+            "--out and --json name the same file",
+    }
+    for args, message in cases.items():
+        assert main(["tune", "--measure", "0", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert mine.read_text() == "[model]\nd_model = 64\n" and other.read_text() == '{"rows": [1, 2]}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.toml", "other.json"]
 
 
 _SMALL_TUNE = ["tune", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=16",

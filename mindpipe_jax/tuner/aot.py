@@ -187,6 +187,23 @@ def _model_key(cfg: Config, devices, model=None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def read_cache_file(path: str | Path) -> dict[str, dict]:
+    """The entries of the tuner cache at ``path`` ({} when there is none, or it is empty).
+    A file that is something else (a config, another program's JSON) is refused, not
+    overwritten with the cache: the user named the wrong file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        entries = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        entries = None
+    if not (isinstance(entries, dict) and all(isinstance(e, dict) and {"candidate", "fits"} <= e.keys()
+                                              for e in entries.values())):
+        raise ConfigError(f"tuner cache {str(path)!r} holds something other than the compiled-memory "
+                          f"results a tune writes there, which would replace it; give a new file name")
+    return entries
+
+
 class FeasibilityCache:
     """Compile each (model, candidate, device kind) once; optionally persisted as JSON.
 
@@ -194,12 +211,7 @@ class FeasibilityCache:
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else None
-        self._entries: dict[str, dict] = {}
-        if self.path and self.path.is_file():
-            try:
-                self._entries = json.loads(self.path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                self._entries = {}  # a damaged cache is only lost work: compile again
+        self._entries: dict[str, dict] = read_cache_file(self.path) if self.path else {}
         self.hits = 0
         self.misses = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import textwrap
 from pathlib import Path
 
@@ -148,6 +149,41 @@ def _writable(path: str, option: str) -> Path:
     return out
 
 
+# What `mindpipe tune` chooses for each row (the option that sets its choices): a value
+# given in the config would be replaced without a word.
+_CHOSEN = {**{f"parallel.{a}": "--axes" for a in MESH_AXES}, "parallel.microbatches": "--microbatches",
+           "parallel.schedule": "--schedules", "parallel.virtual_stages": "--schedules",
+           "parallel.stage_remat": "--remat", "model.remat": "--remat"}
+
+
+def _refuse_chosen_keys(cfg, *, batches_given: bool) -> None:
+    """A layout key set away from its default is refused: every row sets its own (mesh
+    axes not in --axes stay 1), so the value would be silently replaced."""
+    from mindpipe_jax.config import Config
+
+    default = Config()
+    chosen = dict(_CHOSEN, **({"train.global_batch": "--batches"} if batches_given else {}))
+    for key, option in chosen.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != getattr(getattr(default, section), name):
+            hold = " (axes left out of --axes stay 1)" if option == "--axes" else ""
+            raise ConfigError(f"{key}={json.dumps(value)} is what mindpipe tune chooses for each row, from "
+                              f"{option}{hold}; drop it, and set the choices with {option}")
+
+
+def _refuse_shared_outputs(outputs: dict[str, str | None]) -> None:
+    """Two options naming one file: the second write would replace the first."""
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        where = os.path.realpath(path)
+        if where in seen:
+            raise ConfigError(f"{seen[where]} and {option} name the same file {path!r}; give each its own")
+        seen[where] = option
+
+
 # Dense-only options and their defaults: given with --supernet they are refused, not ignored.
 _DENSE_ONLY = {"axes": None, "microbatches": "1,2,4", "schedules": "1f1b,interleaved", "remat": "none,full",
                "budget_mb": None, "max_compile": "8", "b_noise": "auto", "probe_steps": "30", "out": None,
@@ -187,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         from mindpipe_jax.train.step_checks import check_user_model_keys
         check_user_model_keys(cfg.model)
+    _refuse_chosen_keys(cfg, batches_given=bool(args.batches))
     batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
     axes = _names(args.axes, "--axes", MESH_AXES) if args.axes else None
     micro = _ints(args.microbatches, "--microbatches")
@@ -219,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     json_out = _writable(args.json, "--json") if args.json else None
     if args.cache:
         _writable(args.cache, "--cache")
+        from mindpipe_jax.tuner.aot import read_cache_file
+        read_cache_file(args.cache)
+    _refuse_shared_outputs({"--out": args.out, "--json": args.json, "--cache": args.cache})
 
     from mindpipe_jax.parallel.mesh import setup_runtime
 
