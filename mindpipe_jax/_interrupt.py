@@ -41,6 +41,26 @@ def exit_on_interrupt() -> None:
         signal.signal(signal.SIGINT, _exit_130)
 
 
+def raise_on_interrupt() -> None:
+    """While a command runs: Ctrl-C raises ``KeyboardInterrupt``, including one Python
+    would swallow. Raised in a garbage-collector callback (JAX registers one), a
+    ``__del__`` or a weakref callback, it was printed as "Exception ignored in ..."
+    with a traceback and the command went on to the end, exit status 0. Such a report
+    is dropped here and the signal sent again, to be raised where the command is."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = sys.unraisablehook
+
+    def redeliver(info) -> None:
+        if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+            threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        previous(info)
+
+    sys.unraisablehook = redeliver
+
+
 def exit_now() -> None:
     """Exit 130 after flushing, skipping the interpreter's shutdown (which can crash in
     XLA's threads after an interrupted compile)."""

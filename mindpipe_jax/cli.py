@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import signal
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -243,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     entry = argv is None
     if entry:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _interrupt.raise_on_interrupt()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while parsing (the command's own are handled in _main)

@@ -205,6 +205,36 @@ def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
     assert err.strip() == "mindpipe: interrupted"
 
 
+_SWALLOWED_CTRL_C = """
+import gc, sys, time
+from mindpipe_jax import _interrupt
+_interrupt.raise_on_interrupt()
+fired = []
+def callback(phase, info):  # as a Ctrl-C landing in JAX's gc callback
+    if not fired:
+        fired.append(1)
+        raise KeyboardInterrupt
+gc.callbacks.append(callback)
+try:
+    gc.collect()
+    time.sleep(20)
+    print("ran to the end")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_ctrl_c_python_would_swallow_still_interrupts_the_command():
+    """`mindpipe schedule` interrupted ~3 s in: the KeyboardInterrupt was raised inside
+    JAX's garbage-collector callback, where Python only prints "Exception ignored in ..."
+    with a traceback; the command went on and exited 0. Now the report is dropped and the
+    signal sent again, to be raised where the command handles it."""
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWED_CTRL_C], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "interrupted", (proc.stdout, proc.stderr)
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_bugs_keep_their_traceback(monkeypatch):
     def broken(**_):
         raise RuntimeError("a bug")
