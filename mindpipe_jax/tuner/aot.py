@@ -194,8 +194,13 @@ def read_cache_file(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    except OSError as err:
+        raise ConfigError(f"tuner cache {str(path)!r} cannot be read: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        text = "not JSON"
+    try:
         entries = json.loads(text) if text.strip() else {}
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except ValueError:
         entries = None
     if not (isinstance(entries, dict) and all(isinstance(e, dict) and {"candidate", "fits"} <= e.keys()
                                               for e in entries.values())):

@@ -11,7 +11,7 @@ from mindpipe_jax.tuner.space import check_candidate
 
 def first_decision_step(warmup: int, every: int) -> int:
     """The first step count after which ``OnlineTuner.due`` holds (steps counted from 1)."""
-    return max(-(-max(warmup, 1) // every) * every, every)
+    return -(-max(warmup, 1) // every) * every   # the first multiple of every >= max(warmup, 1)
 
 
 def start_notes(tuner, steps: int, start: int = 0) -> list[str]:
