@@ -417,6 +417,9 @@ def test_mindpipe_tune_prints_a_ranked_table_and_draws_it(tmp_path, capsys):
     (["parallel.data=2"], "parallel.data=2 is what mindpipe tune chooses for each row, from --axes (axes "
                           "left out of --axes stay 1); drop it, and set the choices with --axes"),
     (["model.remat=full"], 'model.remat="full" is what mindpipe tune chooses for each row, from --remat'),
+    # Every layout was refused for it, and the message named one layout's reason.
+    (["--axes", "data,subnet"], "--axes data,subnet: the subnet axis trains a supernet's subnets side by "
+                                "side; tune a supernet job with --supernet"),
     (["--batches", "16", "train.global_batch=8"], "train.global_batch=8 is what mindpipe tune chooses"),
 ])
 def test_mindpipe_tune_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):

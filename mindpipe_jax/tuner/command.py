@@ -226,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
     _refuse_chosen_keys(cfg, batches_given=bool(args.batches))
     batches = _ints(args.batches, "--batches") if args.batches else (cfg.train.global_batch,)
     axes = _names(args.axes, "--axes", MESH_AXES) if args.axes else None
+    if axes is not None and "subnet" in axes:  # every layout would be refused for it, one by one
+        raise ConfigError(f"--axes {args.axes}: the subnet axis trains a supernet's subnets side by side; "
+                          f"tune a supernet job with --supernet (it chooses parallel.subnet)")
     micro = _ints(args.microbatches, "--microbatches")
     schedules = _names(args.schedules, "--schedules", SCHEDULES)
     remats = _names(args.remat, "--remat", REMATS)
