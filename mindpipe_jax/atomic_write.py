@@ -54,6 +54,34 @@ def unwritable_reason(directory: str | Path) -> str | None:
     return "is not writable by this user"
 
 
+def control_character_reason(path: str) -> str | None:
+    """Why ``path`` would not print on one line (a newline, tab or other control
+    character, legal in a POSIX name but almost always a quoting slip), or None."""
+    bad = sorted({c for c in path if ord(c) < 32 or ord(c) == 127})
+    if not bad:
+        return None
+    return f"holds the control character{'s' if len(bad) > 1 else ''} {', '.join(repr(c) for c in bad)}"
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before the work whose output it will hold, a file the user named (``what``
+    says which: "picture", "--json") whose directory does not exist or cannot be
+    written, or which is a directory."""
+    path = Path(path)
+    odd = control_character_reason(str(path))
+    if odd is not None:
+        raise ConfigError(f"cannot write {what} {str(path)!r}: the name {odd}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {what} {str(path)!r}: directory {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"cannot write {what} {str(path)!r}: it is a directory; give a file name")
+    why = unwritable_reason(parent)
+    if why is not None:
+        raise ConfigError(f"cannot write {what} {str(path)!r}: directory {str(parent)!r} {why}")
+    return path
+
+
 def write_output(path: str | Path, content: str | bytes, what: str) -> None:
     """``write_atomically`` for a file the user named (``what`` says which: "picture",
     "--json"): a failure the directory checks could not foresee (a pseudo-filesystem,

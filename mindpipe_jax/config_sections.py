@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from mindpipe_jax.atomic_write import control_character_reason
 from mindpipe_jax.config_values import _check, _check_numbers, _positive
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipe", "subnet", "expert")
@@ -321,6 +322,8 @@ class TrainConfig:
         _check(self.virtual_shards & (self.virtual_shards - 1) == 0,
                f"train.virtual_shards={self.virtual_shards} must be a power of two")
         _check(bool(self.out_dir), "train.out_dir must not be empty")
+        odd = control_character_reason(self.out_dir)
+        _check(odd is None, f"train.out_dir {self.out_dir!r} {odd}; give a directory name without them")
         if self.out_dir.startswith("~"):  # a TOML string is no shell word: "~/runs" made a "~" directory
             object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))
 

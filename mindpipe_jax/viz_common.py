@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from mindpipe_jax.atomic_write import unwritable_reason, write_output
+from mindpipe_jax.atomic_write import check_output_file, write_output
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.pipeline.schedules import Kind
 
@@ -55,15 +55,7 @@ def check_picture_path(out_path: str | os.PathLike) -> Path:
         got = repr(path.suffix) if path.suffix else "no suffix"
         raise ConfigError(f"picture file {str(path)!r} must end in one of "
                           f"{', '.join(PICTURE_FORMATS)} (got {got})")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"cannot write picture {str(path)!r}: directory {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise ConfigError(f"cannot write picture {str(path)!r}: it is a directory")
-    why = unwritable_reason(parent)
-    if why is not None:
-        raise ConfigError(f"cannot write picture {str(path)!r}: directory {str(parent)!r} {why}")
-    return path
+    return check_output_file(path, "picture")
 
 
 def save_figure(fig, path: Path) -> Path:

@@ -55,7 +55,7 @@ def test_draw_schedule_other_formats(tmp_path, suffix, magic):
 
 
 @pytest.mark.parametrize("out, words", [("x.jpg", "must end in one of"), ("missing/x.png", "does not exist"),
-                                        ("x", "no suffix")])
+                                        ("x", "no suffix"), ("a\nb.png", r"control character '\\n'")])
 def test_draw_schedule_refuses_bad_paths(tmp_path, out, words):
     with pytest.raises(ConfigError, match=words):
         viz.draw_schedule(get_schedule("1f1b", 2, 2), tmp_path / out)
@@ -77,7 +77,7 @@ def test_an_unwritable_directory_is_refused_before_the_work(tmp_path, monkeypatc
                                                    f"'{tmp_path / 'x.png'}': directory '{tmp_path}' "
                                                    f"is not writable by this user\n")
     assert main(["tune", "--measure", "0", "--json", str(tmp_path / "t.json")]) == 2
-    assert capsys.readouterr().err == (f"mindpipe: error: --json '{tmp_path / 't.json'}': directory "
+    assert capsys.readouterr().err == (f"mindpipe: error: cannot write --json '{tmp_path / 't.json'}': directory "
                                        f"'{tmp_path}' is not writable by this user\n")
     assert list(tmp_path.iterdir()) == []
 

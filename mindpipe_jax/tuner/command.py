@@ -11,9 +11,8 @@ import json
 import math
 import os
 import textwrap
-from pathlib import Path
 
-from mindpipe_jax.atomic_write import unwritable_reason, write_output
+from mindpipe_jax.atomic_write import check_output_file, write_output
 from mindpipe_jax.config import MESH_AXES, check_train_keys, load_config
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.tuner.space import REMATS, SCHEDULES
@@ -137,18 +136,6 @@ def _count(text: str, option: str, minimum: int) -> int:
     return value
 
 
-def _writable(path: str, option: str) -> Path:
-    out = Path(path)
-    if not out.parent.is_dir():
-        raise ConfigError(f"{option} {path!r}: directory {str(out.parent)!r} does not exist")
-    if out.is_dir():
-        raise ConfigError(f"{option} {path!r} is a directory; give a file name")
-    why = unwritable_reason(out.parent)
-    if why is not None:
-        raise ConfigError(f"{option} {path!r}: directory {str(out.parent)!r} {why}")
-    return out
-
-
 # What `mindpipe tune` chooses for each row (the option that sets its choices): a value
 # given in the config would be replaced without a word.
 _CHOSEN = {**{f"parallel.{a}": "--axes" for a in MESH_AXES}, "parallel.microbatches": "--microbatches",
@@ -256,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         viz.check_picture_path(args.out)
         viz.require_matplotlib()
-    json_out = _writable(args.json, "--json") if args.json else None
+    json_out = check_output_file(args.json, "--json") if args.json else None
     if args.cache:
-        _writable(args.cache, "--cache")
+        check_output_file(args.cache, "--cache")
         from mindpipe_jax.tuner.aot import read_cache_file
         read_cache_file(args.cache)
     _refuse_shared_outputs({"--out": args.out, "--json": args.json, "--cache": args.cache})
@@ -337,7 +324,7 @@ def run_supernet(args: argparse.Namespace, cfg) -> int:
     batches = _ints(args.batches, "--batches") if args.batches else None
     measure = _count(args.measure, "--measure", 1)
     trial_steps = _count(args.trial_steps or "40", "--trial-steps", SUPERNET_WARMUP + 1)
-    json_out = _writable(args.json, "--json") if args.json else None
+    json_out = check_output_file(args.json, "--json") if args.json else None
 
     from mindpipe_jax.parallel.mesh import setup_runtime
 
