@@ -83,6 +83,17 @@ class SupernetConfig:
         _check(bool(self.ffn_ratios) and all(0 < r <= 1 for r in self.ffn_ratios),
                f"supernet.ffn_ratios={list(self.ffn_ratios)} must be non-empty fractions in (0, 1]")
         _check(all(h >= 1 for h in self.heads), f"supernet.heads={list(self.heads)} must be >= 1")
+        # Checked here, not only by the search: it was refused after the whole supernet trained.
+        _check(self.search_population >= 2,
+               f"supernet.search_population={self.search_population} must be >= 2 (the search breeds "
+               f"its population; 2 is the least it can cross)")
+        for key in ("ops", "ffn_ratios", "heads"):
+            values = list(getattr(self, key))
+            twice = sorted({v for v in values if values.count(v) > 1}, key=values.index)
+            # A repeated candidate is the same subnet under two codes: sampled twice as often
+            # and searched twice, silently.
+            _check(not twice, f"supernet.{key}={values} names {', '.join(map(repr, twice))} more than "
+                              f"once; give each candidate once")
 
 
 @dataclass(frozen=True)

@@ -412,6 +412,18 @@ BAD = {
                  "supernet.strategy='greedy'"),
     "sandwich of one": (lambda: SupernetConfig(subnets_per_step=1), "sandwich strategy needs >= 2"),
     "ratio": (lambda: SupernetConfig(ffn_ratios=(0.5, 1.5)), "supernet.ffn_ratios=[0.5, 1.5]"),
+    # A repeated candidate is the same subnet under two codes (sampled twice as often).
+    "repeated op": (lambda: SupernetConfig(ops=("gelu", "relu", "gelu")),
+                    "supernet.ops=['gelu', 'relu', 'gelu'] names 'gelu' more than once"),
+    "repeated ratio": (lambda: SupernetConfig(ffn_ratios=(0.5, 0.5)), "names 0.5 more than once"),
+    # Refused with the config: the search refused it after the whole supernet trained.
+    "population of one": (lambda: mp.Config().replace("supernet.search_population=1"),
+                          "supernet.search_population=1 must be >= 2"),
+    # Which of the two conditions fails, and a batch that fits ("... and global_batch by it").
+    "batch not in whole shards": (lambda: mp.train_supernet(config=mp.Config().replace(
+        "train.global_batch=12", "parallel.subnet=4", "parallel.data=2", "parallel.tensor=1")),
+        "train.global_batch=12 must be divisible by train.virtual_shards=8 (each subnet's batch is cut "
+        "into that many fixed shards); e.g. 8 or 16"),
     "op name": (lambda: SuperGPT(CFG, ops=("gelu", "swish"), rngs=nnx.Rngs(0)), "'swish'"),
     "heads": (lambda: SuperGPT(CFG, heads=(1, 3), rngs=nnx.Rngs(0)), "model.n_heads=2"),
     "min depth": (lambda: supernet_factory(mp.Config().replace("supernet.min_depth=9")),

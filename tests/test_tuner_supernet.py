@@ -38,7 +38,7 @@ def test_rejections_are_the_errors_the_real_run_raises():
     # Each kind of rule that a candidate can break is met, and no valid candidate breaks one.
     assert any("the sandwich strategy needs >= 2" in r for r in reasons)  # Config validation
     assert any("must be divisible by parallel.subnet x supernet.vmap_width" in r for r in reasons)
-    assert any("train.global_batch=12 by train.virtual_shards" in r for r in reasons)
+    assert any("train.global_batch=12 must be divisible by train.virtual_shards=8" in r for r in reasons)
     assert all(c.global_batch == 16 and c.subnets_per_step % (c.subnet * c.vmap_width) == 0 for c in valid)
     # The reason is what train_supernet itself raises for that candidate (it fails before any
     # compile: the layout is checked first).

@@ -77,8 +77,8 @@ def test_an_unwritable_directory_is_refused_before_the_work(tmp_path, monkeypatc
                                                    f"'{tmp_path / 'x.png'}': directory '{tmp_path}' "
                                                    f"is not writable by this user\n")
     assert main(["tune", "--measure", "0", "--json", str(tmp_path / "t.json")]) == 2
-    assert capsys.readouterr().err == (f"mindpipe: error: cannot write --json '{tmp_path / 't.json'}': directory "
-                                       f"'{tmp_path}' is not writable by this user\n")
+    assert capsys.readouterr().err == (f"mindpipe: error: cannot write --json '{tmp_path / 't.json'}': "
+                                       f"directory '{tmp_path}' is not writable by this user\n")
     assert list(tmp_path.iterdir()) == []
 
 

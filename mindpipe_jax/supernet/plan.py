@@ -119,10 +119,22 @@ def check_layout(mesh, *, subnets_per_step: int, vmap_width: int, virtual_shards
         raise ConfigError(
             f"supernet.subnets_per_step={subnets_per_step} must be divisible by parallel.subnet x "
             f"supernet.vmap_width = {s} x {vmap_width} = {s * vmap_width}")
-    if virtual_shards % d or global_batch % virtual_shards:
-        raise ConfigError(
-            f"train.virtual_shards={virtual_shards} must be divisible by parallel.fsdp x data = {d}, and "
-            f"train.global_batch={global_batch} by train.virtual_shards")
+    check_shards(virtual_shards, d, global_batch)
+
+
+def check_shards(virtual_shards: int, data: int, global_batch: int, rows: str = "") -> None:
+    """Each subnet's batch is cut into ``virtual_shards`` fixed shards (what makes the bits
+    independent of the device count), spread evenly over the ``data`` devices; the error
+    names the condition that fails (``rows``: what the batch's rows are, if not training)."""
+    if virtual_shards % data:
+        raise ConfigError(f"train.virtual_shards={virtual_shards} must be divisible by parallel.fsdp x "
+                          f"data = {data} (each device group takes a whole number of the fixed shards)")
+    if global_batch % virtual_shards:
+        near = sorted({max(virtual_shards, global_batch // virtual_shards * virtual_shards),
+                       -(-global_batch // virtual_shards) * virtual_shards})
+        raise ConfigError(f"train.global_batch={global_batch}{rows} must be divisible by "
+                          f"train.virtual_shards={virtual_shards} (each subnet's batch is cut into that "
+                          f"many fixed shards); e.g. {' or '.join(map(str, near))}")
 
 
 def causal_waves(units: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from mindpipe_jax.config import Config, from_dict
 from mindpipe_jax.data import TokenSplits, eval_batches, resolve_data
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh
-from mindpipe_jax.supernet.plan import check_axes, data_devices, mesh_label
+from mindpipe_jax.supernet.plan import check_axes, check_shards, data_devices, mesh_label
 from mindpipe_jax.supernet.run_setup import (
     KIND,
     _abstract_state,
@@ -134,10 +134,7 @@ def _saved_supernet(run_dir: Path, step: int | None, cfg: Config, model, data):
                           f"{', '.join(map(str, steps))}")
     mesh = make_mesh(cfg.parallel)
     check_axes(mesh, "the search")
-    v, d = cfg.train.virtual_shards, data_devices(mesh)
-    if v % d or cfg.train.global_batch % v:
-        raise ConfigError(f"train.virtual_shards={v} must be divisible by parallel.fsdp x data = {d}, and "
-                          f"train.global_batch={cfg.train.global_batch} (validation rows) by it")
+    check_shards(cfg.train.virtual_shards, data_devices(mesh), cfg.train.global_batch, " (validation rows)")
     factory = model if model is not None else supernet_factory(cfg)
     spec, create = supernet_spec(factory, cfg.train.seed)
     if meta.get("fingerprint") != fingerprint(spec):
