@@ -22,11 +22,16 @@ names, so import from ``mindpipe_jax.config``:
 - ``config_load``: ``Config``, the overrides, ``from_dict``, ``load_config`` and the
   check across keys on every build (``check_no_effect``);
 - ``config_commands``: what each command reads (``check_train_keys``,
-  ``check_supernet_keys``, ``check_validation_split``);
+  ``check_supernet_keys``, ``check_validation_split``, ``check_search_validation``);
 - ``config_toml``: ``to_toml``, a ``Config`` written as TOML (imports this module).
 """
 
-from mindpipe_jax.config_commands import check_supernet_keys, check_train_keys, check_validation_split
+from mindpipe_jax.config_commands import (
+    check_search_validation,
+    check_supernet_keys,
+    check_train_keys,
+    check_validation_split,
+)
 from mindpipe_jax.config_load import (
     Config,
     check_no_effect,
@@ -61,6 +66,6 @@ __all__ = [
     "SUPERNET_SEMANTICS", "semantics_error", "source_for_path",
     "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "DistributedConfig",
     "SupernetConfig", "TunerConfig", "Config",
-    "from_dict", "config_argument", "load_config", "check_no_effect", "check_supernet_keys",
-    "check_train_keys", "check_validation_split", "path_kind", "refuse_override_as",
+    "from_dict", "config_argument", "load_config", "check_no_effect", "check_search_validation",
+    "check_supernet_keys", "check_train_keys", "check_validation_split", "path_kind", "refuse_override_as",
 ]

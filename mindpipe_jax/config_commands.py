@@ -63,14 +63,20 @@ def check_validation_split(cfg: Config) -> None:
                           f"the data without evaluating, or data.val_fraction > 0")
 
 
-def check_supernet_keys(cfg: Config) -> None:
-    """What a supernet run never reads, refused when set away from its default (the
-    counterpart of ``check_train_keys``): they were accepted and ignored. And
-    ``data.val_fraction=0``: the search ranks subnets by their validation loss."""
+def check_search_validation(cfg: Config) -> None:
+    """The search (after training, or ``mindpipe search`` of a saved run) ranks subnets by
+    their validation loss: ``data.val_fraction=0`` leaves it nothing to rank on."""
     if cfg.data.val_fraction == 0:
         raise ConfigError("data.val_fraction=0 leaves no validation data, and a supernet run ranks its "
                           "subnets by validation loss (the search, the tuner's trials): set "
                           "data.val_fraction > 0")
+
+
+def check_supernet_keys(cfg: Config) -> None:
+    """What a supernet run never reads, refused when set away from its default (the
+    counterpart of ``check_train_keys``): they were accepted and ignored. And
+    ``data.val_fraction=0``: the search ranks subnets by their validation loss."""
+    check_search_validation(cfg)
     default = Config()
     for section, unread in (("train", _SUPERNET_UNREAD), ("model", _SUPERNET_MODEL_UNREAD)):
         for name, why in unread.items():

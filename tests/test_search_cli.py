@@ -140,6 +140,10 @@ def _bad_cases(run_dir: Path, dense: Path, tmp: Path) -> dict[str, tuple[list[st
                           "supernet.semantics=\"sync\" has no effect on a search"),
         "unknown key": (["search", str(run_dir), "supernet.search_topk=2"], "unknown config key"),
         "bad value": (["search", str(run_dir), "supernet.search_population=1"], "search_population=1"),
+        # It printed the search's first line, then "split 'val' has 0 tokens ... use a smaller
+        # train.global_batch/model.seq_len or more data".
+        "no validation split": (["search", str(run_dir), "data.val_fraction=0"],
+                                "data.val_fraction=0 leaves no validation data, and a supernet run ranks"),
         "no such step": (["search", str(run_dir), "--step", "3"], "committed checkpoints at steps 2, 4"),
         "step not a number": (["search", str(run_dir), "--step", "last"], "--step must be an integer"),
         "pipe axis": (["search", str(run_dir), "parallel.pipe=2", "parallel.subnet=2"],

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mindpipe_jax.config import Config, from_dict
+from mindpipe_jax.config import Config, check_search_validation, from_dict
 from mindpipe_jax.data import TokenSplits, eval_batches, resolve_data
 from mindpipe_jax.errors import ConfigError
 from mindpipe_jax.parallel.mesh import make_mesh
@@ -106,6 +106,7 @@ def _run_config(run_dir: Path, overrides) -> Config:
                 raise ConfigError(f"{key}={_show(value)} has no effect on a search of a saved supernet (it "
                                   f"trains nothing; the run had {key}={_show(saved_tree[section][name])}); "
                                   f"{_CAN_CHANGE}: drop {key}")
+    check_search_validation(cfg)
     return cfg
 
 
