@@ -5,6 +5,7 @@ bit changes its array's sum (tests/test_reliability.py)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,9 @@ def dtype_change(state_dir, state, leaf: str) -> tuple[str, str] | None:
         return re.sub(r"\.(\w+)", r"['\1']", path)
 
     try:
-        saved = ocp.Checkpointer(ocp.StandardCheckpointHandler()).metadata(state_dir)
+        # The handler's own read: a Checkpointer looks for a checkpoint-level metadata file
+        # in the item's directory and logs a warning on the user's one-line error.
+        saved = ocp.StandardCheckpointHandler().metadata(Path(state_dir))
     except Exception:  # unreadable metadata: the damage the caller reports
         return None
     tree = getattr(getattr(saved, "item_metadata", saved), "tree", None)
