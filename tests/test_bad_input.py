@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
             # are index nodes, whose damage orbax reports itself).
             data = max((f for f in (tmp_path / name / "checkpoints" / "2" / "state").rglob("*")
                         if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size)
-            data.write_bytes(damage(data.read_bytes()))
+            data.write_bytes(damage(data.read_bytes(), finished))
     if "{tmp}/bad_meta" in joined:  # its config/fingerprint record not JSON
         shutil.copytree(finished, tmp_path / "bad_meta")
         for f in (tmp_path / "bad_meta" / "checkpoints" / "2" / "meta").rglob("*"):
@@ -133,16 +134,40 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
         (tmp_step / COMMIT_MARKER).unlink()
 
 
-def _flip_bytes(data: bytes) -> bytes:
+def _flip_bytes(data: bytes, finished: Path) -> bytes:
     # One changed byte: it moves exactly one uint32 word of the checksum by a nonzero
-    # amount, so it cannot cancel out (several changed bytes could). In raw array bytes
-    # orbax restores it silently as other numbers and only the checksum sees it; where
-    # the store's layout puts encoded chunk bytes at that offset, the decoder refuses.
-    mid = len(data) // 2
-    return data[:mid] + bytes([data[mid] ^ 0x01]) + data[mid + 1:]
+    # amount, so it cannot cancel out (several changed bytes could). The store compresses
+    # its chunks (zstd): the changed byte decodes as other numbers, which only the
+    # checksum sees, or the decoder refuses. A data file also holds bytes no chunk is read
+    # from (the file's middle was one in some runs): the byte changed is the first of the
+    # middle, one third, two thirds whose change restores other arrays or fails.
+    state = finished / "checkpoints" / "2" / "state"
+    original = _restored_bytes(state)
+    data_file = max((f for f in state.rglob("*") if f.is_file() and f.parent.name == "d"),
+                    key=lambda f: f.stat().st_size)
+    probe = finished.parent / "flip_probe"
+    for at in (len(data) // 2, len(data) // 3, 2 * len(data) // 3):
+        flipped = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+        shutil.rmtree(probe, ignore_errors=True)
+        shutil.copytree(state, probe)
+        (probe / data_file.relative_to(state)).write_bytes(flipped)
+        try:
+            changed = _restored_bytes(probe) != original
+        except Exception:  # the decoder refuses it: damage too
+            changed = True
+        shutil.rmtree(probe)
+        if changed:
+            return flipped
+    raise AssertionError("no probed byte of the data file changes what is restored")
 
 
-def _truncate(data: bytes) -> bytes:
+def _restored_bytes(state: Path) -> list[bytes]:
+    import orbax.checkpoint as ocp
+
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(state))]
+
+
+def _truncate(data: bytes, finished: Path | None = None) -> bytes:
     return data[: len(data) // 2]
 
 
@@ -473,6 +498,7 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(case, via, tmp_path, fin
     _, overrides, needle, api_args = case
     api_args = api_args if isinstance(api_args, dict) else {}
     _files(tmp_path, finished_run, overrides)
+    caplog.clear()  # what preparing the case logged
     args = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     config = next((a.removeprefix("--config=") for a in args if a.startswith("--config=")), None)
     args = [a for a in args if not a.startswith("--config=")]
