@@ -20,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,6 +47,7 @@ from byom_models import (
     WholeSequential,
     WithBuffers,
 )
+from ckpt_damage import flip_a_restored_byte
 from cli_procs import cli_env
 from flax import nnx
 
@@ -115,14 +115,16 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
     if "{tmp}/zeros" in joined:  # its step directory renamed 2 -> 0002
         shutil.copytree(finished, tmp_path / "zeros")
         (tmp_path / "zeros" / "checkpoints" / "2").rename(tmp_path / "zeros" / "checkpoints" / "0002")
-    for name, damage in (("flipped", _flip_bytes), ("truncated", _truncate)):
-        if "{tmp}/" + name in joined:  # its array data damaged
-            shutil.copytree(finished, tmp_path / name)
-            # The largest data file of orbax's OCDBT store: array bytes (its small files
-            # are index nodes, whose damage orbax reports itself).
-            data = max((f for f in (tmp_path / name / "checkpoints" / "2" / "state").rglob("*")
-                        if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size)
-            data.write_bytes(damage(data.read_bytes(), finished))
+    if "{tmp}/flipped" in joined:  # one byte of its array data changed
+        shutil.copytree(finished, tmp_path / "flipped")
+        flip_a_restored_byte(tmp_path / "flipped" / "checkpoints" / "2" / "state")
+    if "{tmp}/truncated" in joined:
+        shutil.copytree(finished, tmp_path / "truncated")
+        # The largest data file of orbax's OCDBT store: array bytes (its small files are
+        # index nodes, whose damage orbax reports itself).
+        data = max((f for f in (tmp_path / "truncated" / "checkpoints" / "2" / "state").rglob("*")
+                    if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size)
+        data.write_bytes(_truncate(data.read_bytes()))
     if "{tmp}/bad_meta" in joined:  # its config/fingerprint record not JSON
         shutil.copytree(finished, tmp_path / "bad_meta")
         for f in (tmp_path / "bad_meta" / "checkpoints" / "2" / "meta").rglob("*"):
@@ -134,40 +136,7 @@ def _files(tmp_path: Path, finished: Path, args: list[str]) -> None:
         (tmp_step / COMMIT_MARKER).unlink()
 
 
-def _flip_bytes(data: bytes, finished: Path) -> bytes:
-    # One changed byte: it moves exactly one uint32 word of the checksum by a nonzero
-    # amount, so it cannot cancel out (several changed bytes could). The store compresses
-    # its chunks (zstd): the changed byte decodes as other numbers, which only the
-    # checksum sees, or the decoder refuses. A data file also holds bytes no chunk is read
-    # from (the file's middle was one in some runs): the byte changed is the first of the
-    # middle, one third, two thirds whose change restores other arrays or fails.
-    state = finished / "checkpoints" / "2" / "state"
-    original = _restored_bytes(state)
-    data_file = max((f for f in state.rglob("*") if f.is_file() and f.parent.name == "d"),
-                    key=lambda f: f.stat().st_size)
-    probe = finished.parent / "flip_probe"
-    for at in (len(data) // 2, len(data) // 3, 2 * len(data) // 3):
-        flipped = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
-        shutil.rmtree(probe, ignore_errors=True)
-        shutil.copytree(state, probe)
-        (probe / data_file.relative_to(state)).write_bytes(flipped)
-        try:
-            changed = _restored_bytes(probe) != original
-        except Exception:  # the decoder refuses it: damage too
-            changed = True
-        shutil.rmtree(probe)
-        if changed:
-            return flipped
-    raise AssertionError("no probed byte of the data file changes what is restored")
-
-
-def _restored_bytes(state: Path) -> list[bytes]:
-    import orbax.checkpoint as ocp
-
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(ocp.StandardCheckpointer().restore(state))]
-
-
-def _truncate(data: bytes, finished: Path | None = None) -> bytes:
+def _truncate(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
 

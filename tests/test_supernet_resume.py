@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from ckpt_damage import flip_a_restored_byte
 from cli_procs import Train, cli_env, kill_after_first_commit, plant_interrupted_saves, run_train
 from treecheck import assert_bitwise
 
@@ -136,14 +137,10 @@ def test_resume_gives_the_bits_and_the_search_of_an_uninterrupted_run(four_steps
 
 
 def _damaged(src: Path, dst: Path) -> Path:
-    """A copy of ``src`` with one byte flipped in the largest array file of its newest step."""
+    """A copy of ``src`` with one byte of array data changed in its newest step."""
     shutil.copytree(src, dst)
     step = committed_steps(dst / "checkpoints")[-1]
-    data = max((f for f in (dst / "checkpoints" / str(step) / "state").rglob("*")
-                if f.is_file() and f.parent.name == "d"), key=lambda f: f.stat().st_size)
-    raw = data.read_bytes()
-    mid = len(raw) // 2
-    data.write_bytes(raw[:mid] + bytes([raw[mid] ^ 0x01]) + raw[mid + 1:])
+    flip_a_restored_byte(dst / "checkpoints" / str(step) / "state")
     return dst
 
 
