@@ -405,6 +405,21 @@ def test_state_refuses_a_different_stream():
         Loader(TOKENS, seq_len=16, batch_size=16, seed=5).set_state(state)
 
 
+def test_state_refuses_other_tokens_of_the_same_count():
+    """Another data.seed (or an edited file of the same length): the counts matched, so
+    the run resumed on other data, silently. The digest reads 16 windows of 4,096 tokens,
+    all of this corpus: one changed token is seen. A state saved before the digest
+    existed still resumes."""
+    kwargs = {"seq_len": 16, "batch_size": 8, "seed": 5}
+    state = Loader(TOKENS, **kwargs).get_state()
+    edited = TOKENS.copy()
+    edited[len(edited) // 2] ^= 1
+    with pytest.raises(ConfigError, match="the training tokens differ from those the saved run was"):
+        Loader(edited, **kwargs).set_state(state)
+    Loader(TOKENS.copy(), **kwargs).set_state(state)
+    Loader(edited, **kwargs).set_state({k: v for k, v in state.items() if k != "tokens_digest"})
+
+
 def test_two_processes_union_is_the_global_batch():
     kwargs = {"seq_len": 16, "batch_size": 8, "seed": 2}
     single = _take(Loader(TOKENS, **kwargs), 12)

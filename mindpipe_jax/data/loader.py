@@ -14,6 +14,7 @@ saved with one process count resumes with another.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any, Self
 
@@ -95,6 +96,19 @@ def _local_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, process
     return ds, per_epoch
 
 
+def tokens_digest(tokens: np.ndarray, windows: int = 16, width: int = 4096) -> str:
+    """A digest of the token stream from its length, dtype and ``windows`` evenly spaced
+    runs of ``width`` tokens: changed data of the same length (another data.seed, an
+    edited file) is told apart at a cost that does not grow with the corpus."""
+    flat = tokens.reshape(-1)
+    h = hashlib.blake2b(f"{flat.size}:{flat.dtype}".encode(), digest_size=8)
+    last = max(flat.size - width, 0)
+    for k in range(windows):
+        start = last * k // max(windows - 1, 1)
+        h.update(np.ascontiguousarray(flat[start:start + width]).tobytes())
+    return h.hexdigest()
+
+
 class Loader:
     """Endless shuffled batches ``{"inputs", "targets"}`` of shape ``[B_local, T]``, int32.
 
@@ -115,6 +129,7 @@ class Loader:
         self._seed = seed
         self._shuffle = shuffle
         self._num_records = len(_Windows(tokens, seq_len))
+        self._digest = tokens_digest(tokens)
         epoch_ds, self.batches_per_epoch = _local_batches(
             tokens, seq_len=seq_len, batch_size=batch_size, process_index=process_index,
             process_count=process_count, seed=seed if shuffle else None)
@@ -159,14 +174,20 @@ class Loader:
                 "global_batch": self.global_batch, "num_records": self._num_records}
 
     def get_state(self) -> dict[str, Any]:
-        """``{"version", "step", ...}``: plain ints and bools, JSON-serialisable."""
-        return {"version": _STATE_VERSION, "step": self._step, **self._identity()}
+        """``{"version", "step", ...}``: plain ints, bools and a string, JSON-serialisable."""
+        return {"version": _STATE_VERSION, "step": self._step, **self._identity(),
+                "tokens_digest": self._digest}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from ``get_state``, possibly through JSON)."""
         if state.get("version") != _STATE_VERSION:
             raise ConfigError(f"data loader state version {state.get('version')!r} is not "
                               f"supported; valid: {_STATE_VERSION}")
+        if state.get("tokens_digest", self._digest) != self._digest:  # absent: saved before digests
+            raise ConfigError("the training tokens differ from those the saved run was trained on (same "
+                              "count, other content: data.path's files, data.seed, data.source); the "
+                              "batches would not continue the saved run: resume with the data it was "
+                              "trained on, or start a new train.out_dir")
         for key, value in self._identity().items():
             if state.get(key) != value:
                 raise ConfigError(f"data loader state was saved with {key}={state.get(key)!r} but "
