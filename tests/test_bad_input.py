@@ -215,6 +215,9 @@ CASES = [
      ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true", "model.d_model=64"],
      "different model", None),
     # Read as damage ("delete that step directory"): orbax cast the saved float32 on restore.
+    # A parameter only the checkpoint has: "model None" named no problem a user could see.
+    ("resume with experts added", ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true",
+                                   "model.n_experts=2"], ": checkpoint [2, 128], model has none", None),
     ("resume with another parameter dtype",
      ["train.out_dir={tmp}/done", "train.steps=4", "train.resume=true", "model.param_dtype=bfloat16"],
      "holds state['opt'][1][0].mu['blocks']['attn']['out'] as float32, and this run builds it as bfloat16 "

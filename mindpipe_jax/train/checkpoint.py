@@ -340,7 +340,8 @@ def _first_difference(theirs: dict, ours: dict, prefix: str = "") -> str:
         if isinstance(a, dict) and isinstance(b, dict):
             if a != b:
                 return _first_difference(a, b, f"{prefix}{key}.")
-        elif a != b:
+        elif a != b:  # one side without the entry said so, not as "None" (n_experts added)
+            a, b = ("has none" if x is None else x for x in (a, b))
             return f"{prefix}{key}: checkpoint {a}, model {b}"
     return "same"
 
