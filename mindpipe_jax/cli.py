@@ -286,11 +286,29 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     except OSError as err:
         # The disk filled up, or the filesystem turned read-only, outside a checkpoint
-        # save (which says more: DiskFullError, a ConfigError): one line, exit 2.
+        # save (which says more: DiskFullError, a ConfigError): one line, exit 2. So is a
+        # path the filesystem refuses by its length (pathlib's exists() and is_file()
+        # raise it wherever a path the user gave is first looked at).
+        if err.errno == errno.ENAMETOOLONG:
+            print(f"{PROG}: error: {_name_too_long(err)}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
         print(f"{PROG}: error: {_write_failure(err, args.command)}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+
+
+def _name_too_long(err: OSError) -> str:
+    """The refused path shortened to its ends, with the limits it broke."""
+    path = str(err.filename or "")
+    shown = repr(path) if len(path) <= 120 else repr(f"{path[:60]}...{path[-40:]}")
+    longest = max((len(part.encode()) for part in path.split(os.sep)), default=0)
+    try:
+        name_max = os.pathconf(os.path.dirname(path) or ".", "PC_NAME_MAX")
+    except OSError:  # the directory itself is unreachable: the usual limit
+        name_max = 255
+    return (f"file name too long: {shown} ({len(path.encode())} bytes, its longest name {longest}; "
+            f"this filesystem allows {name_max} bytes per name): choose a shorter path")
 
 
 def _write_failure(err: OSError, command: str) -> str:

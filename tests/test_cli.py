@@ -306,3 +306,21 @@ def test_readme_quick_start_and_ci_run_the_same_commands():
     assert 'python -m pip install -e ".[dev]"' in ci
     assert ci.rstrip().splitlines()[-1] == "python -m pytest -n 2 -q"
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "train.out_dir={long}"],
+    ["train", "--config", "{long}.toml"],
+    ["search", "{long}"],
+    ["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--out", "{long}.png"],
+    ["tune", "--measure", "0", "--json", "{long}.json"],
+], ids=["out_dir", "config", "search", "picture", "json"])
+def test_a_path_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys):
+    """A name past the filesystem's 255 bytes: pathlib's exists()/is_file() raise it
+    (only 'no such file' is read as False), and the command ended in a traceback."""
+    long = str(tmp_path / ("a" * 300))
+    assert main([a.replace("{long}", long) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mindpipe: error: file name too long: '"), err
+    assert "its longest name 30" in err and "bytes per name): choose a shorter path" in err, err
+    assert list(tmp_path.iterdir()) == []
