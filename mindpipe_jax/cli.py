@@ -292,6 +292,10 @@ def _main(argv: Sequence[str] | None) -> int:
         if err.errno == errno.ENAMETOOLONG:
             print(f"{PROG}: error: {_name_too_long(err)}", file=sys.stderr, flush=True)
             return EXIT_CONFIG
+        if err.errno in (errno.EACCES, errno.EPERM) and err.filename:  # a path this user may not use
+            print(f"{PROG}: error: {(err.strerror or str(err)).lower()}: {str(err.filename)!r}; check its "
+                  f"permissions or choose another path", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
         print(f"{PROG}: error: {_write_failure(err, args.command)}", file=sys.stderr, flush=True)

@@ -324,3 +324,22 @@ def test_a_path_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("mindpipe: error: file name too long: '"), err
     assert "its longest name 30" in err and "bytes per name): choose a shorter path" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_this_user_may_not_look_at_is_one_line(tmp_path, monkeypatch, capsys):
+    """pathlib's exists() raises PermissionError for a path under a directory this user
+    cannot search (root passes every check, so the refusal is simulated for one path)."""
+    out = tmp_path / "locked" / "run"
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path) == str(out):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert main(["train", f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mindpipe: error: permission denied: '{out}'; check its permissions or choose "
+                   f"another path\n"), err
+    assert list(tmp_path.iterdir()) == []
