@@ -40,7 +40,12 @@ def check_writable(out_dir: str | Path, key: str = "train.out_dir") -> Path:
     """``out_dir`` as an absolute path if it is, or can be created as, a directory this
     process can write; ``ConfigError`` (one line) otherwise. Writes nothing."""
     out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and not out_dir.is_dir():
+    try:
+        exists = out_dir.exists()
+    except OSError as err:  # a name too long, a parent this user cannot search (API callers too)
+        raise ConfigError(f"{key} {str(out_dir)!r} cannot be used: {(err.strerror or str(err)).lower()}; "
+                          f"choose another {key}") from None
+    if exists and not out_dir.is_dir():
         raise ConfigError(f"{key} {str(out_dir)!r} exists and is not a directory")
     probe = out_dir
     while not os.path.lexists(probe) or (probe.is_symlink() and not probe.exists()):
