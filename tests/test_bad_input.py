@@ -207,8 +207,10 @@ CASES = [
       "parallel.grad_sync=chunk"], "parallel.grad_sync='chunk'", None),
     ("out_dir of someone else", ["train.out_dir={tmp}/foreign"], "foreign", None),
     ("out_dir is a file", ["train.out_dir={tmp}/a_file"], "not a directory", None),
+    # pathlib's exists() raised the filesystem's refusal: a traceback.
+    ("out_dir name too long", ["train.out_dir={tmp}/" + "a" * 300], "cannot be used: file name too long",
+     None),
     # A quoting slip: the run's final line (and every path it prints) broke in two.
-    ("out_dir name too long", ["train.out_dir={tmp}/" + "a" * 300], "cannot be used: file name too long", None),
     ("out_dir with a newline", ['train.out_dir="{tmp}/run\\nx"'], "holds the control character '\\n'", None),
     ("existing run without resume", ["train.out_dir={tmp}/done", "train.steps=4"], "train.resume=true",
      None),
