@@ -311,8 +311,11 @@ def _name_too_long(err: OSError) -> str:
         name_max = os.pathconf(os.path.dirname(path) or ".", "PC_NAME_MAX")
     except OSError:  # the directory itself is unreachable: the usual limit
         name_max = 255
-    return (f"file name too long: {shown} ({len(path.encode())} bytes, its longest name {longest}; "
-            f"this filesystem allows {name_max} bytes per name): choose a shorter path")
+    if longest > name_max:
+        limit = f"its longest name {longest}; this filesystem allows {name_max} bytes per name"
+    else:  # every name fits: the whole path is past the system's PATH_MAX
+        limit = "more than this system allows for a whole path"
+    return f"file name too long: {shown} ({len(path.encode())} bytes, {limit}): choose a shorter path"
 
 
 def _write_failure(err: OSError, command: str) -> str:
