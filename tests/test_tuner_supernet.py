@@ -136,6 +136,22 @@ class Retimed:
         self.closed = True
 
 
+def test_a_config_layout_left_out_of_the_candidates_is_said():
+    """--subnets-per-step without the config's K: the table had no row to compare against
+    and said nothing. The config's K=4 with W 1 and batch 16 here."""
+    lines = []
+    result = tune_supernet(tiny(), 8, measure_fn=Retimed(), measure=1, ks=(2,), widths=(1,), rounds=1,
+                           log=lines.append)
+    assert result.current is None
+    assert lines[0] == ("the config's own layout s1 d8 | K4 W1 | B16 is not among the candidates: list its "
+                        "K, W and batch in --subnets-per-step, --vmap-widths and --batches to compare "
+                        "against it"), lines
+    lines.clear()
+    tune_supernet(tiny(), 8, measure_fn=Retimed(), measure=1, ks=(2, 4), widths=(1,), rounds=1,
+                  log=lines.append)
+    assert not any("config's own layout" in line for line in lines), lines
+
+
 def test_retiming_passes_come_after_every_trial_and_enter_the_median():
     fake = Retimed()
     result = tune_supernet(tiny(), 8, measure_fn=fake, measure=2, ks=(2, 4), widths=(1,), rounds=3)

@@ -272,7 +272,12 @@ def tune_supernet(cfg: Config, num_devices: int, *, measure_fn: MeasureFn, measu
         current = SupernetCandidate.from_config(cfg, num_devices)
     except ConfigError:
         current = None
-    if current is not None and current not in valid:
+    if current is not None and current not in valid:  # said: the table compares without it
+        why = ("is rejected (its row says why)" if any(c == current for c, _ in rejected) else
+               "is not among the candidates: list its K, W and batch in --subnets-per-step, "
+               "--vmap-widths and --batches to compare against it")
+        if log is not None:
+            log(f"the config's own layout {current.label()} {why}")
         current = None
     if not valid:
         first = rejected[0] if rejected else None
